@@ -1,0 +1,350 @@
+"""Typed messages of the wire contract.
+
+Every message carries a ``type`` tag and a schema version ``v``. Models reject unknown fields so
+that a typo on one side is an error on the other, not silently ignored data.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+CameraId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Msg(Strict):
+    v: int = SCHEMA_VERSION
+
+    @field_validator("v")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"unsupported schema version {v} (this build speaks {SCHEMA_VERSION})")
+        return v
+
+
+# --------------------------------------------------------------------------- models / artifacts
+
+
+class DecoderKind(StrEnum):
+    """Output layouts the agent knows how to decode."""
+
+    TF_OD = "tf_od"  # TensorFlow Object Detection API: num/boxes(y0,x0,y1,x1 norm)/scores/classes
+    GFL = "gfl"  # NanoDet GFL head: per-stride class maps + distribution box regression
+    YOLOV5 = "yolov5"  # [B, N, 5+C]: cx, cy, w, h, objectness, class scores
+    YOLOV8 = "yolov8"  # [B, 4+C, N]: cx, cy, w, h, class scores (also YOLO11)
+
+
+class InputSpec(Strict):
+    name: str
+    layout: Literal["NHWC", "NCHW"]
+    dtype: Literal["uint8", "float32"]
+    color: Literal["RGB", "BGR"]
+    width: int = Field(gt=0, le=8192)
+    height: int = Field(gt=0, le=8192)
+    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    letterbox: bool = False
+
+
+class ModelManifest(Strict):
+    """What an agent needs to know to run a model file; travels inside the desired state."""
+
+    name: Name
+    version: Name
+    sha256: Sha256
+    size: int = Field(gt=0)
+    decoder: DecoderKind
+    input: InputSpec
+    outputs: list[str] = Field(default_factory=list)
+    labels: list[str] = Field(min_length=1)
+    default_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    nms_iou: float = Field(default=0.5, gt=0.0, le=1.0)
+    decoder_params: dict[str, Any] = Field(default_factory=dict)
+    source: str = ""
+    licence: str = ""
+
+
+class ArtifactRef(Strict):
+    """A model version placed on a camera; the bytes are fetched in chunks over MQTT."""
+
+    manifest: ModelManifest
+    chunk_size: int = Field(default=256 * 1024, ge=1024, le=4 * 1024 * 1024)
+    variant: str = "fp32"
+
+    @property
+    def chunk_count(self) -> int:
+        return max(1, math.ceil(self.manifest.size / self.chunk_size))
+
+
+# --------------------------------------------------------------------------- device → controller
+
+
+class GpuInfo(Strict):
+    index: int
+    name: str
+    compute_capability: str | None = None
+    memory_total_mb: float | None = None
+
+
+class Capabilities(Strict):
+    hostname: str = ""
+    os: str = ""
+    arch: str = ""
+    cpu_model: str = ""
+    cpu_count: int = 0
+    memory_total_mb: float = 0.0
+    gpus: list[GpuInfo] = Field(default_factory=list)
+    execution_providers: list[str] = Field(default_factory=list)
+    onnxruntime_version: str | None = None
+    tensorrt_version: str | None = None
+    cameras: list[CameraId] = Field(default_factory=list)
+
+
+class Availability(Msg):
+    """Birth (``online``) on connect; the same topic carries the Last Will (``offline``)."""
+
+    type: Literal["availability"] = "availability"
+    state: Literal["online", "offline"]
+    ts: float | None = None
+    agent_version: str | None = None
+    capabilities: Capabilities | None = None
+
+
+class GpuStats(Strict):
+    index: int
+    name: str
+    utilization_pct: float | None = None
+    memory_used_mb: float | None = None
+    memory_total_mb: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+
+
+class CameraState(StrEnum):
+    STARTING = "starting"
+    UP = "up"
+    DOWN = "down"
+    STOPPED = "stopped"
+
+
+class CameraStats(Strict):
+    camera: CameraId
+    state: CameraState
+    fps: float = 0.0
+    frames: int = 0
+    dropped: int = 0
+    inference_ms: float | None = None
+    model: str | None = None
+
+
+class Heartbeat(Msg):
+    type: Literal["heartbeat"] = "heartbeat"
+    ts: float
+    uptime_s: float = 0.0
+    cpu_pct: float | None = None
+    memory_pct: float | None = None
+    memory_used_mb: float | None = None
+    disk_free_mb: float | None = None
+    disk_pct: float | None = None
+    gpus: list[GpuStats] = Field(default_factory=list)
+    cameras: list[CameraStats] = Field(default_factory=list)
+    inference_ms: float | None = None
+    outbox_pending: int = 0
+    outbox_dropped: int = 0
+    queue_dropped: int = 0
+
+
+class Box(Strict):
+    """Pixel coordinates in the original frame: left, top, right, bottom."""
+
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+    @model_validator(mode="after")
+    def _finite_ordered(self) -> Box:
+        vals = (self.x0, self.y0, self.x1, self.y1)
+        if not all(math.isfinite(v) for v in vals):
+            raise ValueError("box coordinates must be finite")
+        if self.x1 < self.x0 or self.y1 < self.y0:
+            raise ValueError("box must satisfy x0 <= x1 and y0 <= y1")
+        return self
+
+
+class Detection(Strict):
+    label: str = Field(max_length=64)
+    class_id: int = Field(ge=0)
+    score: float = Field(ge=0.0, le=1.0)
+    box: Box
+
+
+class FrameDetections(Strict):
+    camera: CameraId
+    frame: int = Field(ge=0)
+    captured_at: float
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    model: str
+    inference_ms: float = Field(ge=0.0)
+    detections: list[Detection] = Field(default_factory=list, max_length=1000)
+
+
+class DetectionBatch(Msg):
+    type: Literal["detections"] = "detections"
+    seq: int = Field(ge=1)
+    sent_at: float
+    frames: list[FrameDetections] = Field(min_length=1, max_length=500)
+
+
+class EventKind(StrEnum):
+    CAMERA_UP = "camera_up"
+    CAMERA_DOWN = "camera_down"
+    MODEL_DOWNLOAD = "model_download"
+    MODEL_VERIFY = "model_verify"
+    MODEL_BUILD = "model_build"
+    MODEL_ACTIVATE = "model_activate"
+    MODEL_FAILED = "model_failed"
+    DISK_LOW = "disk_low"
+    WATCHDOG_RESTART = "watchdog_restart"
+    OUTBOX_DROPPED = "outbox_dropped"
+    AGENT_STARTED = "agent_started"
+    ERROR = "error"
+
+
+class Severity(StrEnum):
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class Event(Msg):
+    type: Literal["event"] = "event"
+    seq: int = Field(ge=1)
+    ts: float
+    kind: EventKind
+    severity: Severity = Severity.INFO
+    camera: CameraId | None = None
+    message: str = Field(default="", max_length=4096)
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class CameraReported(Strict):
+    model: str | None = None  # "name:version"
+    sha256: Sha256 | None = None
+    state: Literal["idle", "fetching", "verifying", "loading", "running", "failed"] = "idle"
+    error: str | None = None
+    progress_pct: float | None = None
+
+
+class ReportedState(Msg):
+    type: Literal["reported"] = "reported"
+    ts: float
+    desired_version: int = Field(ge=0)
+    cameras: dict[CameraId, CameraReported] = Field(default_factory=dict)
+    agent_version: str | None = None
+
+
+class ArtifactRequest(Msg):
+    """The agent asks for the chunks of an artifact it lacks (flow control: at most a window)."""
+
+    type: Literal["artifact_request"] = "artifact_request"
+    sha256: Sha256
+    chunks: list[int] = Field(min_length=1, max_length=64)
+    chunk_size: int = Field(ge=1024, le=4 * 1024 * 1024)
+
+    @field_validator("chunks")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if any(i < 0 for i in v):
+            raise ValueError("chunk indices must be >= 0")
+        return v
+
+
+class CommandResult(Msg):
+    type: Literal["command_result"] = "command_result"
+    id: str = Field(min_length=1, max_length=64)
+    ok: bool
+    result: dict[str, Any] = Field(default_factory=dict)
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- controller → device
+
+
+class CameraDesired(Strict):
+    model: ArtifactRef | None = None
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    max_fps: float | None = Field(default=None, gt=0.0)
+    labels: list[str] | None = None  # keep only these labels; None keeps all
+
+
+class DesiredState(Msg):
+    """The complete desired state of one device; retained, so an offline device converges on return."""
+
+    type: Literal["desired"] = "desired"
+    version: int = Field(ge=0)
+    issued_at: float
+    cameras: dict[CameraId, CameraDesired] = Field(default_factory=dict)
+
+
+class CommandName(StrEnum):
+    RESTART_PIPELINE = "restart_pipeline"
+    SNAPSHOT = "snapshot"
+    DIAGNOSTICS = "diagnostics"
+
+
+class Command(Msg):
+    type: Literal["command"] = "command"
+    id: str = Field(min_length=1, max_length=64)
+    name: CommandName
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class Ack(Msg):
+    """End-to-end acknowledgement: these sequence numbers are stored at the controller.
+
+    ``upto``: every seq <= upto is stored (or was declared dropped by the agent); ``ranges``: further
+    stored seqs above ``upto`` as inclusive [first, last] pairs.
+    """
+
+    type: Literal["ack"] = "ack"
+    upto: int = Field(ge=0)
+    ranges: list[tuple[int, int]] = Field(default_factory=list, max_length=1000)
+
+    @field_validator("ranges")
+    @classmethod
+    def _ordered(cls, v: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        for a, b in v:
+            if a < 1 or b < a:
+                raise ValueError(f"bad ack range [{a}, {b}]")
+        return v
+
+    def covers(self, seq: int) -> bool:
+        return seq <= self.upto or any(a <= seq <= b for a, b in self.ranges)
+
+
+Message = (
+    Availability
+    | Heartbeat
+    | DetectionBatch
+    | Event
+    | ReportedState
+    | ArtifactRequest
+    | CommandResult
+    | DesiredState
+    | Command
+    | Ack
+)

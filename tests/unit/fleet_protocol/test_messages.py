@@ -1,0 +1,206 @@
+"""Every message of the contract round-trips; bad payloads raise ProtocolError saying what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import BaseModel
+
+from fleet_protocol import ProtocolError, TopicKind, decode, decode_chunk, encode, encode_chunk
+from fleet_protocol.codec import MAX_JSON_BYTES, MESSAGE_FOR_TOPIC
+from fleet_protocol.messages import (
+    Ack,
+    ArtifactRef,
+    ArtifactRequest,
+    Availability,
+    Box,
+    CameraDesired,
+    CameraReported,
+    CameraState,
+    CameraStats,
+    Capabilities,
+    Command,
+    CommandName,
+    CommandResult,
+    DecoderKind,
+    DesiredState,
+    Detection,
+    DetectionBatch,
+    Event,
+    EventKind,
+    FrameDetections,
+    GpuInfo,
+    GpuStats,
+    Heartbeat,
+    InputSpec,
+    ModelManifest,
+    ReportedState,
+    Severity,
+)
+
+SHA = "ab" * 32
+
+MANIFEST = ModelManifest(
+    name="ped_ssdlite",
+    version="1",
+    sha256=SHA,
+    size=12_301_105,
+    decoder=DecoderKind.TF_OD,
+    input=InputSpec(name="image_tensor:0", layout="NHWC", dtype="uint8", color="RGB", width=300, height=300),
+    labels=["person"],
+    decoder_params={"class_offset": 1},
+)
+
+
+def _frame(n: int = 2) -> FrameDetections:
+    det = Detection(label="person", class_id=0, score=0.87, box=Box(x0=10, y0=20, x1=110.5, y1=220))
+    return FrameDetections(
+        camera="cam1",
+        frame=42,
+        captured_at=1.7e9,
+        width=768,
+        height=576,
+        model="ped_ssdlite:1",
+        inference_ms=12.5,
+        detections=[det] * n,
+    )
+
+
+SAMPLES: dict[TopicKind, BaseModel] = {
+    TopicKind.AVAILABILITY: Availability(
+        state="online",
+        ts=1.7e9,
+        agent_version="0.1.0",
+        capabilities=Capabilities(
+            hostname="site-a",
+            cpu_count=8,
+            gpus=[GpuInfo(index=0, name="Tesla T4", compute_capability="7.5")],
+            execution_providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+            cameras=["cam1"],
+        ),
+    ),
+    TopicKind.HEARTBEAT: Heartbeat(
+        ts=1.7e9,
+        cpu_pct=12.0,
+        gpus=[GpuStats(index=0, name="T4", power_w=31.5, temperature_c=55)],
+        cameras=[CameraStats(camera="cam1", state=CameraState.UP, fps=9.8, frames=100, dropped=3)],
+    ),
+    TopicKind.DETECTIONS: DetectionBatch(seq=7, sent_at=1.7e9, frames=[_frame(), _frame(0)]),
+    TopicKind.EVENTS: Event(
+        seq=8,
+        ts=1.7e9,
+        kind=EventKind.CAMERA_DOWN,
+        severity=Severity.WARNING,
+        camera="cam1",
+        message="stream closed",
+        data={"retry_in_s": 2},
+    ),
+    TopicKind.TWIN_DESIRED: DesiredState(
+        version=3,
+        issued_at=1.7e9,
+        cameras={
+            "cam1": CameraDesired(model=ArtifactRef(manifest=MANIFEST), threshold=0.6, labels=["person"])
+        },
+    ),
+    TopicKind.TWIN_REPORTED: ReportedState(
+        ts=1.7e9,
+        desired_version=3,
+        cameras={
+            "cam1": CameraReported(model="ped_ssdlite:1", sha256=SHA, state="fetching", progress_pct=40.0)
+        },
+    ),
+    TopicKind.COMMANDS: Command(id="c-1", name=CommandName.SNAPSHOT, args={"camera": "cam1"}),
+    TopicKind.COMMAND_RESULT: CommandResult(id="c-1", ok=False, error="camera cam9 is not configured"),
+    TopicKind.ARTIFACT_REQUEST: ArtifactRequest(sha256=SHA, chunks=[0, 1, 5], chunk_size=262_144),
+    TopicKind.ACKS: Ack(upto=10, ranges=[(12, 14)]),
+}
+
+
+def test_every_json_topic_has_a_sample() -> None:
+    assert set(SAMPLES) == set(MESSAGE_FOR_TOPIC)
+
+
+@pytest.mark.parametrize("kind", list(SAMPLES), ids=lambda k: k.value)
+def test_round_trip(kind: TopicKind) -> None:
+    msg = SAMPLES[kind]
+    assert decode(kind, encode(msg)) == msg
+
+
+def test_message_on_the_wrong_topic_is_refused() -> None:
+    with pytest.raises(ProtocolError, match="expected message type 'detections', got 'heartbeat'"):
+        decode(TopicKind.DETECTIONS, encode(SAMPLES[TopicKind.HEARTBEAT]))
+
+
+@pytest.mark.parametrize(
+    ("payload", "needle"),
+    [
+        (b"\xff\xfe not json", "not JSON"),
+        (b"[1, 2, 3]", "JSON object"),
+        (b'{"type": "detections", "v": 1, "seq": "x", "sent_at": 1, "frames": []}', "seq"),
+        (b'{"type": "detections", "v": 99, "seq": 1, "sent_at": 1, "frames": []}', "schema version 99"),
+        (b'{"type": "detections", "v": 1, "seq": 0, "sent_at": 1, "frames": []}', "seq"),
+        (b'{"type": "detections", "v": 1, "seq": 1, "sent_at": 1, "frames": [], "extra": 1}', "frames"),
+    ],
+)
+def test_malformed_payloads_say_what_is_wrong(payload: bytes, needle: str) -> None:
+    with pytest.raises(ProtocolError, match=needle):
+        decode(TopicKind.DETECTIONS, payload)
+
+
+def test_unknown_field_is_named() -> None:
+    raw = json.loads(encode(SAMPLES[TopicKind.ACKS]))
+    raw["surprise"] = True
+    with pytest.raises(ProtocolError, match="surprise"):
+        decode(TopicKind.ACKS, json.dumps(raw).encode())
+
+
+def test_oversized_payload_refused_before_parsing() -> None:
+    with pytest.raises(ProtocolError, match="over the"):
+        decode(TopicKind.HEARTBEAT, b" " * (MAX_JSON_BYTES + 1))
+
+
+def test_deeply_nested_payload_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError):
+        decode(
+            TopicKind.EVENTS, b'{"type":"event","v":1,"seq":1,"ts":1,"kind":"error","data":' + b"[" * 100_000
+        )
+
+
+def test_box_must_be_finite_and_ordered() -> None:
+    frame = json.loads(encode(SAMPLES[TopicKind.DETECTIONS]))
+    frame["frames"][0]["detections"][0]["box"]["x1"] = 1
+    with pytest.raises(ProtocolError, match="x0 <= x1"):
+        decode(TopicKind.DETECTIONS, json.dumps(frame).encode())
+
+
+def test_ack_covers_upto_and_ranges() -> None:
+    ack = Ack(upto=10, ranges=[(12, 14)])
+    assert [s for s in range(1, 17) if ack.covers(s)] == [*range(1, 11), 12, 13, 14]
+    with pytest.raises(ValueError, match="bad ack range"):
+        Ack(upto=1, ranges=[(5, 3)])
+
+
+def test_artifact_ref_chunk_count() -> None:
+    assert ArtifactRef(manifest=MANIFEST, chunk_size=1_000_000).chunk_count == 13
+
+
+def test_chunk_round_trip_and_tamper() -> None:
+    frame = encode_chunk(SHA, 3, 10, b"model bytes")
+    header, data = decode_chunk(frame)
+    assert (header.sha256, header.index, header.total, data) == (SHA, 3, 10, b"model bytes")
+    flipped = bytearray(frame)
+    flipped[-1] ^= 0x01
+    with pytest.raises(ProtocolError, match="fails its checksum"):
+        decode_chunk(bytes(flipped))
+    with pytest.raises(ProtocolError, match="bad magic"):
+        decode_chunk(b"garbage")
+    with pytest.raises(ProtocolError, match="not below total"):
+        decode_chunk(encode_chunk(SHA, 10, 10, b"x"))
+    with pytest.raises(ProtocolError, match="out of bounds"):
+        decode_chunk(frame[:12])
+
+
+def test_binary_topic_is_not_json() -> None:
+    with pytest.raises(ProtocolError, match="binary"):
+        decode(TopicKind.ARTIFACT_CHUNK, b"{}")
