@@ -1,0 +1,577 @@
+"""The agent: wires capture, pipeline, outbox/publisher, link, fetcher and health together.
+
+Threads (all named, all stopped by ONE event, joined with timeouts):
+  capture-<camera>  one per camera, newest frame only (LatestSlot, replace + count)
+  inference         batches frames of cameras sharing a model -> DropOldestQueue -> publisher
+  publisher         DetectionBatch -> outbox (disk) -> MQTT; resends what is due
+  twin              applies desired states (LatestSlot: a newer desired replaces a pending one)
+  commands          runs commands (bounded queue; when full the command is refused with "busy")
+  heartbeat         health every heartbeat_interval_s (QoS 0)
+  + paho's network thread inside MqttLink.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from edge_agent import __version__
+from edge_agent.artifacts import ArtifactFetcher, FetchCancelled, FetchError, file_sha256
+from edge_agent.backends import BackendFactory, onnxruntime_factory
+from edge_agent.capture import CameraWorker, SourceOpener
+from edge_agent.health import Health
+from edge_agent.link import MqttLink, Transport
+from edge_agent.outbox import Outbox
+from edge_agent.pipeline import CameraParams, DecodeFn, ModelLoadError, Pipeline, PreprocessorFactory
+from edge_agent.publisher import Publisher
+from edge_agent.queues import LatestSlot
+from edge_agent.settings import AgentSettings
+from fleet_protocol.codec import ProtocolError, decode_as, encode
+from fleet_protocol.messages import (
+    Ack,
+    ArtifactRef,
+    ArtifactRequest,
+    Availability,
+    CameraDesired,
+    CameraReported,
+    CameraState,
+    Command,
+    CommandName,
+    CommandResult,
+    DesiredState,
+    EventKind,
+    Heartbeat,
+    Message,
+    ReportedState,
+    Severity,
+)
+from fleet_protocol.topics import TopicKind, Topics
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FATAL_LINK = 3
+_JOIN_S = 5.0
+_SNAPSHOT_MAX_B64 = 400 * 1024
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        transport: Transport | None = None,
+        source_opener: SourceOpener | None = None,
+        backend_factory: BackendFactory | None = None,
+        preprocessor_factory: PreprocessorFactory | None = None,
+        decode_fn: DecodeFn | None = None,
+    ) -> None:
+        self.settings = settings
+        self.device_id = settings.device_id
+        self.stop_event = threading.Event()
+        self.exit_code = EXIT_OK
+        self.data_dir = settings.data_dir
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.topics = Topics(settings.topic_prefix)
+        self.outbox = Outbox(self.data_dir / "outbox.db", max_messages=settings.outbox.max_messages)
+        self.health = Health(self.data_dir)
+        self._capabilities: Any = None
+
+        wake = threading.Event()
+        cameras = [
+            CameraWorker(
+                c, stop=self.stop_event, opener=source_opener, on_state=self._on_camera_state, wake=wake
+            )
+            for c in settings.cameras
+        ]
+        if backend_factory is None:
+            inf = settings.inference
+            backend_factory = onnxruntime_factory(
+                threads=inf.threads,
+                providers_preference=inf.providers,
+                trt_cache_dir=inf.trt_cache_dir or self.data_dir / "trt_cache",
+            )
+        self.pipeline = Pipeline(
+            cameras,
+            stop=self.stop_event,
+            wake=wake,
+            backend_factory=backend_factory,
+            max_batch=settings.inference.max_batch,
+            preprocessor_factory=preprocessor_factory,
+            decode_fn=decode_fn,
+        )
+        self.transport: Transport = transport or MqttLink(
+            settings.mqtt_url,
+            device_id=self.device_id,
+            topics=self.topics,
+            reconnect_min_s=settings.mqtt_reconnect_min_s,
+            reconnect_max_s=settings.mqtt_reconnect_max_s,
+        )
+        self.publisher = Publisher(
+            self.outbox, self.pipeline.out, self.transport.publish, settings.outbox, stop=self.stop_event
+        )
+        art = settings.artifacts
+        self.fetcher = ArtifactFetcher(
+            self.data_dir / "models",
+            self._send_artifact_request,
+            window=art.window,
+            request_timeout_s=art.request_timeout_s,
+            max_retries=art.max_retries,
+        )
+
+        # Twin state. ``_received_version`` guards ordering; ``applied_version`` is what we report.
+        self._twin_lock = threading.Lock()
+        self.applied_version = -1
+        self._received_version = -1
+        self._reported: dict[str, CameraReported] = {c.id: CameraReported() for c in settings.cameras}
+        self._desired_slot: LatestSlot[DesiredState] = LatestSlot()
+        self._twin_wake = threading.Event()
+        self._commands: queue.Queue[Command] = queue.Queue(maxsize=16)
+
+        self.transport.set_callbacks(
+            birth=self._birth, on_connected=self._on_connected, on_fatal=self._on_fatal
+        )
+        self.transport.on_message(TopicKind.TWIN_DESIRED, self._on_desired_msg)
+        self.transport.on_message(TopicKind.COMMANDS, self._on_command_msg)
+        self.transport.on_message(TopicKind.ACKS, self._on_ack_msg)
+        self.transport.on_chunk(self.fetcher.on_chunk)
+
+        self._threads = [
+            threading.Thread(target=self._twin_loop, name="twin", daemon=True),
+            threading.Thread(target=self._command_loop, name="commands", daemon=True),
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
+        ]
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._started = True
+        persisted = self._load_desired()
+        self.publisher.emit_event(
+            EventKind.AGENT_STARTED,
+            message=f"agent {__version__} started",
+            data={"agent_version": __version__, "cameras": [c.id for c in self.settings.cameras]},
+        )
+        self.pipeline.start()
+        self.publisher.start()
+        for t in self._threads:
+            t.start()
+        if persisted is not None:
+            log.info("re-applying persisted desired state version %s", persisted.version)
+            self._accept_desired(persisted, persist=False)
+        self.transport.start()
+
+    def request_stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self) -> int:
+        """Start, block until stopped (signal, fatal link error), shut down; returns the exit code."""
+        self.start()
+        try:
+            while not self.stop_event.wait(0.5):
+                pass
+        finally:
+            self.shutdown()
+        return self.exit_code
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        if not self._started:
+            self.outbox.close()
+            return
+        self.pipeline.join(_JOIN_S)
+        for t in self._threads:
+            t.join(_JOIN_S)
+            if t.is_alive():
+                log.warning("thread %s did not stop in time", t.name)
+        if not self.publisher.join(_JOIN_S):
+            log.warning("publisher did not stop in time")
+        try:
+            self.transport.stop()
+        except Exception:
+            log.exception("link stop failed")
+        self.outbox.close()
+        log.info("agent stopped")
+
+    # ------------------------------------------------------------------ link callbacks
+
+    def _birth(self) -> Availability:
+        if self._capabilities is None:
+            self._capabilities = self.health.capabilities([c.id for c in self.settings.cameras])
+        return Availability(
+            state="online", ts=time.time(), agent_version=__version__, capabilities=self._capabilities
+        )
+
+    def _on_connected(self) -> None:
+        self.publisher.on_connected()
+        self._report()
+
+    def _on_fatal(self, reason: str) -> None:
+        log.error("link failed for good: %s; stopping", reason)
+        self.exit_code = EXIT_FATAL_LINK
+        self.stop_event.set()
+
+    def _on_ack_msg(self, msg: Message) -> None:
+        if isinstance(msg, Ack):
+            self.publisher.on_ack(msg)
+
+    def _send_artifact_request(self, req: ArtifactRequest) -> bool:
+        return self.transport.publish(TopicKind.ARTIFACT_REQUEST, encode(req))
+
+    def _on_camera_state(self, camera: str, state: CameraState, reason: str) -> None:
+        if state == CameraState.UP:
+            self.publisher.emit_event(EventKind.CAMERA_UP, camera=camera, message=reason)
+        elif state == CameraState.DOWN or (state == CameraState.STOPPED and not self.stop_event.is_set()):
+            self.publisher.emit_event(
+                EventKind.CAMERA_DOWN, camera=camera, severity=Severity.WARNING, message=reason
+            )
+
+    # ------------------------------------------------------------------ twin
+
+    def _on_desired_msg(self, msg: Message) -> None:
+        if isinstance(msg, DesiredState):
+            self._accept_desired(msg, persist=True)
+
+    def _accept_desired(self, desired: DesiredState, *, persist: bool) -> bool:
+        with self._twin_lock:
+            newest = max(self.applied_version, self._received_version)
+            if desired.version <= newest:
+                log.debug("ignoring desired version %s (have %s)", desired.version, newest)
+                return False
+            self._received_version = desired.version
+        if persist:
+            self._save_desired(desired)
+        self._desired_slot.put(desired)
+        self._twin_wake.set()
+        return True
+
+    def _desired_path(self) -> Path:
+        return self.data_dir / "desired.json"
+
+    def _save_desired(self, desired: DesiredState) -> None:
+        # Written before it is applied: an agent restarted offline runs its last desired state.
+        path = self._desired_path()
+        tmp = path.with_suffix(".json.tmp")
+        with tmp.open("wb") as f:
+            f.write(encode(desired))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _load_desired(self) -> DesiredState | None:
+        path = self._desired_path()
+        if not path.exists():
+            return None
+        try:
+            return decode_as(DesiredState, path.read_bytes())
+        except (OSError, ProtocolError) as exc:
+            log.warning("ignoring unreadable %s: %s", path, exc)
+            return None
+
+    def _twin_loop(self) -> None:
+        while not self.stop_event.is_set():
+            self._twin_wake.wait(0.5)
+            self._twin_wake.clear()
+            desired = self._desired_slot.take()
+            if desired is None:
+                continue
+            try:
+                self._apply(desired)
+            except Exception:
+                log.exception("applying desired version %s failed", desired.version)
+
+    def _apply(self, desired: DesiredState) -> None:
+        log.info("applying desired state version %s", desired.version)
+        for cam_id in self.pipeline.cameras:
+            if self.stop_event.is_set():
+                return
+            self._apply_camera(cam_id, desired.cameras.get(cam_id))
+        with self._twin_lock:
+            for cam_id in desired.cameras:
+                if cam_id not in self.pipeline.cameras:
+                    self._reported[cam_id] = CameraReported(
+                        state="failed", error="camera is not configured on this device"
+                    )
+            self.applied_version = max(self.applied_version, desired.version)
+        self._report()
+
+    def _set_reported(self, camera: str, rep: CameraReported, *, publish: bool = True) -> None:
+        with self._twin_lock:
+            self._reported[camera] = rep
+        if publish:
+            self._report()
+
+    def _apply_camera(self, cam: str, cd: CameraDesired | None) -> None:
+        current = self.pipeline.model_of(cam)
+        if cd is None or cd.model is None:
+            if current is not None:
+                self.pipeline.clear(cam)
+                log.info("camera %s: no model desired; stopped inference", cam)
+            self._set_reported(cam, CameraReported(state="idle"), publish=False)
+            return
+        ref = cd.model
+        manifest = ref.manifest
+        key = f"{manifest.name}:{manifest.version}"
+        params = CameraParams(
+            threshold=cd.threshold if cd.threshold is not None else manifest.default_threshold,
+            max_fps=cd.max_fps,
+            labels=frozenset(cd.labels) if cd.labels is not None else None,
+        )
+        if current is not None and current.sha256 == manifest.sha256 and current.manifest == manifest:
+            self.pipeline.set_params(cam, params)
+            self._set_reported(
+                cam, CameraReported(model=key, sha256=manifest.sha256, state="running"), publish=False
+            )
+            return
+        try:
+            model = self.pipeline.loaded(manifest.sha256)
+            if model is None or model.manifest != manifest:
+                path = self._obtain(cam, ref)
+                self._set_reported(cam, CameraReported(model=key, sha256=manifest.sha256, state="loading"))
+                model = self.pipeline.load(path, manifest)
+            self.pipeline.activate(cam, model, params)
+        except FetchCancelled:
+            return
+        except (FetchError, ModelLoadError, OSError) as exc:
+            reason = str(exc)
+            log.error("camera %s: model %s failed: %s", cam, key, reason)
+            self.publisher.emit_event(
+                EventKind.MODEL_FAILED,
+                camera=cam,
+                severity=Severity.ERROR,
+                message=reason,
+                data={"model": key, "sha256": manifest.sha256, "kept": current.key if current else None},
+            )
+            self._set_reported(
+                cam,
+                CameraReported(
+                    model=current.key if current else None,
+                    sha256=current.sha256 if current else None,
+                    state="failed",
+                    error=reason[:1000],
+                ),
+            )
+            return
+        self.publisher.emit_event(
+            EventKind.MODEL_ACTIVATE,
+            camera=cam,
+            message=f"{key} active on {model.backend.provider}",
+            data={"model": key, "sha256": manifest.sha256, "provider": model.backend.provider},
+        )
+        self._set_reported(cam, CameraReported(model=key, sha256=manifest.sha256, state="running"))
+
+    def _obtain(self, cam: str, ref: ArtifactRef) -> Path:
+        """The verified model file: from the store, or fetched over the link."""
+        manifest = ref.manifest
+        sha, key = manifest.sha256, f"{manifest.name}:{manifest.version}"
+        path = self.fetcher.path_for(sha)
+        if path.exists():
+            self._set_reported(cam, CameraReported(model=key, sha256=sha, state="verifying"))
+            if file_sha256(path) == sha:
+                return path
+            log.warning("stored %s is corrupt; fetching it again", path.name)
+            path.unlink(missing_ok=True)
+        last_step = -1
+
+        def progress(done: int, pct: float) -> None:
+            nonlocal last_step
+            step = int(pct // 10)
+            if step == last_step:
+                return  # rate limit: one report and one event per 10 %
+            last_step = step
+            self._set_reported(
+                cam, CameraReported(model=key, sha256=sha, state="fetching", progress_pct=round(pct, 1))
+            )
+            self.publisher.emit_event(
+                EventKind.MODEL_DOWNLOAD,
+                camera=cam,
+                message=f"{key}: {pct:.0f} %",
+                data={
+                    "model": key,
+                    "sha256": sha,
+                    "bytes": done,
+                    "size": manifest.size,
+                    "pct": round(pct, 1),
+                },
+            )
+
+        path = self.fetcher.fetch(ref, self.stop_event, progress)
+        self._set_reported(cam, CameraReported(model=key, sha256=sha, state="verifying"))
+        self.publisher.emit_event(
+            EventKind.MODEL_VERIFY, camera=cam, message=f"{key}: sha256 verified", data={"sha256": sha}
+        )
+        return path
+
+    def reported_state(self) -> ReportedState:
+        with self._twin_lock:
+            return ReportedState(
+                ts=time.time(),
+                desired_version=max(0, self.applied_version),
+                cameras=dict(self._reported),
+                agent_version=__version__,
+            )
+
+    def _report(self) -> None:
+        self.transport.publish(TopicKind.TWIN_REPORTED, encode(self.reported_state()))
+
+    # ------------------------------------------------------------------ commands
+
+    def _on_command_msg(self, msg: Message) -> None:
+        if not isinstance(msg, Command):
+            return
+        try:
+            self._commands.put_nowait(msg)
+        except queue.Full:
+            self._answer(CommandResult(id=msg.id, ok=False, error="busy: too many commands queued"))
+
+    def _answer(self, result: CommandResult) -> None:
+        try:
+            payload = encode(result)
+        except ProtocolError as exc:
+            payload = encode(CommandResult(id=result.id, ok=False, error=f"result too large: {exc}"))
+        self.transport.publish(TopicKind.COMMAND_RESULT, payload)
+
+    def _command_loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                cmd = self._commands.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                result = self.execute(cmd)
+            except Exception as exc:
+                log.exception("command %s failed", cmd.name)
+                result = CommandResult(id=cmd.id, ok=False, error=f"{type(exc).__name__}: {exc}")
+            self._answer(result)
+
+    def execute(self, cmd: Command) -> CommandResult:
+        if cmd.name == CommandName.DIAGNOSTICS:
+            return CommandResult(id=cmd.id, ok=True, result=self.diagnostics())
+        if cmd.name == CommandName.RESTART_PIPELINE:
+            self.pipeline.restart()
+            self.publisher.emit_event(EventKind.WATCHDOG_RESTART, message="pipeline restarted by command")
+            return CommandResult(id=cmd.id, ok=True, result={"restarted": list(self.pipeline.cameras)})
+        if cmd.name == CommandName.SNAPSHOT:
+            camera = cmd.args.get("camera")
+            if not isinstance(camera, str) or camera not in self.pipeline.cameras:
+                return CommandResult(id=cmd.id, ok=False, error=f"unknown camera {camera!r}")
+            snap = self.snapshot(camera, boxes=bool(cmd.args.get("boxes", False)))
+            if snap is None:
+                return CommandResult(id=cmd.id, ok=False, error=f"camera {camera} has no frame yet")
+            return CommandResult(id=cmd.id, ok=True, result=snap)
+        return CommandResult(id=cmd.id, ok=False, error=f"unsupported command {cmd.name}")
+
+    def diagnostics(self) -> dict[str, Any]:
+        link_errors = getattr(self.transport, "protocol_errors", {})
+        return {
+            "device_id": self.device_id,
+            "agent_version": __version__,
+            "desired_version": max(0, self.applied_version),
+            "connected": self.transport.connected,
+            "cameras": [s.model_dump(mode="json") for s in self.pipeline.stats()],
+            "providers": self.pipeline.providers(),
+            "outbox": {
+                "pending": self.outbox.pending(),
+                "dropped": self.outbox.dropped,
+                "next_seq": self.outbox.next_seq,
+            },
+            "queue_dropped": self.pipeline.out.dropped,
+            "inference_errors": self.pipeline.inference_errors,
+            "protocol_errors": dict(link_errors),
+            "bad_chunks": self.fetcher.bad_chunks,
+            "system": {k: v for k, v in self.health.system().items() if k != "gpus"},
+        }
+
+    def snapshot(self, camera: str, *, boxes: bool) -> dict[str, Any] | None:
+        import cv2
+
+        frame = self.pipeline.latest_frame(camera)
+        if frame is None:
+            return None
+        img = frame.image
+        drawn = 0
+        if boxes:
+            img = img.copy()
+            last = self.pipeline.last_result(camera)
+            for d in last.detections if last else []:
+                p0 = (int(d.box.x0), int(d.box.y0))
+                cv2.rectangle(img, p0, (int(d.box.x1), int(d.box.y1)), (0, 255, 0), 2)
+                cv2.putText(
+                    img,
+                    f"{d.label} {d.score:.2f}",
+                    (p0[0], max(12, p0[1] - 4)),
+                    cv2.FONT_HERSHEY_SIMPLEX,
+                    0.5,
+                    (0, 255, 0),
+                    1,
+                )
+                drawn += 1
+        quality = 85
+        while True:
+            ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, quality])
+            if not ok:
+                raise RuntimeError("JPEG encoding failed")
+            b64 = base64.b64encode(buf.tobytes()).decode()
+            if len(b64) <= _SNAPSHOT_MAX_B64 or img.shape[1] < 64:
+                break
+            # Too big for one MQTT payload: shrink rather than fail.
+            img = cv2.resize(img, (img.shape[1] // 2, img.shape[0] // 2))
+            quality = 75
+        return {
+            "camera": camera,
+            "frame": frame.index,
+            "captured_at": frame.captured_at,
+            "width": int(img.shape[1]),
+            "height": int(img.shape[0]),
+            "boxes": drawn,
+            "jpeg_base64": b64,
+        }
+
+    # ------------------------------------------------------------------ heartbeat
+
+    def heartbeat(self) -> Heartbeat:
+        sysinfo = self.health.system()
+        cams = self.pipeline.stats()
+        ms = [c.inference_ms for c in cams if c.inference_ms is not None]
+        return Heartbeat(
+            ts=time.time(),
+            uptime_s=sysinfo.get("uptime_s", 0.0),
+            cpu_pct=sysinfo.get("cpu_pct"),
+            memory_pct=sysinfo.get("memory_pct"),
+            memory_used_mb=sysinfo.get("memory_used_mb"),
+            disk_free_mb=sysinfo.get("disk_free_mb"),
+            disk_pct=sysinfo.get("disk_pct"),
+            gpus=sysinfo.get("gpus", []),
+            cameras=cams,
+            inference_ms=round(max(ms), 2) if ms else None,
+            outbox_pending=self.outbox.pending(),
+            outbox_dropped=self.outbox.dropped,
+            queue_dropped=self.pipeline.out.dropped,
+        )
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stop_event.wait(self.settings.heartbeat_interval_s):
+            try:
+                self.transport.publish(TopicKind.HEARTBEAT, encode(self.heartbeat()))
+            except Exception:
+                log.exception("heartbeat failed")
+
+
+def describe(settings: AgentSettings) -> str:
+    """One line for the log: what this agent is configured to do (no secrets)."""
+    return json.dumps(
+        {
+            "device_id": settings.device_id,
+            "mqtt": str(settings.mqtt_url),
+            "cameras": [c.id for c in settings.cameras],
+            "data_dir": str(settings.data_dir),
+        }
+    )

@@ -1,0 +1,234 @@
+"""The MQTT link: a small transport interface and its paho implementation.
+
+The agent only talks to :class:`Transport`, so its logic is tested with a fake. MqttLink follows
+PROTOCOL.md "Connection (agent)": client id = device id, persistent session, Last Will offline,
+birth + subscriptions + reported state on every CONNACK, stop retrying on bad credentials.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from edge_agent.settings import MqttEndpoint
+from fleet_protocol.codec import ProtocolError, decode, encode
+from fleet_protocol.messages import Availability, Message
+from fleet_protocol.topics import SPECS, TopicKind, Topics
+
+log = logging.getLogger(__name__)
+
+MessageHandler = Callable[[Message], None]
+ChunkHandler = Callable[[bytes], None]
+
+# CONNACK refusals that retrying cannot fix (MQTT 3.1.1 codes 4/5 map to these v5 reason codes).
+_FATAL_REASONS = {134, 135, 4, 5}
+
+
+class Transport(Protocol):
+    """What the agent needs from a message link."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    def publish(self, kind: TopicKind, payload: bytes) -> bool:
+        """Publish with the topic's QoS/retain; False when not connected (nothing queued)."""
+        ...
+
+    def on_message(self, kind: TopicKind, handler: MessageHandler) -> None: ...
+
+    def on_chunk(self, handler: ChunkHandler) -> None: ...
+
+    def set_callbacks(
+        self,
+        *,
+        birth: Callable[[], Availability],
+        on_connected: Callable[[], None],
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        """``birth`` builds the online message; ``on_connected`` runs after each successful CONNACK
+        (after birth and subscriptions); ``on_fatal`` when retrying cannot help."""
+        ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class MqttLink:
+    """paho-mqtt 2.x client wrapped as a :class:`Transport`."""
+
+    def __init__(
+        self,
+        endpoint: MqttEndpoint,
+        *,
+        device_id: str,
+        topics: Topics,
+        reconnect_min_s: float = 1.0,
+        reconnect_max_s: float = 30.0,
+        keepalive_s: int = 15,
+    ) -> None:
+        self._endpoint = endpoint
+        self._device_id = device_id
+        self._topics = topics
+        self._birth: Callable[[], Availability] = lambda: Availability(state="online", ts=time.time())
+        self._on_connected: Callable[[], None] | None = None
+        self._on_fatal: Callable[[str], None] | None = None
+        self._handlers: dict[TopicKind, MessageHandler] = {}
+        self._chunk_handler: ChunkHandler | None = None
+        self._connected = threading.Event()
+        self.fatal: str | None = None
+        self.protocol_errors: dict[str, int] = {}
+        self._last_error_log = 0.0
+        self._keepalive = keepalive_s
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=device_id,
+            clean_session=False,
+            protocol=mqtt.MQTTv311,
+        )
+        if endpoint.username:
+            password = endpoint.password.get_secret_value() if endpoint.password else None
+            client.username_pw_set(endpoint.username, password)
+        if endpoint.tls:
+            client.tls_set()
+        client.will_set(
+            topics.device(device_id, TopicKind.AVAILABILITY),
+            encode(Availability(state="offline")),
+            qos=SPECS[TopicKind.AVAILABILITY].qos,
+            retain=True,
+        )
+        client.reconnect_delay_set(min_delay=max(1, round(reconnect_min_s)), max_delay=round(reconnect_max_s))
+        client.on_connect = self._handle_connect
+        client.on_disconnect = self._handle_disconnect
+        client.on_message = self._handle_message
+        self._client = client
+
+    # ------------------------------------------------------------------ Transport
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def publish(self, kind: TopicKind, payload: bytes) -> bool:
+        if not self._connected.is_set():
+            return False
+        spec = SPECS[kind]
+        info = self._client.publish(
+            self._topics.device(self._device_id, kind), payload, spec.qos, spec.retain
+        )
+        return info.rc == mqtt.MQTT_ERR_SUCCESS
+
+    def on_message(self, kind: TopicKind, handler: MessageHandler) -> None:
+        self._handlers[kind] = handler
+
+    def on_chunk(self, handler: ChunkHandler) -> None:
+        self._chunk_handler = handler
+
+    def set_callbacks(
+        self,
+        *,
+        birth: Callable[[], Availability],
+        on_connected: Callable[[], None],
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        self._birth = birth
+        self._on_connected = on_connected
+        self._on_fatal = on_fatal
+
+    def start(self) -> None:
+        log.info("connecting to %s as %s", self._endpoint, self._device_id)
+        self._client.connect_async(self._endpoint.host, self._endpoint.port, keepalive=self._keepalive)
+        self._client.loop_start()
+
+    def stop(self) -> None:
+        if self._connected.is_set():
+            try:
+                info = self._client.publish(
+                    self._topics.device(self._device_id, TopicKind.AVAILABILITY),
+                    encode(Availability(state="offline", ts=time.time())),
+                    qos=1,
+                    retain=True,
+                )
+                info.wait_for_publish(timeout=3.0)
+            except (RuntimeError, ValueError) as exc:
+                log.warning("could not publish offline availability: %s", exc)
+        self._client.disconnect()
+        self._client.loop_stop()
+        self._connected.clear()
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self._connected.wait(timeout)
+
+    # ------------------------------------------------------------------ paho callbacks
+    # Never raise from these: paho runs them on its network thread.
+
+    def _handle_connect(
+        self, client: mqtt.Client, userdata: object, flags: object, reason: object, properties: object
+    ) -> None:
+        try:
+            failed = getattr(reason, "is_failure", False)
+            value = int(getattr(reason, "value", 0))
+            if failed:
+                if value in _FATAL_REASONS:
+                    self.fatal = f"broker refused the connection: {reason}"
+                    log.error("%s; not retrying (check the credentials / ACL)", self.fatal)
+                    client.disconnect()
+                    if self._on_fatal is not None:
+                        self._on_fatal(self.fatal)
+                else:
+                    log.warning("broker refused the connection: %s; retrying", reason)
+                return
+            log.info("connected to %s", self._endpoint)
+            spec = SPECS[TopicKind.AVAILABILITY]
+            client.publish(
+                self._topics.device(self._device_id, TopicKind.AVAILABILITY),
+                encode(self._birth()),
+                spec.qos,
+                spec.retain,
+            )
+            client.subscribe(self._topics.agent_subscriptions(self._device_id))
+            self._connected.set()
+            if self._on_connected is not None:
+                self._on_connected()
+        except Exception:
+            log.exception("on_connect failed")
+
+    def _handle_disconnect(
+        self, client: mqtt.Client, userdata: object, flags: object, reason: object, properties: object
+    ) -> None:
+        was = self._connected.is_set()
+        self._connected.clear()
+        if was:
+            log.warning("disconnected from %s: %s", self._endpoint, reason)
+
+    def _handle_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        topic = self._topics.parse(msg.topic)
+        if topic is None or topic.device_id != self._device_id:
+            self._protocol_error("unknown", f"unexpected topic {msg.topic!r}")
+            return
+        try:
+            if topic.kind == TopicKind.ARTIFACT_CHUNK:
+                if self._chunk_handler is not None:
+                    self._chunk_handler(bytes(msg.payload))
+                return
+            handler = self._handlers.get(topic.kind)
+            if handler is None:
+                return
+            handler(decode(topic.kind, bytes(msg.payload)))
+        except ProtocolError as exc:
+            self._protocol_error(topic.kind.value, str(exc))
+        except Exception:
+            log.exception("handler for %s failed", topic.kind.value)
+
+    def _protocol_error(self, kind: str, why: str) -> None:
+        self.protocol_errors[kind] = self.protocol_errors.get(kind, 0) + 1
+        now = time.monotonic()
+        if now - self._last_error_log > 10.0:
+            self._last_error_log = now
+            log.warning("dropped bad message on %s: %s (%s so far)", kind, why, self.protocol_errors[kind])

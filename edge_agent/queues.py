@@ -1,0 +1,97 @@
+"""Bounded hand-offs between pipeline stages, each with a named drop policy and a drop counter."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class DropOldestQueue(Generic[T]):
+    """A bounded FIFO; when full, ``put`` discards the OLDEST item and counts it.
+
+    Used between inference and publishing: fresh results matter more than stale ones, and the
+    producer (the inference thread) must never block on a slow consumer.
+    """
+
+    policy = "drop_oldest"
+
+    def __init__(self, maxsize: int) -> None:
+        if maxsize < 1:
+            raise ValueError("maxsize must be >= 1")
+        self.maxsize = maxsize
+        self._items: deque[T] = deque()
+        self._cond = threading.Condition()
+        self.dropped = 0
+
+    def put(self, item: T) -> bool:
+        """Add ``item``; returns False when an older item had to be dropped for it."""
+        with self._cond:
+            lost = False
+            if len(self._items) >= self.maxsize:
+                self._items.popleft()
+                self.dropped += 1
+                lost = True
+            self._items.append(item)
+            self._cond.notify()
+            return not lost
+
+    def get(self, timeout: float | None = None) -> T | None:
+        """The oldest item, waiting up to ``timeout`` seconds; None when nothing came."""
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout)
+            return self._items.popleft() if self._items else None
+
+    def drain(self) -> list[T]:
+        with self._cond:
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+
+class LatestSlot(Generic[T]):
+    """A one-slot buffer that keeps only the newest item (policy: replace the unconsumed one).
+
+    A capture thread writes every frame here; the inference thread takes whatever is newest. A
+    frame replaced before anyone took it is counted as dropped.
+    """
+
+    policy = "keep_newest"
+
+    def __init__(self, wake: threading.Event | None = None) -> None:
+        self._lock = threading.Lock()
+        self._item: T | None = None
+        self._latest: T | None = None
+        self._wake = wake
+        self.dropped = 0
+
+    def put(self, item: T) -> None:
+        with self._lock:
+            if self._item is not None:
+                self.dropped += 1
+            self._item = item
+            self._latest = item
+        if self._wake is not None:
+            self._wake.set()
+
+    def take(self) -> T | None:
+        """The unconsumed item, if any; the slot is empty afterwards."""
+        with self._lock:
+            item, self._item = self._item, None
+            return item
+
+    def peek_latest(self) -> T | None:
+        """The newest item ever put, consumed or not (for snapshots)."""
+        with self._lock:
+            return self._latest
+
+    def clear(self) -> None:
+        with self._lock:
+            self._item = None

@@ -1,0 +1,215 @@
+"""Agent configuration: a validated model loaded from YAML that rejects unknown keys.
+
+Secrets: the MQTT password may sit in the URL, but ``EDGEFLEET_MQTT_PASSWORD`` in the environment
+overrides it, so production configs can leave it out of files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import unquote, urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from fleet_protocol.topics import DEFAULT_PREFIX, valid_device_id
+
+PASSWORD_ENV = "EDGEFLEET_MQTT_PASSWORD"
+
+CameraId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+
+
+class SettingsError(Exception):
+    """The configuration cannot be used; the message names the offending fields."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MqttEndpoint(_Strict):
+    """A parsed ``mqtt[s]://[user[:password]@]host[:port]`` URL."""
+
+    host: str
+    port: int = Field(default=1883, gt=0, lt=65536)
+    tls: bool = False
+    username: str | None = None
+    password: SecretStr | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> MqttEndpoint:
+        parts = urlsplit(url)
+        if parts.scheme not in ("mqtt", "mqtts"):
+            raise ValueError(f"scheme must be mqtt:// or mqtts://, got {parts.scheme or 'none'!r}")
+        if not parts.hostname:
+            raise ValueError("missing host")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError("must be mqtt://[user:pass@]host:port with nothing after the port")
+        tls = parts.scheme == "mqtts"
+        try:
+            port = parts.port or (8883 if tls else 1883)
+        except ValueError as exc:
+            raise ValueError(f"bad port: {exc}") from None
+        return cls(
+            host=parts.hostname,
+            port=port,
+            tls=tls,
+            username=unquote(parts.username) if parts.username else None,
+            password=SecretStr(unquote(parts.password)) if parts.password else None,
+        )
+
+    def __str__(self) -> str:
+        # Never print the password.
+        user = f"{self.username}@" if self.username else ""
+        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{self.host}:{self.port}"
+
+
+class CameraConfig(_Strict):
+    id: CameraId
+    source: str = Field(min_length=1)
+    """A file path, ``rtsp://``, ``http(s)://`` (MJPEG), or a digit string (USB index)."""
+    loop: bool = False
+    max_fps: float | None = Field(default=None, gt=0.0)
+    reconnect_min_s: float = Field(default=0.5, gt=0.0)
+    reconnect_max_s: float = Field(default=30.0, gt=0.0)
+
+    @property
+    def is_file(self) -> bool:
+        return "://" not in self.source and not self.source.isdigit()
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> CameraConfig:
+        if self.reconnect_max_s < self.reconnect_min_s:
+            raise ValueError("reconnect_max_s must be >= reconnect_min_s")
+        return self
+
+
+class InferenceConfig(_Strict):
+    threads: int = Field(default=2, ge=1, le=256)
+    providers: list[str] = Field(
+        default_factory=lambda: [
+            "TensorrtExecutionProvider",
+            "CUDAExecutionProvider",
+            "CPUExecutionProvider",
+        ],
+        min_length=1,
+    )
+    max_batch: int = Field(default=4, ge=1, le=64)
+    trt_cache_dir: Path | None = None
+    """TensorRT engine cache; default ``<data_dir>/trt_cache``."""
+
+
+class OutboxConfig(_Strict):
+    max_messages: int = Field(default=100_000, ge=10)
+    ack_timeout_s: float = Field(default=10.0, gt=0.0)
+    resend_batch: int = Field(default=100, ge=1)
+    batch_max_frames: int = Field(default=10, ge=1, le=500)
+    batch_max_delay_s: float = Field(default=0.5, gt=0.0)
+
+
+class ArtifactConfig(_Strict):
+    window: int = Field(default=8, ge=1, le=64)
+    request_timeout_s: float = Field(default=5.0, gt=0.0)
+    max_retries: int = Field(default=6, ge=0)
+
+
+class AgentSettings(_Strict):
+    device_id: str
+    mqtt_url: MqttEndpoint = Field(default_factory=lambda: MqttEndpoint(host="127.0.0.1"))
+    mqtt_reconnect_min_s: float = Field(default=1.0, ge=1.0)
+    mqtt_reconnect_max_s: float = Field(default=30.0, ge=1.0)
+    topic_prefix: str = DEFAULT_PREFIX
+    data_dir: Path
+    heartbeat_interval_s: float = Field(default=5.0, gt=0.0)
+    cameras: list[CameraConfig] = Field(default_factory=list)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    outbox: OutboxConfig = Field(default_factory=OutboxConfig)
+    artifacts: ArtifactConfig = Field(default_factory=ArtifactConfig)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("device_id")
+    @classmethod
+    def _device_id(cls, v: str) -> str:
+        if not valid_device_id(v):
+            raise ValueError(
+                "must start with a letter or digit and contain only letters, digits, '_', '.', '-' (max 64)"
+            )
+        return v
+
+    @field_validator("mqtt_url", mode="before")
+    @classmethod
+    def _parse_url(cls, v: Any) -> Any:
+        return MqttEndpoint.parse(v) if isinstance(v, str) else v
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v.strip("/") or "+" in v or "#" in v:
+            raise ValueError("must be a non-empty topic without wildcards")
+        return v
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _unique_cameras(self) -> AgentSettings:
+        ids = [c.id for c in self.cameras]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"camera ids must be unique, repeated: {', '.join(dupes)}")
+        return self
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_settings(data: Any, *, env: dict[str, str] | None = None) -> AgentSettings:
+    """Validate an already-parsed mapping; raises :class:`SettingsError` naming the fields."""
+    if not isinstance(data, dict):
+        raise SettingsError(f"the configuration must be a mapping, got {type(data).__name__}")
+    try:
+        settings = AgentSettings.model_validate(data)
+    except ValidationError as exc:
+        raise SettingsError(format_validation_error(exc)) from None
+    env = dict(os.environ) if env is None else env
+    password = env.get(PASSWORD_ENV)
+    if password:
+        settings.mqtt_url.password = SecretStr(password)
+    return settings
+
+
+def load_settings(path: Path | str) -> AgentSettings:
+    """Load and validate a YAML configuration file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return parse_settings(data)
+    except SettingsError as exc:
+        raise SettingsError(f"{path}:\n{exc}") from None

@@ -1,0 +1,176 @@
+"""A tiny stand-in controller for the agent's integration tests, on raw paho.
+
+It publishes a retained DesiredState, answers ArtifactRequests with chunks of a model file, records
+what the agent sends, and acks stored detection/event seqs like the real controller (PROTOCOL.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from fleet_protocol.codec import decode, encode, encode_chunk
+from fleet_protocol.messages import (
+    Ack,
+    ArtifactRef,
+    ArtifactRequest,
+    Availability,
+    CameraDesired,
+    DesiredState,
+    DetectionBatch,
+    Event,
+    ModelManifest,
+    ReportedState,
+)
+from fleet_protocol.topics import TopicKind, Topics
+
+T = TypeVar("T")
+
+
+def wait_for(pred: Callable[[], T], timeout: float, what: str) -> T:
+    """Poll ``pred`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def load_manifest(model_dir: Path) -> ModelManifest:
+    return ModelManifest.model_validate_json((model_dir / "manifest.json").read_text())
+
+
+def desired(version: int, cameras: dict[str, CameraDesired]) -> DesiredState:
+    return DesiredState(version=version, issued_at=time.time(), cameras=cameras)
+
+
+def camera_with(manifest: ModelManifest, *, chunk_size: int = 512 * 1024, **kw: object) -> CameraDesired:
+    return CameraDesired(model=ArtifactRef(manifest=manifest, chunk_size=chunk_size), **kw)  # type: ignore[arg-type]
+
+
+class StandInController:
+    def __init__(self, url_host: str, port: int, device_id: str, artifacts: dict[str, Path]) -> None:
+        self.topics = Topics()
+        self.device_id = device_id
+        self.artifacts = artifacts
+        self.lock = threading.Lock()
+        self.batches: list[DetectionBatch] = []
+        self.events: list[Event] = []
+        self.stored: set[int] = set()
+        self.availability: list[Availability] = []
+        self.reported: list[ReportedState] = []
+        self.requests: list[ArtifactRequest] = []
+        self.auto_ack = True
+        self._connected = threading.Event()
+        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"standin-{device_id}")
+        self._client.on_connect = self._on_connect
+        self._client.on_message = self._on_message
+        self._client.on_disconnect = lambda *a: self._connected.clear()
+        self._client.reconnect_delay_set(1, 1)
+        self._client.connect(url_host, port)
+        self._client.loop_start()
+        wait_for(self._connected.is_set, 10, "stand-in controller connected")
+
+    def close(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    # ------------------------------------------------------------------ controller → agent
+
+    def publish_desired(self, state: DesiredState) -> None:
+        wait_for(self._connected.is_set, 15, "stand-in controller (re)connected")
+        topic = self.topics.device(self.device_id, TopicKind.TWIN_DESIRED)
+        self._client.publish(topic, encode(state), qos=1, retain=True).wait_for_publish(5)
+
+    def ack(self) -> None:
+        with self.lock:
+            stored_set = set(self.stored)
+        stored = sorted(stored_set)
+        upto = 0
+        while upto + 1 in stored_set:
+            upto += 1
+        ranges: list[tuple[int, int]] = []
+        for s in stored:
+            if s <= upto:
+                continue
+            if ranges and ranges[-1][1] == s - 1:
+                ranges[-1] = (ranges[-1][0], s)
+            else:
+                ranges.append((s, s))
+        msg = Ack(upto=upto, ranges=ranges[:1000])
+        self._client.publish(self.topics.device(self.device_id, TopicKind.ACKS), encode(msg), qos=1)
+
+    # ------------------------------------------------------------------ views
+
+    def frames(self) -> list:  # type: ignore[type-arg]
+        with self.lock:
+            return [f for b in self.batches for f in b.frames]
+
+    def seqs_in_arrival_order(self) -> list[int]:
+        with self.lock:
+            return [b.seq for b in self.batches]
+
+    def latest_reported(self) -> ReportedState | None:
+        with self.lock:
+            return self.reported[-1] if self.reported else None
+
+    # ------------------------------------------------------------------ paho
+
+    def _on_connect(self, client: mqtt.Client, u: object, f: object, rc: object, p: object) -> None:
+        for kind in (
+            TopicKind.AVAILABILITY,
+            TopicKind.DETECTIONS,
+            TopicKind.EVENTS,
+            TopicKind.TWIN_REPORTED,
+            TopicKind.ARTIFACT_REQUEST,
+        ):
+            client.subscribe(self.topics.device(self.device_id, kind), qos=1)
+        self._connected.set()
+
+    def _on_message(self, client: mqtt.Client, u: object, m: mqtt.MQTTMessage) -> None:
+        topic = self.topics.parse(m.topic)
+        if topic is None:
+            return
+        msg = decode(topic.kind, bytes(m.payload))
+        ack = False
+        with self.lock:
+            if isinstance(msg, DetectionBatch):
+                self.batches.append(msg)
+                self.stored.add(msg.seq)
+                ack = self.auto_ack
+            elif isinstance(msg, Event):
+                self.events.append(msg)
+                self.stored.add(msg.seq)
+                ack = self.auto_ack
+            elif isinstance(msg, Availability):
+                self.availability.append(msg)
+            elif isinstance(msg, ReportedState):
+                self.reported.append(msg)
+            elif isinstance(msg, ArtifactRequest):
+                self.requests.append(msg)
+        if isinstance(msg, ArtifactRequest):
+            self._answer(msg)
+        if ack:
+            self.ack()
+
+    def _answer(self, req: ArtifactRequest) -> None:
+        path = self.artifacts.get(req.sha256)
+        if path is None:
+            return
+        size = path.stat().st_size
+        total = max(1, -(-size // req.chunk_size))
+        with path.open("rb") as f:
+            for i in req.chunks:
+                f.seek(i * req.chunk_size)
+                frame = encode_chunk(req.sha256, i, total, f.read(req.chunk_size))
+                self._client.publish(
+                    self.topics.device(self.device_id, TopicKind.ARTIFACT_CHUNK), frame, qos=1
+                )

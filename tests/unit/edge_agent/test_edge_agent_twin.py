@@ -1,0 +1,313 @@
+from __future__ import annotations
+
+import base64
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_agent.agent import Agent
+from edge_agent.link import ChunkHandler, MessageHandler
+from edge_agent.settings import AgentSettings, CameraConfig, parse_settings
+from fleet_protocol.codec import decode, encode
+from fleet_protocol.messages import (
+    Ack,
+    ArtifactRef,
+    Availability,
+    CameraDesired,
+    Command,
+    CommandResult,
+    DesiredState,
+    Event,
+    InputSpec,
+    Message,
+    ModelManifest,
+    ReportedState,
+)
+from fleet_protocol.topics import TopicKind
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class FakeTransport:
+    """Connected at start; records what the agent publishes; tests deliver messages by hand."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[TopicKind, Message]] = []
+        self.handlers: dict[TopicKind, MessageHandler] = {}
+        self.lock = threading.Lock()
+        self._connected = False
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def publish(self, kind: TopicKind, payload: bytes) -> bool:
+        with self.lock:
+            self.sent.append((kind, decode(kind, payload)))
+        return True
+
+    def on_message(self, kind: TopicKind, handler: MessageHandler) -> None:
+        self.handlers[kind] = handler
+
+    def on_chunk(self, handler: ChunkHandler) -> None:
+        pass
+
+    def set_callbacks(
+        self,
+        *,
+        birth: Callable[[], Availability],
+        on_connected: Callable[[], None],
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        self.birth, self.on_connected = birth, on_connected
+
+    def start(self) -> None:
+        self._connected = True
+        self.publish(TopicKind.AVAILABILITY, encode(self.birth()))
+        self.on_connected()
+
+    def stop(self) -> None:
+        self._connected = False
+
+    def deliver(self, kind: TopicKind, msg: Message) -> None:
+        self.handlers[kind](msg)
+
+    def of(self, cls: type) -> list:  # type: ignore[type-arg]
+        with self.lock:
+            return [m for _, m in self.sent if isinstance(m, cls)]
+
+    def reported(self) -> ReportedState | None:
+        reps = self.of(ReportedState)
+        return reps[-1] if reps else None
+
+
+class FakeBackend:
+    provider = "FakeExecutionProvider"
+    input_name = "x"
+    input_shape: tuple[int | str | None, ...] = ("N", 16, 16, 3)
+    dynamic_batch = True
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        if self.fail:
+            raise RuntimeError("CUDA error: out of memory")
+        b = batch.shape[0]
+        return {
+            "num_detections:0": np.ones((b,), np.float32),
+            "detection_boxes:0": np.tile(np.array([[[0.1, 0.1, 0.9, 0.9]]], np.float32), (b, 1, 1)),
+            "detection_scores:0": np.full((b, 1), 0.9, np.float32),
+            "detection_classes:0": np.ones((b, 1), np.float32),
+        }
+
+    def close(self) -> None:
+        pass
+
+
+class Frames:
+    fps: float | None = None
+
+    def read(self) -> np.ndarray | None:
+        time.sleep(0.01)
+        return np.full((40, 60, 3), 50, np.uint8)
+
+    def release(self) -> None:
+        pass
+
+
+def model_in_store(data_dir: Path, name: str) -> ModelManifest:
+    blob = f"model bytes of {name}".encode() * 100
+    sha = hashlib.sha256(blob).hexdigest()
+    (data_dir / "models").mkdir(parents=True, exist_ok=True)
+    (data_dir / "models" / f"{sha}.onnx").write_bytes(blob)
+    return ModelManifest(
+        name=name,
+        version="1",
+        sha256=sha,
+        size=len(blob),
+        decoder="tf_od",
+        input=InputSpec(name="x", layout="NHWC", dtype="uint8", color="RGB", width=16, height=16),
+        labels=["person"],
+        decoder_params={"class_offset": 1},
+    )
+
+
+def settings(data_dir: Path) -> AgentSettings:
+    return parse_settings(
+        {
+            "device_id": "dev-1",
+            "data_dir": str(data_dir),
+            "cameras": [CameraConfig(id="cam1", source="rtsp://fake").model_dump()],
+            "outbox": {"batch_max_delay_s": 0.05},
+        },
+        env={},
+    )
+
+
+def desired(version: int, manifest: ModelManifest | None, **kw: object) -> DesiredState:
+    cams = {"cam1": CameraDesired(model=ArtifactRef(manifest=manifest), **kw)} if manifest else {}  # type: ignore[arg-type]
+    return DesiredState(version=version, issued_at=time.time(), cameras=cams)
+
+
+class Harness:
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.loads: list[str] = []
+        self.failing: set[str] = set()
+        self.agents: list[Agent] = []
+
+    def factory(self, path: Path, manifest: ModelManifest) -> FakeBackend:
+        self.loads.append(manifest.name)
+        return FakeBackend(fail=manifest.name in self.failing)
+
+    def agent(self) -> tuple[Agent, FakeTransport]:
+        t = FakeTransport()
+        a = Agent(
+            settings(self.data_dir),
+            transport=t,
+            source_opener=lambda c: Frames(),
+            backend_factory=self.factory,
+        )
+        self.agents.append(a)
+        a.start()
+        return a, t
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Harness]:
+    h = Harness(tmp_path / "data")
+    yield h
+    for a in h.agents:
+        a.shutdown()
+
+
+def running(t: FakeTransport, version: int, model: str) -> Callable[[], bool]:
+    def check() -> bool:
+        rep = t.reported()
+        return bool(
+            rep
+            and rep.desired_version == version
+            and rep.cameras["cam1"].state == "running"
+            and rep.cameras["cam1"].model == model
+        )
+
+    return check
+
+
+def test_only_newer_desired_versions_are_applied(harness: Harness) -> None:
+    a_model = model_in_store(harness.data_dir, "a")
+    b_model = model_in_store(harness.data_dir, "b")
+    agent, t = harness.agent()
+    t.deliver(TopicKind.TWIN_DESIRED, desired(2, a_model))
+    wait_for(running(t, 2, "a:1"), what="v2 running")
+    t.deliver(TopicKind.TWIN_DESIRED, desired(1, b_model))  # older: ignored
+    t.deliver(TopicKind.TWIN_DESIRED, desired(2, b_model))  # same version (retained redelivery): ignored
+    t.deliver(TopicKind.TWIN_DESIRED, desired(3, a_model, threshold=0.95))  # params only: no reload
+    wait_for(lambda: (r := t.reported()) is not None and r.desired_version == 3, what="v3 applied")
+    assert harness.loads == ["a"]
+    assert agent.pipeline.model_of("cam1") is not None
+    # Threshold 0.95 is above the fake's 0.9 scores: frames keep coming, empty.
+    wait_for(lambda: (r := agent.pipeline.last_result("cam1")) is not None and r.detections == [])
+
+
+def test_persisted_desired_is_reapplied_on_an_offline_restart(harness: Harness) -> None:
+    manifest = model_in_store(harness.data_dir, "a")
+    agent, t = harness.agent()
+    t.deliver(TopicKind.TWIN_DESIRED, desired(5, manifest))
+    wait_for(running(t, 5, "a:1"), what="v5 running")
+    agent.shutdown()
+
+    agent2, t2 = harness.agent()  # nothing delivered: the broker is unreachable
+    wait_for(running(t2, 5, "a:1"), what="v5 running from disk")
+    wait_for(lambda: agent2.pipeline.last_result("cam1") is not None, what="detections after restart")
+    t2.deliver(TopicKind.TWIN_DESIRED, desired(5, manifest))  # the retained copy arrives later
+    assert harness.loads == ["a", "a"]
+
+
+def test_a_model_that_fails_warm_up_leaves_the_old_one_serving(harness: Harness) -> None:
+    good = model_in_store(harness.data_dir, "good")
+    bad = model_in_store(harness.data_dir, "bad")
+    harness.failing.add("bad")
+    agent, t = harness.agent()
+    t.deliver(TopicKind.TWIN_DESIRED, desired(1, good))
+    wait_for(running(t, 1, "good:1"))
+    t.deliver(TopicKind.TWIN_DESIRED, desired(2, bad))
+
+    def failed() -> bool:
+        rep = t.reported()
+        return bool(rep and rep.desired_version == 2 and rep.cameras["cam1"].state == "failed")
+
+    wait_for(failed, what="v2 reported failed")
+    cam = t.reported().cameras["cam1"]  # type: ignore[union-attr]
+    assert cam.model == "good:1" and "out of memory" in (cam.error or "")
+    # Events go through the outbox and the publisher thread.
+    wait_for(lambda: any(e.kind == "model_failed" for e in t.of(Event)), what="MODEL_FAILED event")
+    failure = next(e for e in t.of(Event) if e.kind == "model_failed")
+    assert failure.data["kept"] == "good:1" and failure.camera == "cam1"
+    model = agent.pipeline.model_of("cam1")
+    assert model is not None and model.key == "good:1"
+
+
+def test_missing_model_is_fetched_and_unanswered_fetch_reports_failure(
+    harness: Harness, tmp_path: Path
+) -> None:
+    manifest = model_in_store(tmp_path / "elsewhere", "remote")  # not in the agent's store
+    agent, t = harness.agent()
+    agent.fetcher.request_timeout_s = 0.05
+    agent.fetcher.max_retries = 1
+    t.deliver(TopicKind.TWIN_DESIRED, desired(1, manifest))
+
+    def failed() -> bool:
+        rep = t.reported()
+        return bool(rep and rep.cameras["cam1"].state == "failed")
+
+    wait_for(failed, what="fetch failure reported")
+    assert "retries" in (t.reported().cameras["cam1"].error or "")  # type: ignore[union-attr]
+
+
+def test_commands_answer_by_id(harness: Harness) -> None:
+    manifest = model_in_store(harness.data_dir, "a")
+    agent, t = harness.agent()
+    t.deliver(TopicKind.TWIN_DESIRED, desired(1, manifest))
+    wait_for(lambda: agent.pipeline.last_result("cam1") is not None)
+    t.deliver(TopicKind.COMMANDS, Command(id="d1", name="diagnostics"))
+    t.deliver(TopicKind.COMMANDS, Command(id="s1", name="snapshot", args={"camera": "cam1", "boxes": True}))
+    t.deliver(TopicKind.COMMANDS, Command(id="s2", name="snapshot", args={"camera": "nope"}))
+    t.deliver(TopicKind.COMMANDS, Command(id="r1", name="restart_pipeline"))
+    wait_for(lambda: len(t.of(CommandResult)) == 4, what="4 command results")
+    res = {r.id: r for r in t.of(CommandResult)}
+    assert res["d1"].ok and res["d1"].result["cameras"][0]["model"] == "a:1"
+    assert res["s1"].ok and res["s1"].result["boxes"] == 1
+    jpeg = base64.b64decode(res["s1"].result["jpeg_base64"])
+    assert jpeg[:2] == b"\xff\xd8"
+    assert not res["s2"].ok and "unknown camera" in (res["s2"].error or "")
+    assert res["r1"].ok
+
+
+def test_birth_heartbeat_and_acks(harness: Harness) -> None:
+    manifest = model_in_store(harness.data_dir, "a")
+    agent, t = harness.agent()
+    birth = t.of(Availability)[0]
+    assert (
+        birth.state == "online" and birth.capabilities is not None and birth.capabilities.cameras == ["cam1"]
+    )
+    t.deliver(TopicKind.TWIN_DESIRED, desired(1, manifest))
+    wait_for(lambda: agent.outbox.next_seq > 5, what="batches and events in the outbox")
+    hb = agent.heartbeat()
+    assert hb.cameras[0].camera == "cam1" and hb.outbox_pending >= 0
+    top = agent.outbox.next_seq - 1
+    t.deliver(TopicKind.ACKS, Ack(upto=top))
+    assert all(r.seq > top for r in agent.outbox.due(time.time() + 3600, 0, 10_000))

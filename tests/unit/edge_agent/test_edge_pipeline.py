@@ -1,0 +1,210 @@
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_agent.capture import CameraWorker
+from edge_agent.pipeline import CameraParams, ModelLoadError, Pipeline
+from edge_agent.settings import CameraConfig
+from fleet_protocol.messages import FrameDetections, InputSpec, ModelManifest
+
+SHA_A = "a" * 64
+SHA_B = "b" * 64
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+def manifest(name: str, sha: str) -> ModelManifest:
+    return ModelManifest(
+        name=name,
+        version="1",
+        sha256=sha,
+        size=1,
+        decoder="tf_od",
+        input=InputSpec(name="x", layout="NHWC", dtype="uint8", color="RGB", width=32, height=32),
+        labels=["person", "car"],
+        decoder_params={"class_offset": 1},
+    )
+
+
+class FakeBackend:
+    """TF-OD outputs: one box per image, class ``cls`` (1-based) with score ``score``."""
+
+    provider = "FakeExecutionProvider"
+    input_name = "x"
+    input_shape: tuple[int | str | None, ...] = ("N", 32, 32, 3)
+
+    def __init__(self, cls: int = 1, score: float = 0.9, dynamic: bool = True, delay: float = 0.0) -> None:
+        self.cls, self.score, self.dynamic_batch, self.delay = cls, score, dynamic, delay
+        self.batches: list[int] = []
+        self.closed = False
+
+    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        b = batch.shape[0]
+        self.batches.append(b)
+        time.sleep(self.delay)  # a slow model: every camera has a new frame by the next round
+        return {
+            "num_detections:0": np.full((b,), 1.0, np.float32),
+            "detection_boxes:0": np.tile(np.array([[[0.1, 0.2, 0.5, 0.6]]], np.float32), (b, 1, 1)),
+            "detection_scores:0": np.full((b, 1), self.score, np.float32),
+            "detection_classes:0": np.full((b, 1), float(self.cls), np.float32),
+        }
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Frames:
+    fps: float | None = None
+
+    def read(self) -> np.ndarray | None:
+        time.sleep(0.005)
+        return np.full((48, 64, 3), 100, np.uint8)
+
+    def release(self) -> None:
+        pass
+
+
+@pytest.fixture
+def stop() -> Iterator[threading.Event]:
+    ev = threading.Event()
+    yield ev
+    ev.set()
+
+
+def make_pipeline(stop: threading.Event, backends: dict[str, FakeBackend], cameras: int = 1) -> Pipeline:
+    wake = threading.Event()
+    cams = [
+        CameraWorker(
+            CameraConfig(id=f"c{i}", source=f"rtsp://fake/{i}"),
+            stop=stop,
+            opener=lambda c: Frames(),
+            wake=wake,
+        )
+        for i in range(cameras)
+    ]
+    p = Pipeline(cams, stop=stop, wake=wake, backend_factory=lambda path, m: backends[m.name], max_batch=4)
+    p.start()
+    return p
+
+
+def results(
+    p: Pipeline, n: int, pred: Callable[[FrameDetections], bool] = lambda r: True
+) -> list[FrameDetections]:
+    got: list[FrameDetections] = []
+    deadline = time.monotonic() + 10
+    while len(got) < n and time.monotonic() < deadline:
+        r = p.out.get(timeout=0.1)
+        if r is not None and pred(r):
+            got.append(r)
+    assert len(got) == n, f"only {len(got)} results"
+    return got
+
+
+def test_detections_come_out_in_frame_pixels_with_capture_time(stop: threading.Event) -> None:
+    p = make_pipeline(stop, {"a": FakeBackend()})
+    p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
+    (r,) = results(p, 1)
+    assert r.model == "a:1" and (r.width, r.height) == (64, 48)
+    (d,) = r.detections
+    assert d.label == "person" and d.box.x0 == pytest.approx(0.2 * 64) and d.box.y1 == pytest.approx(0.5 * 48)
+    assert abs(r.captured_at - time.time()) < 60
+    assert p.stats()[0].model == "a:1"
+
+
+def test_zero_detection_frames_are_still_reported(stop: threading.Event) -> None:
+    p = make_pipeline(stop, {"a": FakeBackend(score=0.3)})
+    p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
+    assert all(r.detections == [] for r in results(p, 3))
+
+
+def test_label_filter_and_threshold_change_without_reload(stop: threading.Event) -> None:
+    be = FakeBackend(cls=2, score=0.7)
+    p = make_pipeline(stop, {"a": be})
+    model = p.load(Path("a.onnx"), manifest("a", SHA_A))
+    p.activate("c0", model, CameraParams(threshold=0.5))
+    assert results(p, 1)[0].detections[0].label == "car"
+    p.set_params("c0", CameraParams(threshold=0.5, labels=frozenset({"person"})))
+    results(p, 2, lambda r: r.detections == [])
+    p.set_params("c0", CameraParams(threshold=0.8))
+    results(p, 2, lambda r: r.detections == [])
+    assert p.model_of("c0") is model and not be.closed
+
+
+def test_hot_swap_keeps_detections_flowing_and_closes_the_old_model(stop: threading.Event) -> None:
+    old, new = FakeBackend(), FakeBackend()
+    p = make_pipeline(stop, {"a": old, "b": new})
+    p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
+    results(p, 3)
+    p.activate("c0", p.load(Path("b.onnx"), manifest("b", SHA_B)), CameraParams(threshold=0.5))
+    after = results(p, 3, lambda r: r.model == "b:1")
+    assert all(r.detections for r in after)
+    wait_for(lambda: old.closed)
+    assert not new.closed
+
+
+def test_failed_warm_up_keeps_the_old_model_serving(stop: threading.Event) -> None:
+    class Broken(FakeBackend):
+        def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+            return {"something_else": np.zeros((1,))}
+
+    broken = Broken()
+    p = make_pipeline(stop, {"a": FakeBackend(), "b": broken})
+    p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
+    with pytest.raises(ModelLoadError, match="warm-up failed"):
+        p.load(Path("b.onnx"), manifest("b", SHA_B))
+    assert broken.closed
+    p.out.drain()
+    assert all(r.model == "a:1" for r in results(p, 3))
+
+
+def test_nan_outputs_fail_the_warm_up(stop: threading.Event) -> None:
+    p = make_pipeline(stop, {"n": FakeBackend(score=float("nan"))})
+    with pytest.raises(ModelLoadError, match=r"(?i)nan"):
+        p.load(Path("n.onnx"), manifest("n", SHA_B))
+
+
+def test_nan_outputs_while_serving_are_counted_and_never_published(stop: threading.Event) -> None:
+    be = FakeBackend()
+    p = make_pipeline(stop, {"a": be})
+    p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
+    results(p, 1)
+    be.score = float("nan")
+    wait_for(lambda: p.inference_errors >= 3)
+    p.out.drain()  # results from before the model went bad
+    wait_for(lambda: p.inference_errors >= 6)
+    assert p.out.drain() == []
+
+
+def test_cameras_on_one_model_are_batched_when_the_batch_dim_is_dynamic(stop: threading.Event) -> None:
+    be = FakeBackend(delay=0.05)
+    p = make_pipeline(stop, {"a": be}, cameras=3)
+    model = p.load(Path("a.onnx"), manifest("a", SHA_A))
+    for cam in ("c0", "c1", "c2"):
+        p.activate(cam, model, CameraParams(threshold=0.5))
+    got = results(p, 12)
+    assert 3 in be.batches
+    assert {r.camera for r in got} == {"c0", "c1", "c2"}
+    assert {s.model for s in p.stats()} == {"a:1"}
+
+
+def test_a_fixed_batch_model_runs_one_frame_at_a_time(stop: threading.Event) -> None:
+    be = FakeBackend(delay=0.05, dynamic=False)
+    p = make_pipeline(stop, {"a": be}, cameras=2)
+    model = p.load(Path("a.onnx"), manifest("a", SHA_A))
+    for cam in ("c0", "c1"):
+        p.activate(cam, model, CameraParams(threshold=0.5))
+    results(p, 6)
+    assert set(be.batches) == {1}
