@@ -195,6 +195,7 @@ class CameraWorker:
         next_due = time.monotonic()
         last_kept = 0.0
         got_any = False
+        position = -1  # frame number within this source: for files, the frame's place in the file
         try:
             while not self._stop.is_set():
                 if self._reopen.is_set():
@@ -209,9 +210,13 @@ class CameraWorker:
                     self._backoff()
                     return False
                 got_any = True
+                position += 1
                 self.failures = 0
                 now = time.monotonic()
-                if cfg.is_file:
+                if cfg.is_file and not cfg.realtime:
+                    if not self.slot.wait_taken(self._stop):
+                        break
+                elif cfg.is_file:
                     next_due += period
                     if next_due < now - 1.0:
                         next_due = now  # fell far behind (slow disk): do not burst to catch up
@@ -224,7 +229,8 @@ class CameraWorker:
                 self._set_state(CameraState.UP, "frames flowing")
                 self.frames += 1
                 self._times.append(last_kept)
-                self.slot.put(Frame(self.id, self.frames, time.time(), image))
+                index = position if cfg.is_file else self.frames - 1
+                self.slot.put(Frame(self.id, index, time.time(), image))
             return False
         finally:
             try:

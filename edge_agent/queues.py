@@ -66,7 +66,7 @@ class LatestSlot(Generic[T]):
     policy = "keep_newest"
 
     def __init__(self, wake: threading.Event | None = None) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._item: T | None = None
         self._latest: T | None = None
         self._wake = wake
@@ -85,7 +85,17 @@ class LatestSlot(Generic[T]):
         """The unconsumed item, if any; the slot is empty afterwards."""
         with self._lock:
             item, self._item = self._item, None
+            self._lock.notify_all()
             return item
+
+    def wait_taken(self, stop: threading.Event, poll_s: float = 0.1) -> bool:
+        """Block until the slot is empty (back-pressure for recorded footage); False if stopped."""
+        with self._lock:
+            while self._item is not None:
+                if stop.is_set():
+                    return False
+                self._lock.wait(poll_s)
+        return not stop.is_set()
 
     def peek_latest(self) -> T | None:
         """The newest item ever put, consumed or not (for snapshots)."""
@@ -95,3 +105,4 @@ class LatestSlot(Generic[T]):
     def clear(self) -> None:
         with self._lock:
             self._item = None
+            self._lock.notify_all()

@@ -79,6 +79,9 @@ class CameraConfig(_Strict):
     source: str = Field(min_length=1)
     """A file path, ``rtsp://``, ``http(s)://`` (MJPEG), or a digit string (USB index)."""
     loop: bool = False
+    realtime: bool = True
+    """Files only: True paces them at their own FPS like a live camera; False reads recorded footage as
+    fast as the pipeline takes frames (no frame dropped), for batch processing and benchmarks."""
     max_fps: float | None = Field(default=None, gt=0.0)
     reconnect_min_s: float = Field(default=0.5, gt=0.0)
     reconnect_max_s: float = Field(default=30.0, gt=0.0)

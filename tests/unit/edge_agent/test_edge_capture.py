@@ -3,6 +3,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -66,7 +67,7 @@ def test_only_the_newest_frame_is_kept_and_replaced_frames_count_as_dropped(stop
         gate.release()
     wait_for(lambda: cam.frames == 5)
     frame = cam.slot.take()
-    assert frame is not None and frame.index == 5 and frame.image[0, 0, 0] == 5
+    assert frame is not None and frame.index == 4 and frame.image[0, 0, 0] == 5  # 0-based
     assert cam.dropped == 4
     assert cam.slot.take() is None
     assert cam.state == CameraState.UP
@@ -134,3 +135,21 @@ def test_file_source_without_loop_stops_at_the_end(stop: threading.Event) -> Non
     cam.start()
     assert cam.join(timeout=5)
     assert cam.frames == 2 and cam.state == CameraState.STOPPED
+
+
+def test_recorded_footage_is_not_paced_and_loses_no_frame(stop: threading.Event, tmp_path: Path) -> None:
+    """realtime: false reads a file as fast as frames are taken, numbered by their place in the file."""
+    src = FakeSource(fail_after=50)  # a file: no frame after the 50th means it ended
+    cfg = CameraConfig.model_validate({"id": "c1", "source": str(tmp_path / "clip.avi"), "realtime": False})
+    cam = CameraWorker(cfg, stop=stop, opener=lambda c: src)
+    cam.start()
+    seen: list[int] = []
+    deadline = time.monotonic() + 10
+    while len(seen) < 50 and time.monotonic() < deadline:
+        frame = cam.slot.take()
+        if frame is not None:
+            seen.append(frame.index)
+        else:
+            time.sleep(0.001)
+    assert seen == list(range(50))
+    assert cam.dropped == 0

@@ -1,0 +1,278 @@
+"""REST API under ``/api/v1`` (plus ``/healthz``)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any
+
+import sqlalchemy as sa
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
+from sqlmodel import Session, col, select
+
+from controller import crud
+from controller.models import Detection, DeviceCreate, EventPublic, HealthSamplePublic, ModelVersionPublic
+from controller.schemas import (
+    AssignModel,
+    BoxOut,
+    DetectionOut,
+    DetectionPage,
+    DevicePublic,
+    Health,
+    IngestStats,
+)
+from controller.twin import NotFoundError
+from fleet_protocol.messages import DesiredState
+
+if TYPE_CHECKING:
+    from controller.app import ControllerRuntime
+
+# Query strings go to the database; PostgreSQL refuses NUL in text, which must be a 422, not a 500.
+_NO_NUL = r"^[^\x00]*$"
+_CAMERA = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+DeviceIdPath = Annotated[str, Path(description="device id", max_length=64, pattern=_NO_NUL)]
+CameraPath = Annotated[str, Path(description="camera id on the device", max_length=64, pattern=_CAMERA)]
+
+
+def runtime(request: Request) -> ControllerRuntime:
+    rt: ControllerRuntime = request.app.state.runtime
+    return rt
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with Session(runtime(request).engine, expire_on_commit=False) as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+RuntimeDep = Annotated["ControllerRuntime", Depends(runtime)]
+
+
+def _not_found(msg: str) -> HTTPException:
+    return HTTPException(status_code=status.HTTP_404_NOT_FOUND, detail=msg)
+
+
+def _query_error(field: str, msg: str) -> HTTPException:
+    # Same shape as FastAPI's own validation errors, so clients handle one format.
+    return HTTPException(
+        status_code=422, detail=[{"loc": ["query", field], "msg": msg, "type": "value_error"}]
+    )
+
+
+def encode_cursor(captured_at: datetime, row_id: int) -> str:
+    raw = json.dumps([captured_at.astimezone(UTC).isoformat(), row_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, int]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        ts_s, row_id = json.loads(raw)
+        ts = datetime.fromisoformat(ts_s)
+        if not isinstance(row_id, int) or isinstance(row_id, bool) or not (0 <= row_id < 2**63):
+            raise ValueError("bad id")
+        if ts.tzinfo is None:
+            raise ValueError("naive timestamp")
+        return ts, row_id
+    except (ValueError, TypeError, binascii.Error, json.JSONDecodeError, UnicodeDecodeError):
+        raise _query_error("cursor", "invalid cursor; use the next_cursor of a previous page") from None
+
+
+def build_router() -> APIRouter:
+    root = APIRouter()
+    api = APIRouter(prefix="/api/v1")
+
+    @root.get("/healthz", response_model=Health, summary="Liveness: database reachable, MQTT connected")
+    def healthz(rt: RuntimeDep, response: Response) -> Health:
+        db_ok = rt.db_ok()
+        mqtt_ok = rt.bridge.connected
+        if not db_ok:
+            response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+        return Health(status="ok" if db_ok and mqtt_ok else "degraded", db=db_ok, mqtt=mqtt_ok)
+
+    # ------------------------------------------------------------------ devices
+
+    @api.post(
+        "/devices",
+        response_model=DevicePublic,
+        status_code=status.HTTP_201_CREATED,
+        summary="Enroll a device (idempotent: updates name/labels of an existing one)",
+    )
+    def enroll(body: DeviceCreate, session: SessionDep, rt: RuntimeDep) -> DevicePublic:
+        dev = crud.enroll_device(session, device_in=body)
+        session.commit()
+        return DevicePublic.from_row(dev, rt.ingest.stats(dev.id))
+
+    @api.get("/devices", response_model=list[DevicePublic], summary="All devices with status and stats")
+    def list_devices(session: SessionDep, rt: RuntimeDep) -> list[DevicePublic]:
+        return [DevicePublic.from_row(d, rt.ingest.stats(d.id)) for d in crud.list_devices(session)]
+
+    @api.get(
+        "/devices/{device_id}",
+        response_model=DevicePublic,
+        summary="One device: status, cameras, models, health, twin versions, ingest stats",
+        responses={404: {"description": "unknown device"}},
+    )
+    def get_device(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -> DevicePublic:
+        dev = crud.get_device(session, device_id=device_id)
+        if dev is None:
+            raise _not_found(f"device {device_id!r} is not known")
+        return DevicePublic.from_row(dev, rt.ingest.stats(dev.id))
+
+    @api.get(
+        "/devices/{device_id}/health",
+        response_model=list[HealthSamplePublic],
+        summary="Heartbeat history, newest first",
+        responses={404: {"description": "unknown device"}},
+    )
+    def device_health(
+        device_id: DeviceIdPath,
+        session: SessionDep,
+        since: Annotated[datetime | None, Query(description="ISO 8601 or unix seconds")] = None,
+        until: Annotated[datetime | None, Query(description="ISO 8601 or unix seconds (exclusive)")] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[HealthSamplePublic]:
+        if crud.get_device(session, device_id=device_id) is None:
+            raise _not_found(f"device {device_id!r} is not known")
+        rows = crud.health_history(session, device_id=device_id, since=since, until=until, limit=limit)
+        return [HealthSamplePublic(device_id=r.device_id, ts=r.ts, payload=r.payload) for r in rows]
+
+    # ------------------------------------------------------------------ twin
+
+    @api.put(
+        "/devices/{device_id}/cameras/{camera}/model",
+        response_model=DesiredState,
+        summary="Run a model version on a camera: publishes the device's new desired state (retained)",
+        responses={404: {"description": "unknown device or model"}},
+    )
+    def assign_model(
+        device_id: DeviceIdPath, camera: CameraPath, body: AssignModel, rt: RuntimeDep
+    ) -> DesiredState:
+        try:
+            return rt.twin.assign(
+                device_id=device_id,
+                camera=camera,
+                model=body.model,
+                version=body.version,
+                threshold=body.threshold,
+                max_fps=body.max_fps,
+                labels=body.labels,
+            )
+        except NotFoundError as exc:
+            raise _not_found(str(exc)) from None
+
+    @api.delete(
+        "/devices/{device_id}/cameras/{camera}/model",
+        response_model=DesiredState,
+        summary="Stop running a model on a camera: publishes the new desired state (retained)",
+        responses={404: {"description": "unknown device, or no model on that camera"}},
+    )
+    def remove_model(device_id: DeviceIdPath, camera: CameraPath, rt: RuntimeDep) -> DesiredState:
+        try:
+            return rt.twin.remove(device_id=device_id, camera=camera)
+        except NotFoundError as exc:
+            raise _not_found(str(exc)) from None
+
+    # ------------------------------------------------------------------ detections / events
+
+    @api.get(
+        "/detections",
+        response_model=DetectionPage,
+        summary="Stored detections, newest capture first, paginated by an opaque cursor",
+    )
+    def list_detections(
+        session: SessionDep,
+        device: Annotated[str | None, Query(max_length=64, pattern=_NO_NUL)] = None,
+        camera: Annotated[str | None, Query(max_length=64, pattern=_NO_NUL)] = None,
+        label: Annotated[str | None, Query(max_length=64, pattern=_NO_NUL)] = None,
+        since: Annotated[
+            datetime | None, Query(description="captured at or after (ISO 8601 or unix s)")
+        ] = None,
+        until: Annotated[datetime | None, Query(description="captured before (ISO 8601 or unix s)")] = None,
+        min_score: Annotated[float | None, Query(ge=0.0, le=1.0)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        cursor: Annotated[str | None, Query(max_length=200)] = None,
+    ) -> DetectionPage:
+        q = select(Detection)
+        if device is not None:
+            q = q.where(col(Detection.device_id) == device)
+        if camera is not None:
+            q = q.where(col(Detection.camera) == camera)
+        if label is not None:
+            q = q.where(col(Detection.label) == label)
+        if since is not None:
+            q = q.where(col(Detection.captured_at) >= since)
+        if until is not None:
+            q = q.where(col(Detection.captured_at) < until)
+        if min_score is not None:
+            q = q.where(col(Detection.score) >= min_score)
+        if cursor is not None:
+            c_ts, c_id = decode_cursor(cursor)
+            q = q.where(
+                sa.or_(
+                    col(Detection.captured_at) < c_ts,
+                    sa.and_(col(Detection.captured_at) == c_ts, col(Detection.id) < c_id),
+                )
+            )
+        q = q.order_by(col(Detection.captured_at).desc(), col(Detection.id).desc()).limit(limit + 1)
+        rows = list(session.exec(q).all())
+        more = len(rows) > limit
+        rows = rows[:limit]
+        items = [
+            DetectionOut(
+                device=r.device_id,
+                camera=r.camera,
+                seq=r.seq,
+                frame=r.frame,
+                captured_at=r.captured_at,
+                stored_at=r.stored_at,
+                model=r.model,
+                label=r.label,
+                class_id=r.class_id,
+                score=r.score,
+                box=BoxOut(x0=r.x0, y0=r.y0, x1=r.x1, y1=r.y1),
+            )
+            for r in rows
+        ]
+        last = rows[-1] if rows else None
+        nxt = (
+            encode_cursor(last.captured_at, last.id)
+            if more and last is not None and last.id is not None
+            else None
+        )
+        return DetectionPage(items=items, next_cursor=nxt)
+
+    @api.get("/events", response_model=list[EventPublic], summary="Device events, newest first")
+    def list_events(
+        session: SessionDep,
+        device: Annotated[str | None, Query(max_length=64, pattern=_NO_NUL)] = None,
+        kind: Annotated[str | None, Query(max_length=32, pattern=_NO_NUL)] = None,
+        since: Annotated[datetime | None, Query(description="ISO 8601 or unix seconds")] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[Any]:
+        return list(crud.list_events(session, device_id=device, kind=kind, since=since, limit=limit))
+
+    # ------------------------------------------------------------------ models / stats
+
+    @api.get("/models", response_model=list[ModelVersionPublic], summary="Registered model versions")
+    def list_models(session: SessionDep) -> list[Any]:
+        return list(crud.list_model_versions(session))
+
+    @api.get(
+        "/stats/ingest", response_model=IngestStats, summary="Ingest counters per topic kind and outcome"
+    )
+    def ingest_stats(rt: RuntimeDep) -> IngestStats:
+        return IngestStats(
+            counters=rt.bridge.counters.snapshot(),
+            queue_depth=rt.ingest.queue_depth,
+            queue_max=rt.settings.ingest_queue_max,
+            status_queue_depth=rt.status.queue_depth,
+            mqtt_connected=rt.bridge.connected,
+        )
+
+    root.include_router(api)
+    return root

@@ -1,0 +1,162 @@
+"""Application assembly: ``create_app(settings)`` and ``run_controller(settings)``."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import sqlalchemy as sa
+import uvicorn
+from fastapi import FastAPI
+from sqlalchemy.engine import Engine
+
+from controller.api import build_router
+from controller.artifacts import ArtifactServer
+from controller.bridge import MqttBridge, PahoTransport, Transport
+from controller.db import make_engine, migrate
+from controller.ingest import IngestService
+from controller.registry import register_bundled_models
+from controller.settings import ControllerSettings
+from controller.status import StatusService
+from controller.twin import TwinService
+from fleet_protocol import TopicKind, Topics
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 10.0
+
+
+class ControllerRuntime:
+    """Everything a running controller owns, started and stopped together."""
+
+    def __init__(self, settings: ControllerSettings, transport: Transport | None = None) -> None:
+        self.settings = settings
+        self.stop_event = threading.Event()
+        self.engine: Engine = make_engine(settings.resolved_database_url())
+        if transport is None:
+            client_id = settings.mqtt_client_id or f"edgefleet-controller-{uuid.uuid4().hex[:8]}"
+            transport = PahoTransport(settings.mqtt_target(), client_id=client_id)
+        self.bridge = MqttBridge(transport, Topics(settings.topic_prefix))
+        self.ingest = IngestService(
+            self.engine,
+            self.bridge,
+            queue_max=settings.ingest_queue_max,
+            batch_max=settings.ingest_batch_max,
+            stop=self.stop_event,
+        )
+        self.twin = TwinService(self.engine, self.bridge, chunk_size=settings.chunk_size)
+        self.status = StatusService(
+            self.engine,
+            self.bridge,
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            queue_max=settings.status_queue_max,
+            stop=self.stop_event,
+            republish=self.twin.republish_all,
+        )
+        self.artifacts = ArtifactServer(
+            self.engine,
+            self.bridge,
+            queue_max=settings.artifact_queue_max,
+            workers=settings.artifact_workers,
+            stop=self.stop_event,
+        )
+        for kind in (TopicKind.DETECTIONS, TopicKind.EVENTS):
+            self.bridge.on(kind, self.ingest.submit)
+        for kind in (
+            TopicKind.AVAILABILITY,
+            TopicKind.HEARTBEAT,
+            TopicKind.TWIN_REPORTED,
+            TopicKind.COMMAND_RESULT,
+        ):
+            self.bridge.on(kind, self.status.submit)
+        self.bridge.on(TopicKind.ARTIFACT_REQUEST, self.artifacts.submit)
+        self.bridge.on_connect(self.status.request_republish)
+
+    def start(self) -> None:
+        migrate(self.settings.resolved_database_url(), engine=self.engine)
+        register_bundled_models(self.engine, self.settings.models_dir)
+        # Workers first: the bridge's first messages (retained births) need somewhere to go.
+        self.ingest.start()
+        self.status.start()
+        self.artifacts.start()
+        self.bridge.start()
+        log.info("controller started (mqtt %s)", self.settings.redacted_mqtt_url())
+
+    def stop(self) -> None:
+        try:
+            self.bridge.stop()
+        except Exception:
+            log.exception("stopping the MQTT bridge failed")
+        self.stop_event.set()
+        self.ingest.join(STOP_TIMEOUT_S)
+        self.status.join(STOP_TIMEOUT_S)
+        self.artifacts.join(STOP_TIMEOUT_S)
+        self.engine.dispose()
+        log.info("controller stopped")
+
+    def db_ok(self) -> bool:
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+            return True
+        except Exception as exc:
+            log.warning("database check failed: %s", exc)
+            return False
+
+
+def create_app(settings: ControllerSettings, *, transport: Transport | None = None) -> FastAPI:
+    """The controller as an ASGI app; its lifespan migrates, registers models, starts and stops workers."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        rt = ControllerRuntime(settings, transport)
+        try:
+            rt.start()
+        except BaseException:
+            rt.stop()
+            raise
+        app.state.runtime = rt
+        try:
+            yield
+        finally:
+            rt.stop()
+
+    app = FastAPI(
+        title="edgefleet controller",
+        version="0.1.0",
+        summary="Devices, models, desired state, detections and health of an edge inference fleet.",
+        lifespan=lifespan,
+    )
+    app.include_router(build_router())
+    return app
+
+
+def run_controller(settings: ControllerSettings) -> None:
+    """Serve the API on ``api_host:api_port`` until SIGINT/SIGTERM (uvicorn handles both)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.api_host,
+        port=settings.api_port,
+        log_level=settings.log_level.lower(),
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; the no-op
+    # SIGTERM handler and the KeyboardInterrupt catch turn that into a normal return for the CLI.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if in_main else None
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if in_main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,158 @@
+"""Serves model bytes in chunks: ``ArtifactRequest`` in, one ``encode_chunk`` frame per index out.
+
+File reads happen on worker threads (never on paho's network thread); each request opens the file
+once and reads only the chunks asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from controller import crud
+from controller.bridge import (
+    BAD_CHUNK_INDEX,
+    DROPPED_QUEUE_FULL,
+    INVALID,
+    UNKNOWN_ARTIFACT,
+    MqttBridge,
+    RateLimitedLog,
+)
+from fleet_protocol import TopicKind, encode_chunk
+from fleet_protocol.messages import ArtifactRequest, Message
+
+log = logging.getLogger(__name__)
+
+REQUEST_KIND = TopicKind.ARTIFACT_REQUEST.value
+CHUNK_KIND = TopicKind.ARTIFACT_CHUNK.value
+
+
+@dataclass(frozen=True)
+class _Artifact:
+    path: Path
+    size: int
+
+
+class ArtifactServer:
+    def __init__(
+        self,
+        engine: Engine,
+        bridge: MqttBridge,
+        *,
+        queue_max: int,
+        workers: int,
+        stop: threading.Event,
+    ) -> None:
+        self._engine = engine
+        self._bridge = bridge
+        # Drop when full: the agent asks again for chunks it did not get within its timeout.
+        self._queue: queue.Queue[tuple[str, ArtifactRequest]] = queue.Queue(maxsize=queue_max)
+        self._stop = stop
+        self._n_workers = workers
+        self._threads: list[threading.Thread] = []
+        self._cache: dict[str, _Artifact] = {}
+        self._cache_lock = threading.Lock()
+        self._bad = RateLimitedLog(log)
+
+    def start(self) -> None:
+        for i in range(self._n_workers):
+            t = threading.Thread(target=self._run, name=f"controller-artifacts-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def join(self, timeout: float = 10.0) -> None:
+        for t in self._threads:
+            t.join(timeout)
+            if t.is_alive():
+                log.error("%s did not stop within %.1fs", t.name, timeout)
+
+    def submit(self, device_id: str, msg: Message) -> str | None:
+        if not isinstance(msg, ArtifactRequest):
+            return INVALID
+        try:
+            self._queue.put_nowait((device_id, msg))
+        except queue.Full:
+            return DROPPED_QUEUE_FULL
+        return None  # counted by the worker
+
+    def _lookup(self, sha256: str) -> _Artifact | None:
+        with self._cache_lock:
+            hit = self._cache.get(sha256)
+        if hit is not None:
+            return hit
+        with Session(self._engine) as s:
+            mv = crud.get_model_by_sha(s, sha256=sha256)
+        if mv is None:
+            return None
+        art = _Artifact(Path(mv.path), mv.size)
+        with self._cache_lock:
+            self._cache[sha256] = art
+        return art
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                device_id, req = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._serve(device_id, req)
+            except Exception:
+                log.exception("serving artifact %s to %s failed", req.sha256[:12], device_id)
+
+    def _serve(self, device_id: str, req: ArtifactRequest) -> None:
+        counters = self._bridge.counters
+        art = self._lookup(req.sha256)
+        if art is None:
+            counters.add(REQUEST_KIND, UNKNOWN_ARTIFACT)
+            self._bad.warning(
+                f"unknown:{device_id}",
+                "%s asked for unknown artifact %s; not answering",
+                device_id,
+                req.sha256,
+            )
+            return
+        total = max(1, math.ceil(art.size / req.chunk_size))
+        wanted = sorted(set(req.chunks))
+        bad = [i for i in wanted if i >= total]
+        if bad:
+            counters.add(REQUEST_KIND, BAD_CHUNK_INDEX, len(bad))
+            self._bad.warning(
+                f"index:{device_id}",
+                "%s asked for chunks %s of %s which has %d; ignoring them",
+                device_id,
+                bad[:8],
+                req.sha256[:12],
+                total,
+            )
+        good = [i for i in wanted if i < total]
+        if not good:
+            return
+        sent = 0
+        try:
+            with art.path.open("rb") as f:
+                for i in good:
+                    if self._stop.is_set():
+                        return
+                    f.seek(i * req.chunk_size)
+                    data = f.read(req.chunk_size)
+                    self._bridge.publish_raw(
+                        device_id, TopicKind.ARTIFACT_CHUNK, encode_chunk(req.sha256, i, total, data)
+                    )
+                    sent += 1
+        except OSError as exc:
+            counters.add(REQUEST_KIND, "read_failed")
+            log.error("cannot read artifact %s at %s: %s", req.sha256[:12], art.path, exc)
+            with self._cache_lock:
+                self._cache.pop(req.sha256, None)
+            return
+        counters.add(REQUEST_KIND, "ok")
+        counters.add(CHUNK_KIND, "sent", sent)
+        log.debug("sent %d chunks of %s to %s", sent, req.sha256[:12], device_id)

@@ -1,0 +1,303 @@
+"""The controller's MQTT side: a small transport interface, its paho implementation, and the bridge
+that turns incoming frames into typed messages for the services.
+
+Nothing here touches the database: handlers only enqueue, so the paho network thread never waits on
+disk or on a lock held by an API request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.reasoncodes import ReasonCode
+from pydantic import BaseModel
+
+from controller.settings import MqttTarget
+from fleet_protocol import ProtocolError, TopicKind, Topics, decode, encode
+from fleet_protocol.messages import Message
+from fleet_protocol.topics import SPECS
+
+log = logging.getLogger(__name__)
+
+MessageCallback = Callable[[str, bytes], None]
+ConnectCallback = Callable[[], None]
+# A handler returns the outcome to count now, or None when a worker counts it later.
+Handler = Callable[[str, Message], str | None]
+
+# Outcomes counted per topic kind.
+OK = "ok"
+INVALID = "invalid"
+DUPLICATE = "duplicate"
+DROPPED_QUEUE_FULL = "dropped_queue_full"
+UNKNOWN_TOPIC = "unknown_topic"
+STORE_FAILED = "store_failed"
+UNKNOWN_ARTIFACT = "unknown_artifact"
+BAD_CHUNK_INDEX = "bad_chunk_index"
+UNKNOWN_KIND = "unknown"
+
+# CONNACK codes that no amount of retrying will fix (MQTT 3.1.1: 4, 5; MQTT 5: 0x86, 0x87).
+_AUTH_REFUSED = {4, 5, 134, 135}
+
+
+class Transport(Protocol):
+    """What the bridge needs from an MQTT client. Tests use a hand-written fake."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    def start(self, *, on_message: MessageCallback, on_connect: ConnectCallback) -> None:
+        """Begin connecting in the background; call ``on_connect`` after every successful CONNACK."""
+
+    def stop(self) -> None: ...
+
+    def subscribe(self, topics: list[tuple[str, int]]) -> None:
+        """Subscribe now if connected, and again after every reconnect."""
+
+    def publish(self, topic: str, payload: bytes, qos: int, retain: bool) -> None: ...
+
+
+class Counters:
+    """Thread-safe counts per (topic kind, outcome)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {}
+
+    def add(self, kind: str, outcome: str, n: int = 1) -> None:
+        if n <= 0:
+            return
+        with self._lock:
+            self._counts[(kind, outcome)] = self._counts.get((kind, outcome), 0) + n
+
+    def get(self, kind: str, outcome: str) -> int:
+        with self._lock:
+            return self._counts.get((kind, outcome), 0)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            out: dict[str, dict[str, int]] = {}
+            for (kind, outcome), n in sorted(self._counts.items()):
+                out.setdefault(kind, {})[outcome] = n
+            return out
+
+
+class RateLimitedLog:
+    """Logs at most one line per key per interval, saying how many were suppressed in between.
+
+    A misbehaving device can send thousands of bad frames a second; the log must stay readable.
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._log = logger
+        self._interval = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, suppressed = self._last.get(key, (float("-inf"), 0))
+            if now - last < self._interval:
+                self._last[key] = (last, suppressed + 1)
+                return
+            if len(self._last) > 10_000:  # keys come from the network: keep the map bounded
+                self._last.clear()
+            self._last[key] = (now, 0)
+        if suppressed:
+            self._log.warning(msg + " (%d similar suppressed)", *args, suppressed)
+        else:
+            self._log.warning(msg, *args)
+
+
+class PahoTransport:
+    """paho-mqtt 2.x client: background network loop, reconnect with backoff, resubscribe on connect."""
+
+    def __init__(self, target: MqttTarget, *, client_id: str, keepalive: int = 30) -> None:
+        self._target = target
+        self._keepalive = keepalive
+        # clean_session: correctness never relies on the broker queueing for us (agents resend
+        # until acked), and a persistent session would replay a flood after a long outage.
+        self._client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True, protocol=mqtt.MQTTv311
+        )
+        if target.username:
+            password = target.password.get_secret_value() if target.password else None
+            self._client.username_pw_set(target.username, password)
+        if target.tls:
+            self._client.tls_set()
+        self._client.reconnect_delay_set(min_delay=1, max_delay=30)
+        self._client.on_connect = self._on_connect
+        self._client.on_disconnect = self._on_disconnect
+        self._client.on_message = self._on_message
+        self._subs: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._on_message_cb: MessageCallback | None = None
+        self._on_connect_cb: ConnectCallback | None = None
+        self.refused: str | None = None  # reason, once the broker refused us for good
+        self._stopping = False
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self._connected.wait(timeout)
+
+    def start(self, *, on_message: MessageCallback, on_connect: ConnectCallback) -> None:
+        self._on_message_cb = on_message
+        self._on_connect_cb = on_connect
+        log.info("connecting to MQTT broker %s:%s", self._target.host, self._target.port)
+        self._client.connect_async(self._target.host, self._target.port, keepalive=self._keepalive)
+        self._client.loop_start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._client.disconnect()
+        self._client.loop_stop()
+        self._connected.clear()
+
+    def subscribe(self, topics: list[tuple[str, int]]) -> None:
+        with self._lock:
+            self._subs.extend(topics)
+        if self.connected and topics:
+            self._client.subscribe(topics)
+
+    def publish(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
+        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        # QoS 1/2 messages stay queued in paho while disconnected; only a QoS 0 one is lost here.
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            log.warning("publish to %s failed: %s", topic, mqtt.error_string(info.rc))
+
+    # paho callbacks, on paho's network thread -------------------------------------------------
+
+    def _on_connect(
+        self, client: mqtt.Client, _userdata: Any, _flags: Any, reason_code: ReasonCode, _props: Any
+    ) -> None:
+        if reason_code.is_failure:
+            if reason_code.value in _AUTH_REFUSED:
+                self.refused = str(reason_code)
+                log.error(
+                    "MQTT broker %s:%s refused the controller (%s); check the credentials in "
+                    "EDGEFLEET_MQTT_URL / EDGEFLEET_MQTT_PASSWORD. Not retrying.",
+                    self._target.host,
+                    self._target.port,
+                    reason_code,
+                )
+                # disconnect() from a callback makes paho's loop exit instead of reconnecting.
+                client.disconnect()
+            else:
+                log.warning("MQTT broker refused the connection (%s); retrying", reason_code)
+            return
+        log.info("connected to MQTT broker %s:%s", self._target.host, self._target.port)
+        with self._lock:
+            subs = list(self._subs)
+        if subs:
+            client.subscribe(subs)
+        self._connected.set()
+        if self._on_connect_cb is not None:
+            try:
+                self._on_connect_cb()
+            except Exception:
+                log.exception("on_connect handler failed")
+
+    def _on_disconnect(
+        self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason_code: ReasonCode, _props: Any
+    ) -> None:
+        was = self._connected.is_set()
+        self._connected.clear()
+        if was and not self._stopping:
+            log.warning("disconnected from MQTT broker (%s); reconnecting", reason_code)
+
+    def _on_message(self, _client: mqtt.Client, _userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        if self._on_message_cb is not None:
+            self._on_message_cb(msg.topic, bytes(msg.payload))
+
+
+class MqttBridge:
+    """Parses topics, decodes payloads, counts outcomes, and hands typed messages to handlers."""
+
+    def __init__(self, transport: Transport, topics: Topics) -> None:
+        self.transport = transport
+        self.topics = topics
+        self.counters = Counters()
+        self._handlers: dict[TopicKind, Handler] = {}
+        self._connect_listeners: list[ConnectCallback] = []
+        self._bad = RateLimitedLog(log)
+        self._activity: dict[str, float] = {}
+
+    @property
+    def connected(self) -> bool:
+        return self.transport.connected
+
+    def on(self, kind: TopicKind, handler: Handler) -> None:
+        """Route decoded messages of ``kind`` to ``handler``."""
+        self._handlers[kind] = handler
+
+    def on_connect(self, listener: ConnectCallback) -> None:
+        self._connect_listeners.append(listener)
+
+    def last_activity(self, device_id: str) -> float | None:
+        """``time.monotonic()`` of the last valid message from ``device_id``."""
+        return self._activity.get(device_id)
+
+    def start(self) -> None:
+        self.transport.subscribe(self.topics.controller_subscriptions())
+        self.transport.start(on_message=self.handle_message, on_connect=self._connected)
+
+    def stop(self) -> None:
+        self.transport.stop()
+
+    def publish_message(self, device_id: str, kind: TopicKind, msg: BaseModel) -> None:
+        spec = SPECS[kind]
+        self.transport.publish(self.topics.device(device_id, kind), encode(msg), spec.qos, spec.retain)
+
+    def publish_raw(self, device_id: str, kind: TopicKind, payload: bytes) -> None:
+        spec = SPECS[kind]
+        self.transport.publish(self.topics.device(device_id, kind), payload, spec.qos, spec.retain)
+
+    def _connected(self) -> None:
+        for listener in self._connect_listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("connect listener failed")
+
+    def handle_message(self, topic: str, payload: bytes) -> None:
+        """Entry point for every incoming frame; never raises (it runs on paho's thread)."""
+        kind_name = UNKNOWN_KIND
+        try:
+            parsed = self.topics.parse(topic)
+            handler = self._handlers.get(parsed.kind) if parsed is not None else None
+            if parsed is None or handler is None:
+                self.counters.add(parsed.kind.value if parsed else UNKNOWN_KIND, UNKNOWN_TOPIC)
+                self._bad.warning(
+                    "topic:" + topic[:80], "ignoring message on unexpected topic %r", topic[:200]
+                )
+                return
+            kind_name = parsed.kind.value
+            try:
+                msg = decode(parsed.kind, payload)
+            except ProtocolError as exc:
+                self.counters.add(kind_name, INVALID)
+                self._bad.warning(
+                    f"invalid:{parsed.device_id}:{kind_name}",
+                    "dropping invalid %s from %s: %s",
+                    kind_name,
+                    parsed.device_id,
+                    str(exc)[:300],
+                )
+                return
+            self._activity[parsed.device_id] = time.monotonic()
+            outcome = handler(parsed.device_id, msg)
+            if outcome is not None:
+                self.counters.add(kind_name, outcome)
+        except Exception:
+            self.counters.add(kind_name, "error")
+            log.exception("unexpected error handling a message on %r", topic[:200])

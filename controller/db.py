@@ -1,0 +1,90 @@
+"""Engine factory and programmatic Alembic migrations (no alembic.ini needed)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.engine import Engine, make_url
+from sqlmodel import Session
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+def make_engine(database_url: str, **kwargs: Any) -> Engine:
+    """Create the engine for ``database_url`` (SQLite file or ``postgresql+psycopg://``)."""
+    url = make_url(database_url)
+    if url.get_backend_name() == "sqlite":
+        if url.database and url.database != ":memory:":
+            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        # check_same_thread off: the API thread pool and the ingest workers share the pool.
+        engine = sa.create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs
+        )
+        sa.event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return sa.create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    # WAL lets API reads run while the ingest worker writes; NORMAL sync is durable across app crashes.
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def alembic_config(database_url: str, *, schema: str | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # ConfigParser interpolation would eat a '%' in a URL-encoded password.
+    cfg.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
+    if schema:
+        cfg.attributes["schema"] = schema
+    return cfg
+
+
+def migrate(database_url: str, *, revision: str = "head", engine: Engine | None = None) -> None:
+    """Bring the database at ``database_url`` up to ``revision``.
+
+    With ``engine`` the migration runs on one of its connections (so connect-time settings such as a
+    PostgreSQL ``search_path`` apply).
+    """
+    cfg = alembic_config(database_url)
+    if engine is None:
+        engine = make_engine(database_url)
+        try:
+            _upgrade(cfg, engine, revision)
+        finally:
+            engine.dispose()
+    else:
+        _upgrade(cfg, engine, revision)
+    log.info("database schema at %s", revision)
+
+
+def _upgrade(cfg: Config, engine: Engine, revision: str) -> None:
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+
+
+@contextmanager
+def session_scope(engine: Engine) -> Iterator[Session]:
+    """One session, committed on success and rolled back on error."""
+    with Session(engine, expire_on_commit=False) as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise

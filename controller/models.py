@@ -1,0 +1,206 @@
+"""Database tables and their API-facing shapes, split by role (``XBase / XCreate / XPublic / X``).
+
+The schema itself is created only by the Alembic migrations in ``controller/migrations``; these
+classes must stay in step with them (a test compares the two).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from pydantic import field_validator
+from sqlalchemy.engine import Dialect
+from sqlmodel import JSON, Field, SQLModel
+
+from fleet_protocol.topics import valid_device_id
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UtcDateTime(sa.types.TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every dialect.
+
+    SQLite keeps no offset, so values go in as naive UTC and come back tagged UTC; without this the
+    API would hand out naive datetimes on SQLite and aware ones on PostgreSQL.
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# SQLite only autoincrements an INTEGER PRIMARY KEY, not a BIGINT one.
+BigIntId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+# --------------------------------------------------------------------------- devices
+
+
+class DeviceBase(SQLModel):
+    name: str | None = Field(default=None, max_length=200)
+    labels: dict[str, str] = Field(default_factory=dict, sa_type=JSON)
+
+
+class DeviceCreate(DeviceBase):
+    id: str = Field(max_length=64)
+
+    @field_validator("id")
+    @classmethod
+    def _valid_id(cls, v: str) -> str:
+        if not valid_device_id(v):
+            raise ValueError("device id must match ^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+        return v
+
+
+class Device(DeviceBase, table=True):
+    __tablename__ = "device"
+
+    id: str = Field(primary_key=True, max_length=64)
+    enrolled: bool = Field(default=False)
+    status: str = Field(default="offline", max_length=16)
+    online_since: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    offline_since: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    last_seen: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    agent_version: str | None = Field(default=None)
+    capabilities: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    last_health: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    desired: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    desired_version: int = Field(default=0)
+    reported: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    reported_version: int | None = Field(default=None)
+    duplicates: int = Field(default=0, sa_type=sa.BigInteger)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+# --------------------------------------------------------------------------- health
+
+
+class HealthSampleBase(SQLModel):
+    ts: datetime = Field(sa_type=UtcDateTime)
+    payload: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+
+
+class HealthSample(HealthSampleBase, table=True):
+    __tablename__ = "health_sample"
+    __table_args__ = (sa.Index("ix_health_sample_device_ts", "device_id", "ts"),)
+
+    id: int | None = Field(default=None, primary_key=True, sa_type=BigIntId)
+    device_id: str = Field(max_length=64)
+
+
+class HealthSamplePublic(HealthSampleBase):
+    device_id: str
+
+
+# --------------------------------------------------------------------------- detections
+
+
+class Detection(SQLModel, table=True):
+    __tablename__ = "detection"
+    __table_args__ = (
+        sa.Index("ix_detection_captured", "captured_at", "id"),
+        sa.Index("ix_detection_device_captured", "device_id", "captured_at"),
+        sa.Index("ix_detection_device_seq", "device_id", "seq"),
+        sa.Index("ix_detection_label", "label"),
+        sa.Index("ix_detection_camera", "camera"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True, sa_type=BigIntId)
+    device_id: str = Field(max_length=64)
+    seq: int = Field(sa_type=sa.BigInteger)
+    camera: str
+    frame: int = Field(sa_type=sa.BigInteger)
+    captured_at: datetime = Field(sa_type=UtcDateTime)
+    stored_at: datetime = Field(sa_type=UtcDateTime)
+    model: str
+    label: str
+    class_id: int = Field(sa_type=sa.BigInteger)
+    score: float
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+
+class IngestedSeq(SQLModel, table=True):
+    """One row per ``(device, seq)`` ever stored or declared dropped: the dedup record."""
+
+    __tablename__ = "ingested_seq"
+
+    device_id: str = Field(primary_key=True, max_length=64)
+    seq: int = Field(primary_key=True, sa_type=sa.BigInteger)
+    kind: str = Field(max_length=16)  # "detections", "event" or "dropped"
+    stored_at: datetime = Field(sa_type=UtcDateTime)
+    dropped: bool = Field(default=False)
+
+
+# --------------------------------------------------------------------------- events
+
+
+class EventBase(SQLModel):
+    device_id: str = Field(max_length=64)
+    seq: int | None = Field(default=None, sa_type=sa.BigInteger)
+    ts: datetime = Field(sa_type=UtcDateTime)
+    kind: str = Field(max_length=32)
+    severity: str = Field(default="info", max_length=16)
+    camera: str | None = None
+    message: str = ""
+    data: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+
+
+class Event(EventBase, table=True):
+    __tablename__ = "event"
+    __table_args__ = (
+        sa.Index("ix_event_device_ts", "device_id", "ts"),
+        sa.Index("ix_event_kind_ts", "kind", "ts"),
+        sa.Index("ix_event_ts", "ts", "id"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True, sa_type=BigIntId)
+    stored_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+class EventPublic(EventBase):
+    id: int
+    stored_at: datetime
+
+
+# --------------------------------------------------------------------------- models
+
+
+class ModelVersionBase(SQLModel):
+    name: str = Field(max_length=64)
+    version: str = Field(max_length=64)
+    sha256: str = Field(max_length=64)
+    size: int = Field(sa_type=sa.BigInteger)
+    manifest: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+
+
+class ModelVersion(ModelVersionBase, table=True):
+    __tablename__ = "model_version"
+    __table_args__ = (
+        sa.UniqueConstraint("sha256", name="uq_model_version_sha256"),
+        sa.UniqueConstraint("name", "version", name="uq_model_version_name_version"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    path: str
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+class ModelVersionPublic(ModelVersionBase):
+    created_at: datetime

@@ -1,0 +1,133 @@
+"""Response and request shapes of the REST API that are not plain table views."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from controller.models import Device
+from controller.seqtrack import SeqStats
+from fleet_protocol.messages import CameraReported, CameraStats, Name
+
+
+class DeviceStats(BaseModel):
+    stored: int = Field(description="detection batches and events stored")
+    duplicates: int = Field(description="messages received again after they were stored (dropped)")
+    lost: int = Field(description="seqs below the highest seen that are neither stored nor declared dropped")
+    dropped: int = Field(description="seqs the agent declared dropped from its full outbox")
+    acked_upto: int = Field(description="every seq up to this one is stored or declared dropped")
+    max_seq: int
+
+
+class DevicePublic(BaseModel):
+    id: str
+    name: str | None
+    labels: dict[str, str]
+    enrolled: bool
+    status: Literal["online", "offline"]
+    online_since: datetime | None
+    offline_since: datetime | None
+    last_seen: datetime | None
+    agent_version: str | None
+    capabilities: dict[str, Any] | None
+    cameras: list[CameraStats] = Field(description="per camera, from the last heartbeat")
+    models: dict[str, CameraReported] = Field(description="what each camera runs, from the reported state")
+    last_health: dict[str, Any] | None
+    desired_version: int
+    reported_version: int | None
+    stats: DeviceStats
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, dev: Device, stats: SeqStats) -> DevicePublic:
+        health = dev.last_health or {}
+        cameras: list[CameraStats] = []
+        for c in health.get("cameras", []) or []:
+            try:
+                cameras.append(CameraStats.model_validate(c))
+            except ValueError:
+                continue  # stored by an older agent/schema; skip rather than fail the listing
+        models: dict[str, CameraReported] = {}
+        for cam, rep in ((dev.reported or {}).get("cameras") or {}).items():
+            try:
+                models[cam] = CameraReported.model_validate(rep)
+            except ValueError:
+                continue
+        return cls(
+            id=dev.id,
+            name=dev.name,
+            labels=dev.labels or {},
+            enrolled=dev.enrolled,
+            status="online" if dev.status == "online" else "offline",
+            online_since=dev.online_since,
+            offline_since=dev.offline_since,
+            last_seen=dev.last_seen,
+            agent_version=dev.agent_version,
+            capabilities=dev.capabilities,
+            cameras=cameras,
+            models=models,
+            last_health=dev.last_health,
+            desired_version=dev.desired_version,
+            reported_version=dev.reported_version,
+            stats=DeviceStats(
+                stored=stats.stored,
+                duplicates=stats.duplicates,
+                lost=stats.lost,
+                dropped=stats.dropped,
+                acked_upto=stats.acked_upto,
+                max_seq=stats.max_seq,
+            ),
+            created_at=dev.created_at,
+        )
+
+
+class BoxOut(BaseModel):
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+
+class DetectionOut(BaseModel):
+    device: str
+    camera: str
+    seq: int
+    frame: int
+    captured_at: datetime
+    stored_at: datetime
+    model: str
+    label: str
+    class_id: int
+    score: float
+    box: BoxOut
+
+
+class DetectionPage(BaseModel):
+    items: list[DetectionOut]
+    next_cursor: str | None = Field(description="pass as ?cursor= for the next (older) page; null at the end")
+
+
+class AssignModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Name = Field(description="registered model name")
+    version: Name = Field(description="registered model version")
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    max_fps: float | None = Field(default=None, gt=0.0)
+    labels: list[str] | None = Field(default=None, description="keep only these labels; null keeps all")
+
+
+class IngestStats(BaseModel):
+    counters: dict[str, dict[str, int]] = Field(description="topic kind → outcome → count")
+    queue_depth: int
+    queue_max: int
+    status_queue_depth: int
+    mqtt_connected: bool
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    db: bool
+    mqtt: bool
