@@ -97,6 +97,7 @@ class Agent:
                 threads=inf.threads,
                 providers_preference=inf.providers,
                 trt_cache_dir=inf.trt_cache_dir or self.data_dir / "trt_cache",
+                spin=inf.spin,
             )
         self.pipeline = Pipeline(
             cameras,

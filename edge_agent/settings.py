@@ -108,6 +108,9 @@ class InferenceConfig(_Strict):
         min_length=1,
     )
     max_batch: int = Field(default=4, ge=1, le=64)
+    spin: bool = False
+    """onnxruntime intra-op thread spinning: a little faster alone, slower when capture and publishing
+    share the cores (see BENCHMARKS.md)."""
     trt_cache_dir: Path | None = None
     """TensorRT engine cache; default ``<data_dir>/trt_cache``."""
 

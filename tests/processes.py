@@ -1,0 +1,121 @@
+"""Real controller and agent processes for e2e and fault tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tests.mqtt_broker import free_port
+from tests.waiting import wait_for
+
+
+class ControllerProcess:
+    """``python -m controller controller`` with its own data folder and API port."""
+
+    def __init__(self, workdir: Path, mqtt_url: str, **env: str) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = workdir / "controller.log"
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "EDGEFLEET_DATA_DIR": str(workdir / "controller"),
+            "EDGEFLEET_MQTT_URL": mqtt_url,
+            "EDGEFLEET_API_HOST": "127.0.0.1",
+            "EDGEFLEET_API_PORT": str(self.port),
+            **env,
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "controller", "controller"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+            )
+        wait_for(self._healthy, timeout=timeout, what=f"controller healthy (log: {self.log})")
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"controller exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+        return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=10)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+
+    def kill9(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+
+class AgentProcess:
+    """``python -m edge_agent --config FILE`` with a YAML config written here."""
+
+    def __init__(
+        self, workdir: Path, device_id: str, mqtt_url: str, cameras: list[dict[str, Any]], **extra: Any
+    ):
+        self.device_id = device_id
+        self.workdir = workdir
+        self.config = workdir / f"{device_id}.yaml"
+        self.log = workdir / f"{device_id}.log"
+        cfg: dict[str, Any] = {
+            "device_id": device_id,
+            "mqtt_url": mqtt_url,
+            "data_dir": str(workdir / device_id),
+            "heartbeat_interval_s": 1.0,
+            "cameras": cameras,
+            "inference": {"threads": 1},
+            **extra,
+        }
+        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "edge_agent", "--config", str(self.config)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, timeout: float = 15) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
