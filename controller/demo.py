@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import yaml
+from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -116,9 +117,17 @@ def _setup_fleet(client: httpx.Client) -> None:
 
 
 def _table(client: httpx.Client, api_url: str, started: float) -> tuple[Table, dict[str, int]]:
-    table = Table(title=f"edgefleet demo  ·  API {api_url}/docs  ·  {time.monotonic() - started:4.0f}s")
-    for col in ("device", "status", "model", "FPS", "infer ms", "det/s", "persons/s", "stored", "lost"):
-        table.add_column(col, justify="right" if col not in ("device", "status", "model") else "left")
+    table = Table(
+        title=f"edgefleet demo · {api_url}/docs · {time.monotonic() - started:.0f}s",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+        caption=f"det/s, pers/s: detections stored in the last {RATE_WINDOW_S:.0f}s; msgs: batches stored",
+    )
+    for col in ("device", "status", "model", "FPS", "inf ms", "det/s", "pers/s", "msgs", "lost"):
+        table.add_column(
+            col, justify="right" if col not in ("device", "status", "model") else "left", no_wrap=True
+        )
     persons: dict[str, int] = {}
     since = time.time() - RATE_WINDOW_S
     for device_id, model in DEVICES:
@@ -150,6 +159,15 @@ def _table(client: httpx.Client, api_url: str, started: float) -> tuple[Table, d
     return table, persons
 
 
+def _broker_log(data_dir: Path) -> None:
+    """amqtt logs every abrupt disconnect at ERROR: keep that in the data folder, off the live table."""
+    handler = logging.FileHandler(data_dir / "broker.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    amqtt_log = logging.getLogger("amqtt")
+    amqtt_log.handlers[:] = [handler]
+    amqtt_log.propagate = False
+
+
 def run_demo(
     *,
     mqtt_url: str | None = None,
@@ -179,6 +197,7 @@ def run_demo(
     rc = 0
     try:
         if mqtt_url is None:
+            _broker_log(data_dir)
             broker = EmbeddedBroker(port=_free_port())
             broker.start()
             mqtt_url = broker.url
@@ -229,7 +248,7 @@ def run_demo(
         console.print(f"[red]demo failed: {exc} (logs in {data_dir})")
         rc = 1
     finally:
-        console.print("stopping agents, controller and broker…")
+        console.print("\nstopping agents, controller and broker…")
         procs.stop()
         if broker is not None:
             broker.stop()

@@ -1,11 +1,15 @@
 """Per-camera model slots, the inference thread, and the hand-off to the publisher.
 
-Stages overlap: capture threads (one per camera, newest frame only) -> ONE inference thread
-(batches frames of cameras sharing a model) -> a bounded drop-oldest queue -> the publisher thread.
+Stages overlap: capture threads (one per camera, newest frame only) -> a prepare thread (takes the
+newest frame of each camera, batches frames of cameras sharing a model, preprocesses) -> a one-item
+hand-off that blocks the prepare thread when full -> ONE inference thread (runs the model, decodes)
+-> a bounded drop-oldest queue -> the publisher thread. So the next batch is decoded from video and
+preprocessed while the model runs on the current one.
 
 Hot swap: a new model is loaded and warmed up beside the old one; only then does the camera's slot
-point at it. The inference thread reads slots once per round, so a round in progress finishes on
-the model it started with; replaced models are closed by the inference thread after that round.
+point at it. A batch prepared for a model that has since been replaced is discarded (its frames are
+stale, like the camera slot that ``activate`` clears); replaced models are closed by the inference
+thread, the only thread that runs them.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 
 from edge_agent.backends import BackendFactory, InferenceBackend
 from edge_agent.capture import CameraWorker, Frame
-from edge_agent.queues import DropOldestQueue
+from edge_agent.queues import DropOldestQueue, HandoffQueue
 from fleet_protocol.messages import (
     Box,
     CameraState,
@@ -91,6 +95,16 @@ class CameraParams:
     labels: frozenset[str] | None = None
 
 
+@dataclass(eq=False)
+class _Prepared:
+    """One batch ready for the model: frames of cameras sharing ``model``, preprocessed."""
+
+    model: LoadedModel
+    items: list[tuple[Frame, CameraParams]]
+    batch: np.ndarray
+    metas: list[Any]
+
+
 @dataclass
 class _CamStats:
     inferred: int = 0
@@ -139,6 +153,9 @@ class Pipeline:
         self._retired: list[LoadedModel] = []
         self._stats = {c: _CamStats() for c in self.cameras}
         self._error_log_at = 0.0
+        # Prepare -> inference. Drop policy: none; the prepare thread waits (see HandoffQueue).
+        self._prepared: HandoffQueue[_Prepared] = HandoffQueue(1)
+        self._prep_thread = threading.Thread(target=self._prepare_loop, name="prepare", daemon=True)
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
 
     # ------------------------------------------------------------------ models
@@ -203,6 +220,7 @@ class Pipeline:
     def start(self) -> None:
         for cam in self.cameras.values():
             cam.start()
+        self._prep_thread.start()
         self._thread.start()
 
     def join(self, timeout: float) -> None:
@@ -210,10 +228,12 @@ class Pipeline:
         for cam in self.cameras.values():
             if not cam.join(max(0.1, deadline - time.monotonic())):
                 log.warning("capture thread of %s did not stop in time", cam.id)
+        self._prep_thread.join(max(0.1, deadline - time.monotonic()))
         self._thread.join(max(0.1, deadline - time.monotonic()))
-        if self._thread.is_alive():
-            log.warning("inference thread did not stop in time")
+        if self._thread.is_alive() or self._prep_thread.is_alive():
+            log.warning("prepare or inference thread did not stop in time")
             return
+        self._prepared.drain()
         with self._lock:
             models = {id(m): m for m, _ in self._slots.values()}
             self._slots.clear()
@@ -267,31 +287,25 @@ class Pipeline:
 
     # ------------------------------------------------------------------ inference thread
 
-    def _run(self) -> None:
+    def _prepare_loop(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(0.1)
             self._wake.clear()
-            self._close_retired()
             try:
-                self._round()
+                for prepared in self._prepare_round():
+                    if not self._prepared.put(prepared, self._stop):
+                        return
             except Exception:
                 # One bad round must not stop analytics on every camera.
-                log.exception("inference round failed")
-        self._close_retired()
+                log.exception("prepare round failed")
 
-    def _close_retired(self) -> None:
-        with self._lock:
-            retired, self._retired = self._retired, []
-        for m in retired:
-            m.backend.close()
-            log.info("closed %s", m.key)
-
-    def _round(self) -> None:
+    def _prepare_round(self) -> list[_Prepared]:
         with self._lock:
             slots = dict(self._slots)
             stats = self._stats
         now = time.monotonic()
-        groups: dict[int, list[tuple[Frame, LoadedModel, CameraParams]]] = {}
+        groups: dict[int, list[tuple[Frame, CameraParams]]] = {}
+        models: dict[int, LoadedModel] = {}
         for cam_id, (model, params) in slots.items():
             cam = self.cameras.get(cam_id)
             if cam is None:
@@ -304,37 +318,75 @@ class Pipeline:
                 st.skipped += 1  # the FPS cap asked for it; not a loss
                 continue
             st.last_inferred = now
-            groups.setdefault(id(model), []).append((frame, model, params))
-        for items in groups.values():
-            model = items[0][1]
+            groups.setdefault(id(model), []).append((frame, params))
+            models[id(model)] = model
+        out: list[_Prepared] = []
+        for key, items in groups.items():
+            model = models[key]
             step = self.max_batch if model.backend.dynamic_batch else 1
             for i in range(0, len(items), step):
-                self._infer(items[i : i + step], stats)
+                chunk = items[i : i + step]
+                images = [f.image for f, _ in chunk]
+                try:
+                    if len(images) == 1:
+                        tensor, meta = model.preprocessor(images[0])
+                        batch, metas = tensor[None], [meta]
+                    else:
+                        batch, metas = model.preprocessor.batch(images)
+                except Exception as exc:
+                    for f, _ in chunk:
+                        stats[f.camera].errors += 1
+                    self._log_error("preprocessing for %s failed: %s", model.key, exc)
+                    continue
+                out.append(_Prepared(model=model, items=chunk, batch=batch, metas=metas))
+        return out
 
-    def _infer(
-        self, items: list[tuple[Frame, LoadedModel, CameraParams]], stats: dict[str, _CamStats]
-    ) -> None:
-        model = items[0][1]
-        images = [f.image for f, _, _ in items]
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            prepared = self._prepared.get(0.1)
+            self._close_retired()
+            if prepared is None:
+                continue
+            with self._lock:
+                # Replaced since it was prepared (and maybe closed already): those frames are stale.
+                stale = not any(
+                    (slot := self._slots.get(f.camera)) is not None and slot[0] is prepared.model
+                    for f, _ in prepared.items
+                )
+                stats = self._stats
+            if stale:
+                for f, _ in prepared.items:
+                    stats[f.camera].skipped += 1
+                continue
+            try:
+                self._infer(prepared, stats)
+            except Exception:
+                log.exception("inference round failed")
+        self._close_retired()
+
+    def _close_retired(self) -> None:
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for m in retired:
+            m.backend.close()
+            log.info("closed %s", m.key)
+
+    def _infer(self, prepared: _Prepared, stats: dict[str, _CamStats]) -> None:
+        model, items, metas = prepared.model, prepared.items, prepared.metas
         t0 = time.perf_counter()
         try:
-            if len(images) == 1:
-                tensor, meta = model.preprocessor(images[0])
-                batch, metas = tensor[None], [meta]
-            else:
-                batch, metas = model.preprocessor.batch(images)
-            outputs = model.backend.run(batch)
-            threshold = min(p.threshold for _, _, p in items)
+            outputs = model.backend.run(prepared.batch)
+            threshold = min(p.threshold for _, p in items)
             decoded = self._decode(model.manifest, outputs, metas, threshold)
         except Exception as exc:
-            for f, _, _ in items:
+            for f, _ in items:
                 stats[f.camera].errors += 1
             self._log_error("inference on %s failed: %s", model.key, exc)
             return
         ms = (time.perf_counter() - t0) * 1000.0
         done = time.monotonic()
         labels = model.manifest.labels
-        for (frame, _, params), raws, meta in zip(items, decoded, metas, strict=True):
+        for (frame, params), raws, meta in zip(items, decoded, metas, strict=True):
             dets = [d for d in (_detection(r, labels) for r in raws if r.score >= params.threshold) if d]
             if params.labels is not None:
                 dets = [d for d in dets if d.label in params.labels]

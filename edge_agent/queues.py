@@ -106,3 +106,53 @@ class LatestSlot(Generic[T]):
         with self._lock:
             self._item = None
             self._lock.notify_all()
+
+
+class HandoffQueue(Generic[T]):
+    """A small bounded queue between two pipeline stages (policy: block the producer when full).
+
+    Used where the producer reads from newest-frame slots: while it waits, the camera slots upstream
+    keep replacing frames (and count those drops), so waiting here never builds a backlog of stale
+    frames, and nothing prepared is thrown away.
+    """
+
+    policy = "block_producer"
+
+    def __init__(self, maxsize: int = 1) -> None:
+        if maxsize < 1:
+            raise ValueError("maxsize must be >= 1")
+        self.maxsize = maxsize
+        self._items: deque[T] = deque()
+        self._cond = threading.Condition()
+
+    def put(self, item: T, stop: threading.Event, poll_s: float = 0.1) -> bool:
+        """Wait for room, then enqueue; False (nothing enqueued) if ``stop`` is set first."""
+        with self._cond:
+            while len(self._items) >= self.maxsize:
+                if stop.is_set():
+                    return False
+                self._cond.wait(poll_s)
+            self._items.append(item)
+            self._cond.notify_all()
+            return True
+
+    def get(self, timeout: float | None = None) -> T | None:
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout)
+            if not self._items:
+                return None
+            item = self._items.popleft()
+            self._cond.notify_all()
+            return item
+
+    def drain(self) -> list[T]:
+        with self._cond:
+            items = list(self._items)
+            self._items.clear()
+            self._cond.notify_all()
+            return items
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
