@@ -258,4 +258,6 @@ def run_demo(
             tmp.cleanup()
     summary = ", ".join(f"{d}: {'persons seen' if n else 'NO persons'}" for d, n in seen_persons.items())
     console.print(f"demo stopped ({summary})")
+    if rc == 0 and seconds is not None and not all(seen_persons.values()):
+        rc = 3  # a timed run (scripts, CI) that saw no person on a device did not show what it should
     return rc
