@@ -82,6 +82,7 @@ def pipeline(threads: int, workdir: Path) -> dict[str, Any]:
         broker.url,
         cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": False, "realtime": False}],
         inference={"threads": threads},
+        controller=controller,
     )
     frames: list[tuple[int, float, float]] = []  # (frame, captured_at, received_at)
     published_dets = [0]

@@ -16,11 +16,13 @@ from sqlmodel import Session, col, select
 from controller import crud
 from controller.models import Detection, DeviceCreate, EventPublic, HealthSamplePublic, ModelVersionPublic
 from controller.schemas import (
+    ArtifactKey,
     AssignModel,
     BoxOut,
     DetectionOut,
     DetectionPage,
     DevicePublic,
+    EnrolledDevice,
     Health,
     IngestStats,
 )
@@ -98,14 +100,20 @@ def build_router() -> APIRouter:
 
     @api.post(
         "/devices",
-        response_model=DevicePublic,
+        response_model=EnrolledDevice,
         status_code=status.HTTP_201_CREATED,
-        summary="Enroll a device (idempotent: updates name/labels of an existing one)",
+        summary="Enroll a device (idempotent: updates name/labels of an existing one); "
+        "the answer carries the artifact public key the device's agent must be given",
     )
-    def enroll(body: DeviceCreate, session: SessionDep, rt: RuntimeDep) -> DevicePublic:
+    def enroll(body: DeviceCreate, session: SessionDep, rt: RuntimeDep) -> EnrolledDevice:
         dev = crud.enroll_device(session, device_in=body)
         session.commit()
-        return DevicePublic.from_row(dev, rt.ingest.stats(dev.id))
+        public = DevicePublic.from_row(dev, rt.ingest.stats(dev.id))
+        return EnrolledDevice(
+            **public.model_dump(),
+            artifact_public_key=rt.signer.public_key,
+            artifact_key_id=rt.signer.key_id,
+        )
 
     @api.get("/devices", response_model=list[DevicePublic], summary="All devices with status and stats")
     def list_devices(session: SessionDep, rt: RuntimeDep) -> list[DevicePublic]:
@@ -255,6 +263,16 @@ def build_router() -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[Any]:
         return list(crud.list_events(session, device_id=device, kind=kind, since=since, limit=limit))
+
+    # ------------------------------------------------------------------ keys
+
+    @api.get(
+        "/keys/artifacts",
+        response_model=ArtifactKey,
+        summary="The public key agents verify artifact signatures with",
+    )
+    def artifact_key(rt: RuntimeDep) -> ArtifactKey:
+        return ArtifactKey(public_key=rt.signer.public_key, key_id=rt.signer.key_id)
 
     # ------------------------------------------------------------------ models / stats
 

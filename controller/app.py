@@ -19,6 +19,7 @@ from controller.artifacts import ArtifactServer
 from controller.bridge import MqttBridge, PahoTransport, Transport
 from controller.db import make_engine, migrate
 from controller.ingest import IngestService
+from controller.keys import load_or_create_signer
 from controller.registry import register_bundled_models
 from controller.settings import ControllerSettings
 from controller.status import StatusService
@@ -35,6 +36,8 @@ class ControllerRuntime:
 
     def __init__(self, settings: ControllerSettings, transport: Transport | None = None) -> None:
         self.settings = settings
+        # First: a key that cannot be used must stop the start before anything else is opened.
+        self.signer = load_or_create_signer(settings.data_dir)
         self.stop_event = threading.Event()
         self.engine: Engine = make_engine(settings.resolved_database_url())
         if transport is None:
@@ -48,7 +51,7 @@ class ControllerRuntime:
             batch_max=settings.ingest_batch_max,
             stop=self.stop_event,
         )
-        self.twin = TwinService(self.engine, self.bridge, chunk_size=settings.chunk_size)
+        self.twin = TwinService(self.engine, self.bridge, chunk_size=settings.chunk_size, signer=self.signer)
         self.status = StatusService(
             self.engine,
             self.bridge,

@@ -75,10 +75,12 @@ class DemoProcesses:
                 proc.wait(5)
 
 
-def _agent_config(data_dir: Path, device_id: str, mqtt_url: str) -> Path:
+def _agent_config(data_dir: Path, device_id: str, mqtt_url: str, public_key: str) -> Path:
     cfg = {
         "device_id": device_id,
         "mqtt_url": mqtt_url,
+        # Given at enrollment: the agent runs only models signed with the controller's key.
+        "artifact_public_key": public_key,
         "data_dir": str(data_dir / device_id),
         "heartbeat_interval_s": 2.0,
         "cameras": [{"id": "cam1", "source": str(FOOTAGE), "loop": True}],
@@ -104,16 +106,20 @@ def _wait_healthy(
     raise RuntimeError(f"controller did not become healthy within {timeout}s")
 
 
-def _setup_fleet(client: httpx.Client) -> None:
+def _setup_fleet(client: httpx.Client) -> dict[str, str]:
+    """Enroll both devices and assign their models; returns each device's artifact public key."""
+    keys: dict[str, str] = {}
     for device_id, model in DEVICES:
         r = client.post(
             "/api/v1/devices", json={"id": device_id, "name": device_id, "labels": {"site": "demo"}}
         )
         r.raise_for_status()
+        keys[device_id] = r.json()["artifact_public_key"]
         r = client.put(
             f"/api/v1/devices/{device_id}/cameras/cam1/model", json={"model": model, "version": "1"}
         )
         r.raise_for_status()
+    return keys
 
 
 def _table(client: httpx.Client, api_url: str, started: float) -> tuple[Table, dict[str, int]]:
@@ -221,9 +227,9 @@ def run_demo(
         console.print(f"API: {api_url}/api/v1   OpenAPI docs: {api_url}/docs   logs: {data_dir}/*.log")
         with httpx.Client(base_url=api_url, timeout=5.0) as client:
             _wait_healthy(client, procs, stop)
-            _setup_fleet(client)
+            keys = _setup_fleet(client)
             for device_id, _model in DEVICES:
-                cfg = _agent_config(data_dir, device_id, mqtt_url)
+                cfg = _agent_config(data_dir, device_id, mqtt_url, keys[device_id])
                 procs.spawn(
                     device_id,
                     [sys.executable, "-m", "edge_agent", "--config", str(cfg)],

@@ -83,6 +83,22 @@ class DevicePublic(BaseModel):
         )
 
 
+class EnrolledDevice(DevicePublic):
+    """The enrollment answer: the device, and the key its agent must trust for artifacts."""
+
+    artifact_public_key: str = Field(
+        description="the controller's Ed25519 artifact key, base64 of 32 raw bytes: set it as the agent's "
+        "artifact_public_key (or EDGEFLEET_ARTIFACT_PUBLIC_KEY)"
+    )
+    artifact_key_id: str = Field(description="first 16 hex digits of the sha256 of the public key")
+
+
+class ArtifactKey(BaseModel):
+    public_key: str = Field(description="Ed25519 public key, base64 of its 32 raw bytes")
+    key_id: str = Field(description="first 16 hex digits of the sha256 of the raw public key")
+    algorithm: Literal["ed25519"] = "ed25519"
+
+
 class BoxOut(BaseModel):
     x0: float
     y0: float

@@ -12,6 +12,7 @@ from sqlmodel import Session
 from controller import crud
 from controller.bridge import MqttBridge
 from controller.db import session_scope
+from controller.keys import ArtifactSigner
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import ArtifactRef, CameraDesired, DesiredState, ModelManifest
 
@@ -23,10 +24,13 @@ class NotFoundError(LookupError):
 
 
 class TwinService:
-    def __init__(self, engine: Engine, bridge: MqttBridge, *, chunk_size: int) -> None:
+    def __init__(
+        self, engine: Engine, bridge: MqttBridge, *, chunk_size: int, signer: ArtifactSigner
+    ) -> None:
         self._engine = engine
         self._bridge = bridge
         self._chunk_size = chunk_size
+        self._signer = signer
         # Read-modify-write-publish under one lock: versions must increase in the order the retained
         # messages reach the broker.
         self._lock = threading.Lock()
@@ -77,8 +81,10 @@ class TwinService:
     ) -> DesiredState:
         dev = crud.get_device(s, device_id=device_id)
         assert dev is not None
-        new = DesiredState(
-            version=max(old.version, dev.desired_version) + 1, issued_at=time.time(), cameras=cameras
+        new = self._signed(
+            DesiredState(
+                version=max(old.version, dev.desired_version) + 1, issued_at=time.time(), cameras=cameras
+            )
         )
         dev.desired = new.model_dump(mode="json")
         dev.desired_version = new.version
@@ -88,13 +94,27 @@ class TwinService:
         log.info("desired state v%d of %s published", new.version, device_id)
         return new
 
+    def _signed(self, state: DesiredState) -> DesiredState:
+        """``state`` with every artifact ref signed by this controller's key.
+
+        Done at every publish, not once at assignment: refs stored before signing existed, or under a
+        replaced key, then go out signed by the current key. Ed25519 is deterministic, so an unchanged
+        ref gets the same signature and a republish is byte-identical.
+        """
+        cameras = {
+            cam: cd.model_copy(update={"model": self._signer.sign(cd.model)}) if cd.model is not None else cd
+            for cam, cd in state.cameras.items()
+        }
+        return state.model_copy(update={"cameras": cameras})
+
     def republish_all(self) -> int:
         """Publish every stored desired state again (retained): a broker without persistence forgets."""
         with self._lock, Session(self._engine) as s:
             devices = crud.devices_with_desired(s)
             for dev in devices:
                 try:
-                    self._bridge.publish_message(dev.id, TopicKind.TWIN_DESIRED, self.current(dev.desired))
+                    state = self._signed(self.current(dev.desired))
+                    self._bridge.publish_message(dev.id, TopicKind.TWIN_DESIRED, state)
                 except Exception:
                     log.exception("could not republish desired state of %s", dev.id)
             return len(devices)

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from edge_agent import __version__
 from edge_agent.artifacts import ArtifactFetcher, FetchCancelled, FetchError, file_sha256
 from edge_agent.backends import BackendFactory, onnxruntime_factory
@@ -29,7 +31,14 @@ from edge_agent.capture import CameraWorker, SourceOpener
 from edge_agent.health import Health
 from edge_agent.link import MqttLink, Transport
 from edge_agent.outbox import Outbox
-from edge_agent.pipeline import CameraParams, DecodeFn, ModelLoadError, Pipeline, PreprocessorFactory
+from edge_agent.pipeline import (
+    CameraParams,
+    DecodeFn,
+    LoadedModel,
+    ModelLoadError,
+    Pipeline,
+    PreprocessorFactory,
+)
 from edge_agent.publisher import Publisher
 from edge_agent.queues import LatestSlot
 from edge_agent.settings import AgentSettings
@@ -52,6 +61,7 @@ from fleet_protocol.messages import (
     ReportedState,
     Severity,
 )
+from fleet_protocol.signing import SignatureError, key_id, load_public_key, verify
 from fleet_protocol.topics import TopicKind, Topics
 
 log = logging.getLogger(__name__)
@@ -118,6 +128,9 @@ class Agent:
         self.publisher = Publisher(
             self.outbox, self.pipeline.out, self.transport.publish, settings.outbox, stop=self.stop_event
         )
+        self._artifact_key: Ed25519PublicKey | None = (
+            load_public_key(settings.artifact_public_key) if settings.artifact_public_key else None
+        )
         art = settings.artifacts
         self.fetcher = ArtifactFetcher(
             self.data_dir / "models",
@@ -155,6 +168,15 @@ class Agent:
 
     def start(self) -> None:
         self._started = True
+        if self._artifact_key is not None:
+            log.info("artifacts must be signed by key %s", key_id(self._artifact_key))
+        elif self.settings.require_signed_artifacts:
+            log.error(
+                "no artifact_public_key configured: every model will be refused until it is set "
+                "(the controller's key is in the enrollment answer and at GET /api/v1/keys/artifacts)"
+            )
+        else:
+            log.warning("require_signed_artifacts is off and no key is set: models run UNVERIFIED")
         persisted = self._load_desired()
         self.publisher.emit_event(
             EventKind.AGENT_STARTED,
@@ -326,6 +348,12 @@ class Agent:
             max_fps=cd.max_fps,
             labels=frozenset(cd.labels) if cd.labels is not None else None,
         )
+        # Before anything else, even for the model already running: a ref that does not check out
+        # is not the controller's word, so nothing of it is fetched, loaded or applied.
+        refused = self._signature_problem(ref)
+        if refused is not None:
+            self._model_failed(cam, key, manifest.sha256, current, refused, check="signature")
+            return
         if current is not None and current.sha256 == manifest.sha256 and current.manifest == manifest:
             self.pipeline.set_params(cam, params)
             self._set_reported(
@@ -342,24 +370,7 @@ class Agent:
         except FetchCancelled:
             return
         except (FetchError, ModelLoadError, OSError) as exc:
-            reason = str(exc)
-            log.error("camera %s: model %s failed: %s", cam, key, reason)
-            self.publisher.emit_event(
-                EventKind.MODEL_FAILED,
-                camera=cam,
-                severity=Severity.ERROR,
-                message=reason,
-                data={"model": key, "sha256": manifest.sha256, "kept": current.key if current else None},
-            )
-            self._set_reported(
-                cam,
-                CameraReported(
-                    model=current.key if current else None,
-                    sha256=current.sha256 if current else None,
-                    state="failed",
-                    error=reason[:1000],
-                ),
-            )
+            self._model_failed(cam, key, manifest.sha256, current, str(exc))
             return
         self.publisher.emit_event(
             EventKind.MODEL_ACTIVATE,
@@ -368,6 +379,50 @@ class Agent:
             data={"model": key, "sha256": manifest.sha256, "provider": model.backend.provider},
         )
         self._set_reported(cam, CameraReported(model=key, sha256=manifest.sha256, state="running"))
+
+    def _signature_problem(self, ref: ArtifactRef) -> str | None:
+        """Why ``ref`` must be refused (its signature, or no key to check it with), or None."""
+        if self._artifact_key is None:
+            if self.settings.require_signed_artifacts:
+                return (
+                    "no artifact public key configured, so no model can be trusted: set "
+                    "artifact_public_key (or EDGEFLEET_ARTIFACT_PUBLIC_KEY) to the controller's key from "
+                    "enrollment or GET /api/v1/keys/artifacts"
+                )
+            return None
+        try:
+            verify(ref, self._artifact_key)
+        except SignatureError as exc:
+            return f"refused {ref.manifest.name}:{ref.manifest.version}: {exc}"
+        return None
+
+    def _model_failed(
+        self,
+        cam: str,
+        key: str,
+        sha256: str,
+        current: LoadedModel | None,
+        reason: str,
+        *,
+        check: str | None = None,
+    ) -> None:
+        """Report a model that will not run on ``cam``: event + reported state; ``current`` stays."""
+        log.error("camera %s: model %s failed: %s", cam, key, reason)
+        data: dict[str, Any] = {"model": key, "sha256": sha256, "kept": current.key if current else None}
+        if check is not None:
+            data["check"] = check
+        self.publisher.emit_event(
+            EventKind.MODEL_FAILED, camera=cam, severity=Severity.ERROR, message=reason, data=data
+        )
+        self._set_reported(
+            cam,
+            CameraReported(
+                model=current.key if current else None,
+                sha256=current.sha256 if current else None,
+                state="failed",
+                error=reason[:1000],
+            ),
+        )
 
     def _obtain(self, cam: str, ref: ArtifactRef) -> Path:
         """The verified model file: from the store, or fetched over the link."""

@@ -22,9 +22,11 @@ from pydantic import (
     model_validator,
 )
 
+from fleet_protocol.signing import SignatureError, load_public_key
 from fleet_protocol.topics import DEFAULT_PREFIX, valid_device_id
 
 PASSWORD_ENV = "EDGEFLEET_MQTT_PASSWORD"
+PUBLIC_KEY_ENV = "EDGEFLEET_ARTIFACT_PUBLIC_KEY"
 
 CameraId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
@@ -141,6 +143,13 @@ class AgentSettings(_Strict):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     outbox: OutboxConfig = Field(default_factory=OutboxConfig)
     artifacts: ArtifactConfig = Field(default_factory=ArtifactConfig)
+    artifact_public_key: str | None = None
+    """The controller's Ed25519 artifact key (base64 of 32 bytes), from the enrollment answer or
+    ``GET /api/v1/keys/artifacts``; ``EDGEFLEET_ARTIFACT_PUBLIC_KEY`` overrides it. With a key, every
+    model reference must carry a valid signature by it."""
+    require_signed_artifacts: bool = True
+    """Without a key: True refuses every model (and says why); False runs unsigned models (development
+    only). With a key, signatures are always checked whatever this says."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @field_validator("device_id")
@@ -169,6 +178,20 @@ class AgentSettings(_Strict):
     def _upper(cls, v: Any) -> Any:
         return v.upper() if isinstance(v, str) else v
 
+    @field_validator("artifact_public_key")
+    @classmethod
+    def _public_key(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        try:
+            load_public_key(v)
+        except SignatureError as exc:
+            raise ValueError(
+                f"{exc}; expected the controller's artifact_public_key (base64 of 32 bytes) from "
+                "enrollment or GET /api/v1/keys/artifacts"
+            ) from None
+        return v.strip()
+
     @model_validator(mode="after")
     def _unique_cameras(self) -> AgentSettings:
         ids = [c.id for c in self.cameras]
@@ -193,11 +216,18 @@ def parse_settings(data: Any, *, env: dict[str, str] | None = None) -> AgentSett
     """Validate an already-parsed mapping; raises :class:`SettingsError` naming the fields."""
     if not isinstance(data, dict):
         raise SettingsError(f"the configuration must be a mapping, got {type(data).__name__}")
+    env = dict(os.environ) if env is None else env
+    public_key = env.get(PUBLIC_KEY_ENV)
+    if public_key:
+        # Before validation, so a bad key in the environment is refused like one in the file.
+        data = {**data, "artifact_public_key": public_key}
     try:
         settings = AgentSettings.model_validate(data)
     except ValidationError as exc:
-        raise SettingsError(format_validation_error(exc)) from None
-    env = dict(os.environ) if env is None else env
+        msg = format_validation_error(exc)
+        if public_key and "artifact_public_key" in msg:
+            msg += f"\n(artifact_public_key came from {PUBLIC_KEY_ENV})"
+        raise SettingsError(msg) from None
     password = env.get(PASSWORD_ENV)
     if password:
         settings.mqtt_url.password = SecretStr(password)

@@ -1,7 +1,8 @@
 """The edgefleet wire contract: topics, typed messages and their codec.
 
 Both the controller and the edge agent import this package and nothing of each other.
-Only pydantic and the standard library are allowed here.
+Only pydantic and the standard library are allowed here, plus ``cryptography`` for Ed25519 in
+``signing.py`` (imported on its own, not from this package's top level).
 """
 
 from fleet_protocol.codec import ProtocolError, decode, decode_chunk, encode, encode_chunk

@@ -82,6 +82,12 @@ class ArtifactRef(Strict):
     manifest: ModelManifest
     chunk_size: int = Field(default=256 * 1024, ge=1024, le=4 * 1024 * 1024)
     variant: str = "fp32"
+    # Ed25519 over fleet_protocol.signing.canonical_bytes (base64) and the signing key's id. Optional
+    # so that messages without them still parse; an agent with a key configured refuses such a ref.
+    # Loosely typed on purpose: a malformed signature is refused per camera and reported, instead of
+    # making the whole desired state undecodable.
+    signature: str | None = Field(default=None, max_length=256)
+    key_id: str | None = Field(default=None, max_length=64)
 
     @property
     def chunk_count(self) -> int:

@@ -65,29 +65,58 @@ class ControllerProcess:
         self.proc = None
 
 
+def artifact_public_key(api_url: str) -> str:
+    """The controller's artifact public key, as an operator gets it (``GET /api/v1/keys/artifacts``)."""
+    r = httpx.get(f"{api_url}/api/v1/keys/artifacts", timeout=10)
+    r.raise_for_status()
+    key: str = r.json()["public_key"]
+    return key
+
+
 class AgentProcess:
-    """``python -m edge_agent --config FILE`` with a YAML config written here."""
+    """``python -m edge_agent --config FILE`` with a YAML config written here.
+
+    The agent refuses unsigned models, so it must trust the controller's artifact key: pass
+    ``public_key``, or ``controller`` and the key is fetched from its API when the agent starts (the
+    controller need not be running yet when this object is made).
+    """
 
     def __init__(
-        self, workdir: Path, device_id: str, mqtt_url: str, cameras: list[dict[str, Any]], **extra: Any
+        self,
+        workdir: Path,
+        device_id: str,
+        mqtt_url: str,
+        cameras: list[dict[str, Any]],
+        *,
+        public_key: str | None = None,
+        controller: ControllerProcess | None = None,
+        **extra: Any,
     ):
         self.device_id = device_id
         self.workdir = workdir
         self.config = workdir / f"{device_id}.yaml"
         self.log = workdir / f"{device_id}.log"
-        cfg: dict[str, Any] = {
+        self.controller = controller
+        self.cfg: dict[str, Any] = {
             "device_id": device_id,
             "mqtt_url": mqtt_url,
             "data_dir": str(workdir / device_id),
             "heartbeat_interval_s": 1.0,
             "cameras": cameras,
             "inference": {"threads": 1},
+            **({"artifact_public_key": public_key} if public_key else {}),
             **extra,
         }
-        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self._write_config()
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def _write_config(self) -> None:
+        self.config.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
+
     def start(self) -> None:
+        if "artifact_public_key" not in self.cfg and self.controller is not None:
+            self.cfg["artifact_public_key"] = artifact_public_key(self.controller.url)
+            self._write_config()
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "edge_agent", "--config", str(self.config)],

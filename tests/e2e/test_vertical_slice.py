@@ -34,10 +34,15 @@ def controller(tmp_path: Path, broker: MosquittoBroker) -> Iterator[ControllerPr
 
 
 @pytest.fixture
-def agent(tmp_path: Path, broker: MosquittoBroker) -> Iterator[AgentProcess]:
+def agent(tmp_path: Path, broker: MosquittoBroker, controller: ControllerProcess) -> Iterator[AgentProcess]:
     # No loop: a detection's frame number is then its position in the file, so it can be checked.
+    # controller=: the agent trusts the controller's artifact key, fetched from its API at start.
     a = AgentProcess(
-        tmp_path, DEVICE, broker.url, cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": False}]
+        tmp_path,
+        DEVICE,
+        broker.url,
+        cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": False}],
+        controller=controller,
     )
     yield a
     a.stop()

@@ -2,6 +2,7 @@
 
 It publishes a retained DesiredState, answers ArtifactRequests with chunks of a model file, records
 what the agent sends, and acks stored detection/event seqs like the real controller (PROTOCOL.md).
+Artifact refs are signed with :data:`CONTROLLER_KEY`; agents under test trust :data:`PUBLIC_KEY`.
 """
 
 from __future__ import annotations
@@ -28,9 +29,16 @@ from fleet_protocol.messages import (
     ModelManifest,
     ReportedState,
 )
+from fleet_protocol.signing import generate_private_key, public_key_b64, signed
 from fleet_protocol.topics import TopicKind, Topics
 
 T = TypeVar("T")
+
+CONTROLLER_KEY = generate_private_key()
+PUBLIC_KEY = public_key_b64(CONTROLLER_KEY.public_key())
+
+# (artifact sha256, chunk index, total chunks, chunk bytes, times this chunk was served) -> the frame
+ChunkHook = Callable[[str, int, int, bytes, int], bytes]
 
 
 def wait_for(pred: Callable[[], T], timeout: float, what: str) -> T:
@@ -52,8 +60,12 @@ def desired(version: int, cameras: dict[str, CameraDesired]) -> DesiredState:
     return DesiredState(version=version, issued_at=time.time(), cameras=cameras)
 
 
+def signed_ref(manifest: ModelManifest, *, chunk_size: int = 512 * 1024) -> ArtifactRef:
+    return signed(ArtifactRef(manifest=manifest, chunk_size=chunk_size), CONTROLLER_KEY)
+
+
 def camera_with(manifest: ModelManifest, *, chunk_size: int = 512 * 1024, **kw: object) -> CameraDesired:
-    return CameraDesired(model=ArtifactRef(manifest=manifest, chunk_size=chunk_size), **kw)  # type: ignore[arg-type]
+    return CameraDesired(model=signed_ref(manifest, chunk_size=chunk_size), **kw)  # type: ignore[arg-type]
 
 
 class StandInController:
@@ -69,6 +81,9 @@ class StandInController:
         self.reported: list[ReportedState] = []
         self.requests: list[ArtifactRequest] = []
         self.auto_ack = True
+        # Fault injection: when set, decides the frame sent for each chunk (e.g. a flipped byte).
+        self.chunk_hook: ChunkHook | None = None
+        self.served: dict[tuple[str, int], int] = {}
         self._connected = threading.Event()
         self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"standin-{device_id}")
         self._client.on_connect = self._on_connect
@@ -170,7 +185,13 @@ class StandInController:
         with path.open("rb") as f:
             for i in req.chunks:
                 f.seek(i * req.chunk_size)
-                frame = encode_chunk(req.sha256, i, total, f.read(req.chunk_size))
+                data = f.read(req.chunk_size)
+                with self.lock:
+                    n = self.served[(req.sha256, i)] = self.served.get((req.sha256, i), 0) + 1
+                hook = self.chunk_hook
+                frame = (
+                    hook(req.sha256, i, total, data, n) if hook else encode_chunk(req.sha256, i, total, data)
+                )
                 self._client.publish(
                     self.topics.device(self.device_id, TopicKind.ARTIFACT_CHUNK), frame, qos=1
                 )

@@ -22,6 +22,7 @@ from fleet_protocol.messages import Availability
 from fleet_protocol.topics import TopicKind, Topics
 from tests.conftest import FOOTAGE, MODELS, REPO
 from tests.integration.edge_agent.edge_standin import (
+    PUBLIC_KEY,
     StandInController,
     camera_with,
     desired,
@@ -49,6 +50,7 @@ def agent_settings(
             "inference": {"threads": 1},
             "outbox": {"ack_timeout_s": 2, "batch_max_frames": 5, "batch_max_delay_s": 0.3},
             "artifacts": {"request_timeout_s": 2},
+            "artifact_public_key": PUBLIC_KEY,
         },
         env={},
     )

@@ -19,6 +19,7 @@ from fleet_protocol.messages import (
     ArtifactRef,
     Availability,
     CameraDesired,
+    CameraReported,
     Command,
     CommandResult,
     DesiredState,
@@ -28,7 +29,12 @@ from fleet_protocol.messages import (
     ModelManifest,
     ReportedState,
 )
+from fleet_protocol.signing import generate_private_key, public_key_b64, signed
 from fleet_protocol.topics import TopicKind
+
+# The controller's key in these tests: the agent trusts its public half, desired() signs with it.
+CONTROLLER_KEY = generate_private_key()
+PUBLIC_KEY = public_key_b64(CONTROLLER_KEY.public_key())
 
 
 def wait_for(pred: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
@@ -145,20 +151,25 @@ def model_in_store(data_dir: Path, name: str) -> ModelManifest:
     )
 
 
-def settings(data_dir: Path) -> AgentSettings:
+def settings(data_dir: Path, **extra: object) -> AgentSettings:
     return parse_settings(
         {
             "device_id": "dev-1",
             "data_dir": str(data_dir),
             "cameras": [CameraConfig(id="cam1", source="rtsp://fake").model_dump()],
             "outbox": {"batch_max_delay_s": 0.05},
+            "artifact_public_key": PUBLIC_KEY,
+            **extra,
         },
         env={},
     )
 
 
-def desired(version: int, manifest: ModelManifest | None, **kw: object) -> DesiredState:
-    cams = {"cam1": CameraDesired(model=ArtifactRef(manifest=manifest), **kw)} if manifest else {}  # type: ignore[arg-type]
+def desired(version: int, manifest: ModelManifest | None, *, sign: bool = True, **kw: object) -> DesiredState:
+    cams = {}
+    if manifest:
+        ref = ArtifactRef(manifest=manifest)
+        cams = {"cam1": CameraDesired(model=signed(ref, CONTROLLER_KEY) if sign else ref, **kw)}  # type: ignore[arg-type]
     return DesiredState(version=version, issued_at=time.time(), cameras=cams)
 
 
@@ -173,10 +184,10 @@ class Harness:
         self.loads.append(manifest.name)
         return FakeBackend(fail=manifest.name in self.failing)
 
-    def agent(self) -> tuple[Agent, FakeTransport]:
+    def agent(self, **extra: object) -> tuple[Agent, FakeTransport]:
         t = FakeTransport()
         a = Agent(
-            settings(self.data_dir),
+            settings(self.data_dir, **extra),
             transport=t,
             source_opener=lambda c: Frames(),
             backend_factory=self.factory,
@@ -311,3 +322,101 @@ def test_birth_heartbeat_and_acks(harness: Harness) -> None:
     top = agent.outbox.next_seq - 1
     t.deliver(TopicKind.ACKS, Ack(upto=top))
     assert all(r.seq > top for r in agent.outbox.due(time.time() + 3600, 0, 10_000))
+
+
+def failed_with(t: FakeTransport, version: int) -> Callable[[], CameraReported | None]:
+    def check() -> CameraReported | None:
+        rep = t.reported()
+        if rep and rep.desired_version == version and rep.cameras["cam1"].state == "failed":
+            return rep.cameras["cam1"]
+        return None
+
+    return check
+
+
+def test_a_ref_that_fails_its_signature_is_refused_before_anything_is_fetched(
+    harness: Harness, tmp_path: Path
+) -> None:
+    good = model_in_store(harness.data_dir, "good")
+    remote = model_in_store(tmp_path / "elsewhere", "remote")  # would have to be fetched
+    agent, t = harness.agent()
+    t.deliver(TopicKind.TWIN_DESIRED, desired(1, good))
+    wait_for(running(t, 1, "good:1"))
+
+    forged = desired(2, remote)
+    ref = forged.cameras["cam1"].model
+    assert ref is not None
+    forged.cameras["cam1"].model = ref.model_copy(
+        update={"manifest": ref.manifest.model_copy(update={"labels": ["person", "car"]})}
+    )
+    t.deliver(TopicKind.TWIN_DESIRED, forged)
+    cam = wait_for_value(failed_with(t, 2), "v2 refused")
+    assert cam.model == "good:1" and "manifest tampered" in (cam.error or "")
+
+    t.deliver(TopicKind.TWIN_DESIRED, desired(3, remote, sign=False))
+    cam = wait_for_value(failed_with(t, 3), "v3 refused")
+    assert cam.model == "good:1" and "unsigned artifact" in (cam.error or "")
+
+    wait_for(
+        lambda: sum(1 for e in t.of(Event) if e.kind == "model_failed") == 2, what="two MODEL_FAILED events"
+    )
+    events = [e for e in t.of(Event) if e.kind == "model_failed"]
+    assert [e.data["check"] for e in events] == ["signature", "signature"]
+    assert all(e.data["kept"] == "good:1" for e in events)
+    assert not agent.fetcher.path_for(remote.sha256).exists()
+    assert not any(k == TopicKind.ARTIFACT_REQUEST for k, _ in t.sent), "nothing was asked for"
+    model = agent.pipeline.model_of("cam1")
+    assert model is not None and model.key == "good:1"
+    assert harness.loads == ["good"]
+
+
+def test_signed_params_change_of_the_running_model_applies_but_an_unsigned_one_does_not(
+    harness: Harness,
+) -> None:
+    manifest = model_in_store(harness.data_dir, "a")
+    agent, t = harness.agent()
+    t.deliver(TopicKind.TWIN_DESIRED, desired(1, manifest))
+    wait_for(running(t, 1, "a:1"))
+    t.deliver(TopicKind.TWIN_DESIRED, desired(2, manifest, sign=False, threshold=0.95))
+    wait_for_value(failed_with(t, 2), "unsigned v2 refused")
+    last = agent.pipeline.last_result("cam1")
+    after = last.frame if last else -1
+    # The refused state's threshold (above the fake's 0.9 scores) was not applied: newer frames still
+    # carry detections.
+    wait_for(
+        lambda: (r := agent.pipeline.last_result("cam1")) is not None and r.frame > after and r.detections,
+        what="detections on frames after the refusal",
+    )
+    t.deliver(TopicKind.TWIN_DESIRED, desired(3, manifest, threshold=0.95))
+    wait_for(running(t, 3, "a:1"), what="signed v3 applied")
+    wait_for(
+        lambda: (r := agent.pipeline.last_result("cam1")) is not None and r.detections == [],
+        what="the signed threshold applied",
+    )
+
+
+def test_without_a_key_every_model_is_refused_with_the_way_out(harness: Harness) -> None:
+    manifest = model_in_store(harness.data_dir, "a")
+    _agent, t = harness.agent(artifact_public_key=None)
+    t.deliver(TopicKind.TWIN_DESIRED, desired(1, manifest))
+    cam = wait_for_value(failed_with(t, 1), "refused without a key")
+    assert "no artifact public key configured" in (cam.error or "")
+    assert "EDGEFLEET_ARTIFACT_PUBLIC_KEY" in (cam.error or "")
+    assert harness.loads == []
+
+
+def test_development_mode_runs_unsigned_models_only_when_no_key_is_set(harness: Harness) -> None:
+    manifest = model_in_store(harness.data_dir, "a")
+    _agent, t = harness.agent(artifact_public_key=None, require_signed_artifacts=False)
+    t.deliver(TopicKind.TWIN_DESIRED, desired(1, manifest, sign=False))
+    wait_for(running(t, 1, "a:1"), what="unsigned model running in development mode")
+
+
+def wait_for_value(check: Callable[[], CameraReported | None], what: str) -> CameraReported:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        value = check()
+        if value is not None:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -86,3 +86,20 @@ def test_validate_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert run(good, validate_config=True) == 2
     err = capsys.readouterr().err
     assert "bogus: unknown key" in err and "Traceback" not in err
+
+
+def test_artifact_public_key_from_the_file_or_the_environment_and_checked() -> None:
+    from fleet_protocol.signing import generate_private_key, public_key_b64
+
+    key_a = public_key_b64(generate_private_key().public_key())
+    key_b = public_key_b64(generate_private_key().public_key())
+    base = {"device_id": "d1", "data_dir": "/tmp/x"}
+    s = parse_settings(base, env={})
+    assert s.artifact_public_key is None and s.require_signed_artifacts is True
+    assert parse_settings({**base, "artifact_public_key": key_a}, env={}).artifact_public_key == key_a
+    s = parse_settings({**base, "artifact_public_key": key_a}, env={"EDGEFLEET_ARTIFACT_PUBLIC_KEY": key_b})
+    assert s.artifact_public_key == key_b
+    with pytest.raises(SettingsError, match=r"artifact_public_key: .*32 raw bytes"):
+        parse_settings({**base, "artifact_public_key": "c2hvcnQ="}, env={})
+    with pytest.raises(SettingsError, match="EDGEFLEET_ARTIFACT_PUBLIC_KEY"):
+        parse_settings(base, env={"EDGEFLEET_ARTIFACT_PUBLIC_KEY": "not a key"})

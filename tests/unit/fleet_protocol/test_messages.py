@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -100,7 +101,15 @@ SAMPLES: dict[TopicKind, BaseModel] = {
         version=3,
         issued_at=1.7e9,
         cameras={
-            "cam1": CameraDesired(model=ArtifactRef(manifest=MANIFEST), threshold=0.6, labels=["person"])
+            "cam1": CameraDesired(
+                model=ArtifactRef(
+                    manifest=MANIFEST,
+                    signature=base64.b64encode(bytes(range(64))).decode(),
+                    key_id="0123456789abcdef",
+                ),
+                threshold=0.6,
+                labels=["person"],
+            )
         },
     ),
     TopicKind.TWIN_REPORTED: ReportedState(
