@@ -19,14 +19,22 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from edge_agent import __version__
 from edge_agent.artifacts import ArtifactFetcher, FetchCancelled, FetchError, file_sha256
-from edge_agent.backends import BackendFactory, onnxruntime_factory
+from edge_agent.backends import (
+    AutoBackendFactory,
+    BackendFactory,
+    BuildNote,
+    InferenceBackend,
+    LoadRequest,
+)
 from edge_agent.capture import CameraWorker, SourceOpener
 from edge_agent.health import Health
 from edge_agent.link import MqttLink, Transport
@@ -42,6 +50,7 @@ from edge_agent.pipeline import (
 from edge_agent.publisher import Publisher
 from edge_agent.queues import LatestSlot
 from edge_agent.settings import AgentSettings
+from edge_agent.trt import TrtRuntime
 from fleet_protocol.codec import ProtocolError, decode_as, encode
 from fleet_protocol.messages import (
     Ack,
@@ -58,6 +67,7 @@ from fleet_protocol.messages import (
     EventKind,
     Heartbeat,
     Message,
+    ModelManifest,
     ReportedState,
     Severity,
 )
@@ -70,6 +80,18 @@ EXIT_OK = 0
 EXIT_FATAL_LINK = 3
 _JOIN_S = 5.0
 _SNAPSHOT_MAX_B64 = 400 * 1024
+_CALIBRATION_WAIT_S = 30.0
+
+
+@dataclass
+class _BuildCtx:
+    """The load in progress on the twin thread (the only thread that loads models)."""
+
+    camera: str
+    model: str
+    sha256: str
+    variant: str
+    last_step: int = -1
 
 
 class Agent:
@@ -82,6 +104,7 @@ class Agent:
         backend_factory: BackendFactory | None = None,
         preprocessor_factory: PreprocessorFactory | None = None,
         decode_fn: DecodeFn | None = None,
+        trt_runtime: TrtRuntime | None = None,
     ) -> None:
         self.settings = settings
         self.device_id = settings.device_id
@@ -101,14 +124,26 @@ class Agent:
             )
             for c in settings.cameras
         ]
+        # Native TensorRT or onnxruntime, per inference.engine; None when a factory is passed in.
+        self.backends: AutoBackendFactory | None = None
+        self._build_ctx: _BuildCtx | None = None
         if backend_factory is None:
             inf = settings.inference
-            backend_factory = onnxruntime_factory(
+            self.backends = AutoBackendFactory(
+                engine=inf.engine,
+                cache_dir=inf.trt_cache_dir or self.data_dir / "trt_cache",
+                cache_max_bytes=inf.trt_cache_max_mb * 2**20,
                 threads=inf.threads,
                 providers_preference=inf.providers,
-                trt_cache_dir=inf.trt_cache_dir or self.data_dir / "trt_cache",
                 spin=inf.spin,
+                max_batch=inf.max_batch,
+                precision=inf.trt_precision,
+                workspace_mb=inf.trt_workspace_mb,
+                calibration_frames=inf.trt_calibration_frames,
+                runtime=trt_runtime,
+                preprocessor_factory=preprocessor_factory,
             )
+            backend_factory = self._make_backend
         self.pipeline = Pipeline(
             cameras,
             stop=self.stop_event,
@@ -365,20 +400,111 @@ class Agent:
             if model is None or model.manifest != manifest:
                 path = self._obtain(cam, ref)
                 self._set_reported(cam, CameraReported(model=key, sha256=manifest.sha256, state="loading"))
-                model = self.pipeline.load(path, manifest)
+                # The load (a TensorRT engine build can take minutes) runs here, on the twin thread,
+                # while the inference thread keeps serving the old model; the swap comes after.
+                self._build_ctx = _BuildCtx(cam, key, manifest.sha256, ref.variant)
+                try:
+                    model = self.pipeline.load(path, manifest)
+                finally:
+                    self._build_ctx = None
             self.pipeline.activate(cam, model, params)
         except FetchCancelled:
             return
         except (FetchError, ModelLoadError, OSError) as exc:
+            if self.stop_event.is_set():
+                return  # a build abandoned because the agent stops is not a model failure
             self._model_failed(cam, key, manifest.sha256, current, str(exc))
             return
+        activate: dict[str, Any] = {
+            "model": key,
+            "sha256": manifest.sha256,
+            "provider": model.backend.provider,
+        }
+        precision = getattr(model.backend, "precision", None)
+        if precision is not None:
+            activate["precision"] = precision
         self.publisher.emit_event(
             EventKind.MODEL_ACTIVATE,
             camera=cam,
             message=f"{key} active on {model.backend.provider}",
-            data={"model": key, "sha256": manifest.sha256, "provider": model.backend.provider},
+            data=activate,
         )
         self._set_reported(cam, CameraReported(model=key, sha256=manifest.sha256, state="running"))
+
+    # ------------------------------------------------------------------ engine builds
+
+    def _make_backend(self, path: Path, manifest: ModelManifest) -> InferenceBackend:
+        assert self.backends is not None
+        ctx = self._build_ctx
+        if ctx is None or ctx.sha256 != manifest.sha256:
+            return self.backends(path, manifest)
+        return self.backends.make(
+            path,
+            manifest,
+            LoadRequest(
+                variant=ctx.variant,
+                notify=lambda note: self._on_build_note(ctx, note),
+                cancel=self.stop_event,
+                calibration_frames=lambda n: self._camera_frames(ctx.camera, n),
+            ),
+        )
+
+    def _on_build_note(self, ctx: _BuildCtx, note: BuildNote) -> None:
+        """A step of an engine build: a MODEL_BUILD event, and progress in the reported state."""
+        if note.phase == "progress":
+            step = int((note.pct or 0.0) // 10)
+            if step == ctx.last_step:
+                return  # rate limit: one event and one report per 10 %
+            ctx.last_step = step
+        data: dict[str, Any] = {
+            "model": ctx.model,
+            "sha256": ctx.sha256,
+            "phase": note.phase,
+            "engine": note.engine,
+        }
+        for name in ("pct", "duration_s", "engine_file", "precision", "provider"):
+            value = getattr(note, name)
+            if value is not None:
+                data[name] = round(value, 2) if isinstance(value, float) else value
+        if note.reason:
+            data["reason"] = note.reason[:1000]
+        what = "TensorRT engine" if note.engine == "tensorrt" else f"onnxruntime ({note.provider})"
+        message = {
+            "started": f"{ctx.model}: {what} build started",
+            "progress": f"{ctx.model}: {what} build {note.pct or 0.0:.0f} %",
+            "cached": f"{ctx.model}: {what} loaded from the cache",
+            "evicted": f"{ctx.model}: cached engine evicted: {note.reason}",
+            "finished": f"{ctx.model}: {what} built in {note.duration_s or 0.0:.1f} s",
+            "failed": f"{ctx.model}: {what} failed: {note.reason}",
+            "fallback": f"{ctx.model}: running on {note.provider}: {note.reason}",
+        }[note.phase]
+        bad = note.phase in ("failed", "evicted", "fallback")
+        self.publisher.emit_event(
+            EventKind.MODEL_BUILD,
+            camera=ctx.camera,
+            severity=Severity.WARNING if bad else Severity.INFO,
+            message=message[:4096],
+            data=data,
+        )
+        if note.phase in ("started", "progress"):
+            pct = round(note.pct, 1) if note.pct is not None else 0.0
+            self._set_reported(
+                ctx.camera,
+                CameraReported(model=ctx.model, sha256=ctx.sha256, state="loading", progress_pct=pct),
+            )
+
+    def _camera_frames(self, camera: str, n: int) -> list[np.ndarray]:
+        """Up to ``n`` distinct live frames of ``camera`` (INT8 calibration); waits at most 30 s."""
+        frames: list[np.ndarray] = []
+        last = None
+        deadline = time.monotonic() + _CALIBRATION_WAIT_S
+        while len(frames) < n and time.monotonic() < deadline and not self.stop_event.is_set():
+            frame = self.pipeline.latest_frame(camera)
+            if frame is not None and frame.index != last:
+                last = frame.index
+                frames.append(frame.image.copy())
+            self.stop_event.wait(0.05)
+        return frames
 
     def _signature_problem(self, ref: ArtifactRef) -> str | None:
         """Why ``ref`` must be refused (its signature, or no key to check it with), or None."""

@@ -114,7 +114,19 @@ class InferenceConfig(_Strict):
     """onnxruntime intra-op thread spinning: a little faster alone, slower when capture and publishing
     share the cores (see BENCHMARKS.md)."""
     trt_cache_dir: Path | None = None
-    """TensorRT engine cache; default ``<data_dir>/trt_cache``."""
+    """TensorRT engine cache; default ``<data_dir>/trt_cache`` (native engines in ``engines/``,
+    onnxruntime's TensorRT EP engines in ``ort/``)."""
+    engine: Literal["auto", "onnxruntime", "tensorrt"] = "auto"
+    """``auto``: a native TensorRT engine where the ``tensorrt`` package and a GPU are usable, else
+    onnxruntime; ``tensorrt``: the same, but a device without TensorRT reports it on every model;
+    ``onnxruntime``: never native TensorRT (onnxruntime's TensorRT EP may still be in ``providers``)."""
+    trt_precision: Literal["auto", "fp32", "fp16", "int8"] = "auto"
+    """Native engine precision; ``auto`` follows the variant (int8 -> INT8, anything else -> FP16).
+    INT8 from a non-quantized variant is calibrated on frames from the camera."""
+    trt_cache_max_mb: int = Field(default=4096, ge=16)
+    """Bound on native engines kept; the least recently used go first."""
+    trt_workspace_mb: int = Field(default=1024, ge=16)
+    trt_calibration_frames: int = Field(default=32, ge=1, le=1024)
 
 
 class OutboxConfig(_Strict):
