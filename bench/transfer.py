@@ -1,0 +1,464 @@
+"""Model transfer benchmark: chunked artifact transfer over MQTT against the broker's raw bandwidth.
+
+In one run, on a mosquitto the bench starts (tests/mqtt_broker.py), it measures
+  (a) raw broker bandwidth: a bare paho publisher (its own process, like the controller) sends the
+      artifact's byte count in chunks of the same size, QoS 1, to a bare paho subscriber in this process;
+  (b) a model push to ONE agent: a real controller process (its artifact server, its chunk size, its
+      signed desired state; the fp32 file is pinned so every run moves the same bytes) and, in this
+      process, the agent's own MqttLink + ArtifactFetcher behind the agent's signature check (the agent
+      minus capture and inference); timed from just before the desired-state PUT (which publishes the
+      desired state) to the file verified (whole-file sha256) on the agent; MB/s and the ratio to (a);
+      also from the agent's first chunk request, which leaves out the API call and desired-state hop;
+  (c) the same to N simulated agents at once (default 20: N links, N fetchers, N device ids, all
+      fetching the same artifact): aggregate MB/s (N x size / time to the last verified file) and ratio;
+  (d) resume: one transfer stopped at ~50 % (the fetcher is cancelled and its link closed), then a
+      fresh link + fetcher on the same store: the chunks asked for and the bytes the controller sent
+      after the restart (seen by a spy on the broker), against what the partial file's bitmap says is
+      missing.
+(a) and (b) alternate three times: raw is the best run (the stricter limit), the push the median.
+
+Usage: ``python bench/transfer.py [--chunk-size BYTES] [--agents N] [--window N] [--model NAME] [--json]``
+(without ``--chunk-size`` / ``--window`` the controller's chunk size and the agent's window are used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import paho.mqtt.client as mqtt  # noqa: E402
+from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
+
+from edge_agent.artifacts import ArtifactFetcher, FetchCancelled, FetchError  # noqa: E402
+from edge_agent.link import MqttLink  # noqa: E402
+from edge_agent.settings import ArtifactConfig, MqttEndpoint  # noqa: E402
+from fleet_protocol import TopicKind, Topics, encode  # noqa: E402
+from fleet_protocol.messages import (  # noqa: E402
+    ArtifactRef,
+    ArtifactRequest,
+    Availability,
+    DesiredState,
+    Message,
+)
+from fleet_protocol.signing import SignatureError, load_public_key, verify  # noqa: E402
+from tests.integration.edge_agent.transfer_helpers import TransferSpy, bitmap_have  # noqa: E402
+from tests.mqtt_broker import MosquittoBroker  # noqa: E402
+from tests.processes import ControllerProcess, artifact_public_key  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
+
+CAMERA = "cam1"
+MB = 1e6
+RUNS = 3
+
+
+# --------------------------------------------------------------------------- (a) raw paho
+
+
+def raw_publisher(host: str, port: int, topic: str, chunk_size: int, total: int) -> None:
+    """The bare publisher (run as its own process): a 1-byte start mark, then ``total`` bytes in chunks."""
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"raw-pub-{os.getpid()}")
+    client.connect(host, port)
+    client.loop_start()
+    data = os.urandom(chunk_size)
+    info = client.publish(topic, b"s", qos=1)
+    sent = 0
+    while sent < total:
+        n = min(chunk_size, total - sent)
+        info = client.publish(topic, data[:n], qos=1)
+        sent += n
+    info.wait_for_publish(120)
+    client.disconnect()
+    client.loop_stop()
+
+
+def raw_bandwidth(broker: MosquittoBroker, chunk_size: int, total: int) -> float:
+    """MB/s from the start mark's arrival to the last byte's, at a bare QoS 1 subscriber."""
+    topic = f"bench/raw/{os.getpid()}"
+    got = {"bytes": 0, "t0": 0.0, "t1": 0.0}
+    done = threading.Event()
+    subscribed = threading.Event()
+
+    def on_message(_c: Any, _u: Any, m: mqtt.MQTTMessage) -> None:
+        if len(m.payload) == 1 and got["t0"] == 0.0:
+            got["t0"] = time.perf_counter()
+            return
+        got["bytes"] += len(m.payload)
+        if got["bytes"] >= total:
+            got["t1"] = time.perf_counter()
+            done.set()
+
+    sub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"raw-sub-{os.getpid()}")
+    sub.on_message = on_message
+    sub.on_subscribe = lambda *a: subscribed.set()
+    sub.connect(broker.host, broker.port)
+    sub.loop_start()
+    sub.subscribe(topic, qos=1)
+    try:
+        if not subscribed.wait(10):
+            raise RuntimeError("raw subscriber did not subscribe")
+        pub = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--raw-publisher",
+                broker.host,
+                str(broker.port),
+                topic,
+                str(chunk_size),
+                str(total),
+            ],
+            timeout=120,
+            check=True,
+        )
+        assert pub.returncode == 0
+        if not done.wait(60):
+            raise RuntimeError(f"raw subscriber got {got['bytes']} of {total} bytes")
+    finally:
+        sub.disconnect()
+        sub.loop_stop()
+    return total / MB / (got["t1"] - got["t0"])
+
+
+# --------------------------------------------------------------------------- simulated agents
+
+
+class SimAgent:
+    """The agent's transfer path alone: its MqttLink and ArtifactFetcher, configured like the agent.
+
+    On a desired state naming a model for ``cam1`` it fetches that artifact; ``verified_at`` is when
+    the fetcher returned the verified file (whole-file sha256 checked).
+    """
+
+    def __init__(
+        self,
+        broker: MosquittoBroker,
+        device_id: str,
+        store: Path,
+        config: ArtifactConfig,
+        public_key: str,
+        *,
+        stop_at_pct: float = 101.0,
+    ) -> None:
+        self.device_id = device_id
+        self._key = load_public_key(public_key)
+        self.stop = threading.Event()
+        self.stop_at_pct = stop_at_pct
+        self.link = MqttLink(MqttEndpoint.parse(broker.url), device_id=device_id, topics=Topics())
+        self.fetcher = ArtifactFetcher(
+            store,
+            self._request,
+            window=config.window,
+            request_timeout_s=config.request_timeout_s,
+            max_retries=config.max_retries,
+        )
+        self.link.set_callbacks(
+            birth=lambda: Availability(state="online", ts=time.time()),
+            on_connected=lambda: None,
+            on_fatal=lambda why: self.stop.set(),
+        )
+        self.link.on_chunk(self.fetcher.on_chunk)
+        self.link.on_message(TopicKind.TWIN_DESIRED, self._on_desired)
+        self._refs: queue.Queue[ArtifactRef] = queue.Queue()
+        self.ref: ArtifactRef | None = None
+        self.first_request_at: float | None = None
+        self.verified_at: float | None = None
+        self.cancelled = False
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"sim-{device_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self.link.start()
+        if not self.link.wait_connected(10):
+            raise RuntimeError(f"{self.device_id} did not connect")
+
+    def close(self) -> None:
+        self.stop.set()
+        self._thread.join(10)
+        self.link.stop()
+
+    @property
+    def finished(self) -> bool:
+        return self.verified_at is not None or self.cancelled or self.error is not None
+
+    def _request(self, req: ArtifactRequest) -> bool:
+        if self.first_request_at is None:
+            self.first_request_at = time.perf_counter()
+        return self.link.publish(TopicKind.ARTIFACT_REQUEST, encode(req))
+
+    def _on_desired(self, msg: Message) -> None:
+        if isinstance(msg, DesiredState):
+            cam = msg.cameras.get(CAMERA)
+            if cam is not None and cam.model is not None:
+                self.ref = cam.model
+                self._refs.put(cam.model)
+
+    def _progress(self, done: int, pct: float) -> None:
+        if pct >= self.stop_at_pct:
+            self.stop.set()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                ref = self._refs.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                verify(ref, self._key)  # as the agent does before it fetches anything
+                self.fetcher.fetch(ref, self.stop, self._progress)
+                self.verified_at = time.perf_counter()
+            except FetchCancelled:
+                self.cancelled = True
+            except (FetchError, SignatureError) as exc:
+                self.error = str(exc)
+            return
+
+
+@dataclass(frozen=True)
+class Push:
+    seconds: float  # first desired-state PUT -> last file verified
+    transfer_seconds: float  # first chunk request -> last file verified
+    chunk_size: int
+    size: int  # bytes of the artifact the controller chose (the fp32 file: the assignment pins it)
+
+
+def assign(api: Any, device: str, model: str) -> ArtifactRef:
+    """PUT the model on the device's camera (fp32 pinned: the bench moves the original file)."""
+    r = api.put(
+        f"/api/v1/devices/{device}/cameras/{CAMERA}/model",
+        json={"model": model, "version": "1", "variant": "fp32"},
+    )
+    r.raise_for_status()
+    return ArtifactRef.model_validate(r.json()["cameras"][CAMERA]["model"])
+
+
+def push(
+    broker: MosquittoBroker,
+    api: Any,
+    model: str,
+    workdir: Path,
+    device_ids: list[str],
+    config: ArtifactConfig,
+    key: str,
+) -> Push:
+    """Assign ``model`` to every device at once and wait until every device has verified it."""
+    agents: list[SimAgent] = []
+    try:
+        for d in device_ids:
+            api.post("/api/v1/devices", json={"id": d}).raise_for_status()
+            a = SimAgent(broker, d, workdir / d / "models", config, key)
+            agents.append(a)
+            a.start()
+        t0 = time.perf_counter()
+        for d in device_ids:
+            assign(api, d, model)
+        wait_for(
+            lambda: all(a.finished for a in agents),
+            timeout=150,
+            what="every transfer to finish",
+            interval=0.01,
+        )
+        errors = [f"{a.device_id}: {a.error}" for a in agents if a.verified_at is None]
+        if errors:
+            raise RuntimeError("; ".join(errors[:3]))
+        end = max(a.verified_at or 0.0 for a in agents)
+        first = min(a.first_request_at or t0 for a in agents)
+        ref = agents[0].ref
+        assert ref is not None
+        return Push(
+            seconds=end - t0,
+            transfer_seconds=end - first,
+            chunk_size=ref.chunk_size,
+            size=ref.manifest.size,
+        )
+    finally:
+        for a in agents:
+            a.close()
+
+
+def resume(
+    broker: MosquittoBroker,
+    api: Any,
+    model: str,
+    workdir: Path,
+    config: ArtifactConfig,
+    key: str,
+) -> dict[str, Any]:
+    """Stop one transfer at 50 %, start a fresh link + fetcher on the same store, count what is re-sent."""
+    device = "bench-resume"
+    store = workdir / device / "models"
+    api.post("/api/v1/devices", json={"id": device}).raise_for_status()
+    spy = TransferSpy(broker.host, broker.port, device)
+    try:
+        first = SimAgent(broker, device, store, config, key, stop_at_pct=50.0)
+        first.start()
+        ref = assign(api, device, model)
+        chunk_size, size, sha256 = ref.chunk_size, ref.manifest.size, ref.manifest.sha256
+        wait_for(lambda: first.finished, timeout=60, what="the first transfer to stop at 50 %")
+        assert first.cancelled, first.error
+        # The controller answers what was still outstanding; those chunks reach no transfer and are lost.
+        wait_for(spy.all_requests_answered, timeout=30, what="outstanding requests answered")
+        first.close()
+        have = bitmap_have(store, sha256)
+        assert have is not None
+        missing = [i for i, c in enumerate(have) if c == "0"]
+        missing_bytes = sum(min(chunk_size, size - i * chunk_size) for i in missing)
+        mark = spy.mark()
+
+        second = SimAgent(broker, device, store, config, key)  # the retained desired state restarts the fetch
+        t0 = time.perf_counter()
+        second.start()
+        try:
+            wait_for(lambda: second.finished, timeout=60, what="the resumed transfer")
+            assert second.verified_at is not None, second.error
+            seconds = second.verified_at - t0
+        finally:
+            second.close()
+        asked = spy.requested_since(mark)
+        resent = spy.served_since(mark)
+        return {
+            "chunk_size": chunk_size,
+            "total_chunks": len(have),
+            "missing_chunks": len(missing),
+            "missing_bytes": missing_bytes,
+            "asked_chunks": len(asked),
+            "asked_not_missing": len(set(asked) - set(missing)),
+            "resent_chunks": len(resent),
+            "resent_bytes": sum(n for _, n in resent),
+            "seconds": seconds,
+        }
+    finally:
+        spy.close()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    config = ArtifactConfig(window=args.window) if args.window else ArtifactConfig()
+    broker = MosquittoBroker(workdir / "mosquitto")
+    broker.start()
+    env = {"EDGEFLEET_CHUNK_SIZE": str(args.chunk_size)} if args.chunk_size else {}
+    controller = ControllerProcess(workdir, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="120", **env)
+    try:
+        controller.start()
+        key = artifact_public_key(controller.url)  # what an operator gives each agent
+        with controller.client() as api:
+            # (b) and (a) alternate, so both see the same machine; the first push says which chunk size
+            # the controller really uses and how big the artifact is.
+            ones: list[Push] = []
+            raw_runs: list[float] = []
+            for i in range(RUNS):
+                ones.append(push(broker, api, args.model, workdir, [f"bench-one-{i}"], config, key))
+                raw_runs.append(raw_bandwidth(broker, ones[0].chunk_size, ones[0].size))
+            devices = [f"bench-many-{i}" for i in range(args.agents)]
+            many = push(broker, api, args.model, workdir, devices, config, key)
+            res = resume(broker, api, args.model, workdir, config, key)
+    finally:
+        controller.stop()
+        broker.stop()
+    chunk_size, size = ones[0].chunk_size, ones[0].size
+    raw = max(raw_runs)
+    one_runs = [size / MB / p.seconds for p in ones]
+    one = statistics.median(one_runs)
+    one_transfer = statistics.median(size / MB / p.transfer_seconds for p in ones)
+    many_mb_s = args.agents * size / MB / many.seconds
+    return {
+        "model": args.model,
+        "size_bytes": size,
+        "chunk_size": chunk_size,
+        "chunks": math.ceil(size / chunk_size),
+        "window": config.window,
+        "raw_mb_s": raw,
+        "raw_mb_s_runs": raw_runs,
+        "one_agent_mb_s": one,
+        "one_agent_mb_s_runs": one_runs,
+        "one_agent_ratio": one / raw,
+        "one_agent_transfer_only_mb_s": one_transfer,
+        "agents": args.agents,
+        "many_seconds": many.seconds,
+        "many_aggregate_mb_s": many_mb_s,
+        "many_ratio": many_mb_s / raw,
+        "resume": res,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunk-size", type=int, default=0, help="bytes per chunk (default: the controller's)")
+    ap.add_argument("--agents", type=int, default=20, help="simulated agents fetching at once in (c)")
+    ap.add_argument(
+        "--window", type=int, default=0, help="chunks each agent keeps asked for (default: the agent's)"
+    )
+    ap.add_argument("--model", default="nanodet_coco", help="bundled model to push (default nanodet_coco)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    ap.add_argument("--raw-publisher", nargs=5, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.raw_publisher:
+        host, port, topic, chunk, total = args.raw_publisher
+        raw_publisher(host, int(port), topic, int(chunk), int(total))
+        return
+    # The links' "disconnected" warnings at each simulated agent's close are expected here.
+    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    with tempfile.TemporaryDirectory(prefix="edgefleet-bench-transfer-") as tmp:
+        r = run(args, Path(tmp))
+    if args.json:
+        print(json.dumps(r))
+        return
+    res = r["resume"]
+    runs = ", ".join(f"{x:.1f}" for x in r["raw_mb_s_runs"])
+    one_runs = ", ".join(f"{x:.1f}" for x in r["one_agent_mb_s_runs"])
+    n, size_mb = r["agents"], r["size_bytes"] / MB
+
+    def row(label: str, value: float, unit: str, note: str = "") -> None:
+        print(f"{label:<48}{value:8.2f} {unit:<5} {note}".rstrip())
+
+    print(
+        f"{r['model']}: {size_mb:.1f} MB in {r['chunks']} chunks of {r['chunk_size'] // 1024} KiB, QoS 1, "
+        f"agent window {r['window']}, mosquitto on localhost, {os.cpu_count()} CPUs"
+    )
+    row("(a) raw broker, bare paho pub -> sub", r["raw_mb_s"], "MB/s", f"(best of {runs})")
+    row("(b) push to 1 agent, desired -> verified", r["one_agent_mb_s"], "MB/s", f"(median of {one_runs})")
+    row("    of which first request -> verified", r["one_agent_transfer_only_mb_s"], "MB/s", "(median)")
+    row("    ratio 1 agent / raw", r["one_agent_ratio"], "", "(target >= 0.70)")
+    row(
+        f"(c) push to {n} agents at once, aggregate",
+        r["many_aggregate_mb_s"],
+        "MB/s",
+        f"({n} x {size_mb:.1f} MB, last verified after {r['many_seconds']:.2f} s)",
+    )
+    row(f"    ratio {n} agents aggregate / raw", r["many_ratio"], "")
+    print(
+        f"(d) resume after a stop at 50 %: {res['missing_chunks']}/{res['total_chunks']} chunks missing on disk "
+        f"= {res['missing_bytes']} B"
+    )
+    print(
+        f"    after the restart: asked for {res['asked_chunks']} chunks ({res['asked_not_missing']} of them "
+        f"already on disk); controller re-sent {res['resent_chunks']} chunks = {res['resent_bytes']} B"
+    )
+    row(
+        "    re-sent / missing bytes",
+        res["resent_bytes"] / max(1, res["missing_bytes"]),
+        "",
+        f"(target 1.00: only the missing chunks; resumed transfer took {res['seconds']:.2f} s)",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""An agent killed with kill -9 in the middle of a model transfer resumes with only the missing chunks.
+
+Real mosquitto, a real controller process serving nanodet_coco (15 MB, fp32 pinned, the ref signed)
+in 64 KiB chunks (232 of them), a real agent process trusting the controller's key. A spy on the
+broker watches the agent's chunk requests and kills the agent (SIGKILL, from the spy's own callback,
+so the moment is set by the transfer and not by a sleep) once half of the chunks were asked for. The
+agent's bitmap on disk then says which chunks it lacks; after a restart it must ask for those and
+nothing else, and the model must verify and run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from fleet_protocol.messages import ModelManifest
+from tests.conftest import FOOTAGE, MODELS
+from tests.integration.edge_agent.transfer_helpers import TransferSpy, bitmap_have
+from tests.mqtt_broker import MosquittoBroker
+from tests.processes import AgentProcess, ControllerProcess
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.integration
+
+DEVICE = "resume-1"
+MODEL = "nanodet_coco"
+CHUNK = 64 * 1024
+WINDOW = 8
+
+T = TypeVar("T")
+
+
+def _wait(agent: AgentProcess, check: Callable[[], T | None], *, timeout: float, what: str) -> T:
+    """wait_for, and on a timeout the agent's log tail in the failure (the agent is a subprocess)."""
+    try:
+        return wait_for(check, timeout=timeout, what=what)
+    except AssertionError as exc:
+        tail = agent.log.read_text(errors="replace")[-4000:] if agent.log.exists() else "(no log)"
+        raise AssertionError(f"{exc}\n--- agent log tail ---\n{tail}") from None
+
+
+@pytest.fixture
+def controller(tmp_path: Path, own_broker: MosquittoBroker) -> Iterator[ControllerProcess]:
+    c = ControllerProcess(
+        tmp_path, own_broker.url, EDGEFLEET_CHUNK_SIZE=str(CHUNK), EDGEFLEET_HEARTBEAT_TIMEOUT_S="30"
+    )
+    c.start()
+    yield c
+    c.stop()
+
+
+def test_agent_killed_at_half_a_transfer_resumes_with_only_the_missing_chunks(
+    tmp_path: Path, own_broker: MosquittoBroker, controller: ControllerProcess
+) -> None:
+    manifest = ModelManifest.model_validate_json((MODELS / MODEL / "manifest.json").read_text())
+    total = math.ceil(manifest.size / CHUNK)
+    spy = TransferSpy(own_broker.host, own_broker.port, DEVICE)
+    agent: AgentProcess | None = None
+    try:
+        with controller.client() as api:
+            r = api.post("/api/v1/devices", json={"id": DEVICE})
+            assert r.status_code in (200, 201), r.text
+            # The agent trusts the controller's artifact key (fetched from its API at start).
+            agent = AgentProcess(
+                tmp_path,
+                DEVICE,
+                own_broker.url,
+                cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": True}],
+                controller=controller,
+                artifacts={"window": WINDOW},
+            )
+            store = agent.workdir / DEVICE / "models"
+
+            r = api.put(
+                f"/api/v1/devices/{DEVICE}/cameras/cam1/model",
+                json={"model": MODEL, "version": "1", "variant": "fp32"},
+            )
+            assert r.status_code == 200, r.text
+            ref = r.json()["cameras"]["cam1"]["model"]
+            assert ref["chunk_size"] == CHUNK and ref["manifest"]["sha256"] == manifest.sha256
+
+            victim = agent
+
+            def kill() -> None:
+                assert victim.proc is not None
+                os.kill(victim.proc.pid, signal.SIGKILL)
+
+            killed = spy.when_distinct_requested(total // 2, kill)
+            agent.start()
+            _wait(
+                agent, killed.is_set, timeout=60, what=f"the agent to ask for {total // 2} of {total} chunks"
+            )
+            agent.kill9()  # reaps it; the SIGKILL was already sent
+
+            # What the killed agent left on disk: a partial file and the bitmap of the chunks it has.
+            have = bitmap_have(store, manifest.sha256)
+            assert have is not None and len(have) == total, "the partial transfer's bitmap survives"
+            assert (store / f"{manifest.sha256}.part").exists()
+            assert not (store / f"{manifest.sha256}.onnx").exists()
+            missing = {i for i, c in enumerate(have) if c == "0"}
+            assert total // 4 <= len(missing) <= total - total // 4, (
+                f"killed in the middle: {total - len(missing)}/{total} chunks on disk"
+            )
+            missing_bytes = sum(min(CHUNK, manifest.size - i * CHUNK) for i in missing)
+
+            # Everything the dead agent asked for has been sent (into its broker session) before the
+            # restart, so what is asked and sent from here on is due to the restarted agent alone.
+            _wait(agent, spy.all_requests_answered, timeout=30, what="the controller answering every request")
+            mark = spy.mark()
+
+            agent.start()
+
+            def model_detections() -> list[dict[str, Any]] | None:
+                assert agent is not None and agent.alive(), "the restarted agent exited"
+                items: list[dict[str, Any]] = api.get(
+                    "/api/v1/detections", params={"device": DEVICE, "limit": 100}
+                ).json()["items"]
+                return [d for d in items if d["model"].startswith(f"{MODEL}:")] or None
+
+            dets = _wait(agent, model_detections, timeout=90, what=f"detections by {MODEL} through the API")
+            assert all(d["camera"] == "cam1" for d in dets)
+
+        asked = spy.requested_since(mark)
+        resent = spy.served_since(mark)
+        asked_set = set(asked)
+        assert asked_set <= missing, (
+            f"after the restart the agent asked for chunks it had on disk: {sorted(asked_set - missing)[:10]}"
+        )
+        # The broker may hand the restarted agent a few chunks sent into its session while it was dead
+        # (at most one window); every other missing chunk is asked for once.
+        assert len(asked_set) >= len(missing) - WINDOW, (len(asked_set), len(missing))
+        assert len(asked_set) < total, "never the whole file again"
+        resent_bytes = sum(n for _, n in resent)
+        assert resent_bytes <= missing_bytes + WINDOW * CHUNK, (resent_bytes, missing_bytes)
+        assert spy.bad_frames == 0
+
+        # The model file the agent verified and runs is byte-for-byte the controller's.
+        final = store / f"{manifest.sha256}.onnx"
+        assert hashlib.sha256(final.read_bytes()).hexdigest() == manifest.sha256
+        assert not (store / f"{manifest.sha256}.part").exists()
+        assert not (store / f"{manifest.sha256}.bitmap").exists()
+    finally:
+        spy.close()
+        if agent is not None:
+            agent.stop()
