@@ -11,10 +11,19 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from sqlmodel import Session, col, select
 
 from controller import crud
-from controller.models import Detection, DeviceCreate, EventPublic, HealthSamplePublic, ModelVersionPublic
+from controller.models import (
+    Detection,
+    DeviceCreate,
+    EventPublic,
+    HealthSamplePublic,
+    ModelVariantPublic,
+    ModelVersion,
+    ModelVersionPublic,
+)
 from controller.schemas import (
     ArtifactKey,
     AssignModel,
@@ -26,7 +35,8 @@ from controller.schemas import (
     Health,
     IngestStats,
 )
-from controller.twin import NotFoundError
+from controller.twin import ConflictError, NotFoundError, uses
+from controller.uploads import UploadError, parse_multipart, register_upload
 from fleet_protocol.messages import DesiredState
 
 if TYPE_CHECKING:
@@ -37,6 +47,7 @@ _NO_NUL = r"^[^\x00]*$"
 _CAMERA = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 DeviceIdPath = Annotated[str, Path(description="device id", max_length=64, pattern=_NO_NUL)]
+NamePath = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 CameraPath = Annotated[str, Path(description="camera id on the device", max_length=64, pattern=_CAMERA)]
 
 
@@ -169,9 +180,12 @@ def build_router() -> APIRouter:
                 threshold=body.threshold,
                 max_fps=body.max_fps,
                 labels=body.labels,
+                variant=body.variant,
             )
         except NotFoundError as exc:
             raise _not_found(str(exc)) from None
+        except ConflictError as exc:
+            raise HTTPException(status_code=status.HTTP_409_CONFLICT, detail=str(exc)) from None
 
     @api.delete(
         "/devices/{device_id}/cameras/{camera}/model",
@@ -276,9 +290,102 @@ def build_router() -> APIRouter:
 
     # ------------------------------------------------------------------ models / stats
 
-    @api.get("/models", response_model=list[ModelVersionPublic], summary="Registered model versions")
-    def list_models(session: SessionDep) -> list[Any]:
-        return list(crud.list_model_versions(session))
+    def _public(mv: ModelVersion, variants: list[Any]) -> ModelVersionPublic:
+        return ModelVersionPublic(
+            name=mv.name,
+            version=mv.version,
+            sha256=mv.sha256,
+            size=mv.size,
+            manifest=mv.manifest,
+            created_at=mv.created_at,
+            status=mv.status,
+            build_stage=mv.build_stage,
+            build_progress=mv.build_progress,
+            build_error=mv.build_error,
+            variants=[ModelVariantPublic.model_validate(v, from_attributes=True) for v in variants],
+        )
+
+    def _version_or_404(session: Session, name: str, version: str) -> ModelVersion:
+        mv = crud.get_model_version(session, name=name, version=version)
+        if mv is None:
+            raise _not_found(f"model {name!r} version {version!r} is not registered")
+        return mv
+
+    @api.get(
+        "/models", response_model=list[ModelVersionPublic], summary="Registered model versions with variants"
+    )
+    def list_models(session: SessionDep) -> list[ModelVersionPublic]:
+        variants = crud.variants_by_version(session)
+        return [_public(mv, variants.get(mv.id or -1, [])) for mv in crud.list_model_versions(session)]
+
+    @api.post(
+        "/models",
+        response_model=ModelVersionPublic,
+        status_code=status.HTTP_201_CREATED,
+        summary="Upload an ONNX model (multipart: file, name, version, optional manifest JSON); "
+        "validated, stored by sha256, variants built in the background",
+        responses={
+            200: {"description": "the same name:version with identical bytes was already registered"},
+            400: {"description": "not a usable ONNX model; the detail says why"},
+            409: {"description": "name:version exists with other bytes"},
+            413: {"description": "over the size limit"},
+            422: {"description": "missing or invalid name/version"},
+        },
+    )
+    async def upload_model(request: Request, response: Response, rt: RuntimeDep) -> ModelVersionPublic:
+        limit = rt.settings.max_upload_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit + 2 * 1024 * 1024:
+            raise HTTPException(413, f"upload of {declared} bytes exceeds the size limit of {limit} bytes")
+        build = rt.settings.build_variants_on_upload
+        try:
+            parsed = await parse_multipart(
+                request.headers.get("content-type", ""), request.stream(), rt.store, limit=limit
+            )
+            reg = await run_in_threadpool(register_upload, rt.engine, rt.store, parsed, build=build)
+        except UploadError as exc:
+            raise HTTPException(exc.status, str(exc)) from None
+        if reg.created:
+            if build:
+                rt.variants.submit(reg.model_version_id)
+        else:
+            response.status_code = status.HTTP_200_OK
+        with Session(rt.engine) as s:
+            mv = crud.get_model_version_by_id(s, model_version_id=reg.model_version_id)
+            assert mv is not None
+            return _public(mv, list(crud.list_variants(s, model_version_id=reg.model_version_id)))
+
+    @api.get(
+        "/models/{name}/versions/{version}",
+        response_model=ModelVersionPublic,
+        summary="One model version: manifest, build status and progress, variants with their figures",
+        responses={404: {"description": "unknown model version"}},
+    )
+    def get_model(name: NamePath, version: NamePath, session: SessionDep) -> ModelVersionPublic:
+        mv = _version_or_404(session, name, version)
+        assert mv.id is not None
+        return _public(mv, list(crud.list_variants(session, model_version_id=mv.id)))
+
+    @api.delete(
+        "/models/{name}/versions/{version}",
+        status_code=status.HTTP_204_NO_CONTENT,
+        summary="Delete a model version and its variants; its files are collected",
+        responses={404: {"description": "unknown model version"}, 409: {"description": "in use"}},
+    )
+    def delete_model(name: NamePath, version: NamePath, session: SessionDep, rt: RuntimeDep) -> Response:
+        mv = _version_or_404(session, name, version)
+        users = [d.id for d in crud.devices_with_desired(session) if (name, version) in uses(d)]
+        if users:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                f"{name}:{version} is in the desired state of {', '.join(users[:10])}; unassign it first",
+            )
+        assert mv.id is not None
+        crud.delete_variants(session, model_version_id=mv.id)
+        session.delete(mv)
+        session.commit()
+        rt.store.collect_garbage(rt.engine)
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
 
     @api.get(
         "/stats/ingest", response_model=IngestStats, summary="Ingest counters per topic kind and outcome"

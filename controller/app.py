@@ -17,12 +17,14 @@ from sqlalchemy.engine import Engine
 from controller.api import build_router
 from controller.artifacts import ArtifactServer
 from controller.bridge import MqttBridge, PahoTransport, Transport
+from controller.builder import VariantBuilder, VariantWorker
 from controller.db import make_engine, migrate
 from controller.ingest import IngestService
 from controller.keys import load_or_create_signer
 from controller.registry import register_bundled_models
 from controller.settings import ControllerSettings
 from controller.status import StatusService
+from controller.store import ArtifactStore
 from controller.twin import TwinService
 from fleet_protocol import TopicKind, Topics
 
@@ -34,7 +36,13 @@ STOP_TIMEOUT_S = 10.0
 class ControllerRuntime:
     """Everything a running controller owns, started and stopped together."""
 
-    def __init__(self, settings: ControllerSettings, transport: Transport | None = None) -> None:
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        transport: Transport | None = None,
+        *,
+        variant_builder: VariantBuilder | None = None,
+    ) -> None:
         self.settings = settings
         # First: a key that cannot be used must stop the start before anything else is opened.
         self.signer = load_or_create_signer(settings.data_dir)
@@ -59,6 +67,7 @@ class ControllerRuntime:
             queue_max=settings.status_queue_max,
             stop=self.stop_event,
             republish=self.twin.republish_all,
+            on_capabilities=self.twin.recompute,
         )
         self.artifacts = ArtifactServer(
             self.engine,
@@ -66,6 +75,20 @@ class ControllerRuntime:
             queue_max=settings.artifact_queue_max,
             workers=settings.artifact_workers,
             stop=self.stop_event,
+        )
+        self.store = ArtifactStore(settings.resolved_store_dir())
+        self.variants = VariantWorker(
+            self.engine,
+            self.store,
+            builder=variant_builder,
+            footage=settings.resolved_footage(),
+            calib_frames=settings.variant_calib_frames,
+            eval_frames=settings.variant_eval_frames,
+            bar_f1=settings.variant_bar_f1,
+            bar_iou=settings.variant_bar_iou,
+            queue_max=settings.variant_queue_max,
+            stop=self.stop_event,
+            on_built=self.twin.recompute_for_model,
         )
         for kind in (TopicKind.DETECTIONS, TopicKind.EVENTS):
             self.bridge.on(kind, self.ingest.submit)
@@ -82,10 +105,13 @@ class ControllerRuntime:
     def start(self) -> None:
         migrate(self.settings.resolved_database_url(), engine=self.engine)
         register_bundled_models(self.engine, self.settings.models_dir)
+        self.store.collect_garbage(self.engine)
         # Workers first: the bridge's first messages (retained births) need somewhere to go.
         self.ingest.start()
         self.status.start()
         self.artifacts.start()
+        self.variants.start()
+        self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
         self.bridge.start()
         log.info("controller started (mqtt %s)", self.settings.redacted_mqtt_url())
 
@@ -98,6 +124,7 @@ class ControllerRuntime:
         self.ingest.join(STOP_TIMEOUT_S)
         self.status.join(STOP_TIMEOUT_S)
         self.artifacts.join(STOP_TIMEOUT_S)
+        self.variants.join(STOP_TIMEOUT_S)
         self.engine.dispose()
         log.info("controller stopped")
 
@@ -111,12 +138,20 @@ class ControllerRuntime:
             return False
 
 
-def create_app(settings: ControllerSettings, *, transport: Transport | None = None) -> FastAPI:
-    """The controller as an ASGI app; its lifespan migrates, registers models, starts and stops workers."""
+def create_app(
+    settings: ControllerSettings,
+    *,
+    transport: Transport | None = None,
+    variant_builder: VariantBuilder | None = None,
+) -> FastAPI:
+    """The controller as an ASGI app; its lifespan migrates, registers models, starts and stops workers.
+
+    ``variant_builder`` replaces ``controller.variants.build_variants`` (a seam for tests).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        rt = ControllerRuntime(settings, transport)
+        rt = ControllerRuntime(settings, transport, variant_builder=variant_builder)
         try:
             rt.start()
         except BaseException:

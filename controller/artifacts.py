@@ -87,11 +87,16 @@ class ArtifactServer:
             hit = self._cache.get(sha256)
         if hit is not None:
             return hit
+        # Model versions and their variants, both by sha256 (an fp16/int8 file has its own).
         with Session(self._engine) as s:
             mv = crud.get_model_by_sha(s, sha256=sha256)
-        if mv is None:
+            var = crud.get_variant_by_sha(s, sha256=sha256) if mv is None else None
+        if mv is not None:
+            art = _Artifact(Path(mv.path), mv.size)
+        elif var is not None and var.path is not None and var.size is not None:
+            art = _Artifact(Path(var.path), var.size)
+        else:
             return None
-        art = _Artifact(Path(mv.path), mv.size)
         with self._cache_lock:
             self._cache[sha256] = art
         return art

@@ -132,6 +132,10 @@ class PahoTransport:
         if target.tls:
             self._client.tls_set()
         self._client.reconnect_delay_set(min_delay=1, max_delay=30)
+        # paho's default of 20 unacknowledged QoS 1 messages is shared by every device: with chunked
+        # model pushes to many devices at once it, not the link, would set the pace.
+        self._client.max_inflight_messages_set(1000)
+        self._client.max_queued_messages_set(0)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message

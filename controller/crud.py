@@ -16,6 +16,7 @@ from controller.models import (
     Event,
     HealthSample,
     IngestedSeq,
+    ModelVariant,
     ModelVersion,
     utcnow,
 )
@@ -183,7 +184,58 @@ def upsert_model_version(
     if mv is None:
         mv = ModelVersion(name=name, version=version, sha256=sha256, size=size, manifest=manifest, path=path)
     else:
+        if mv.sha256 != sha256 and mv.id is not None:
+            # Other bytes under the same (bundled) name: variants of the old ones no longer apply.
+            delete_variants(session, model_version_id=mv.id)
+            mv.status, mv.build_stage, mv.build_progress, mv.build_error = "ready", None, 0.0, None
         mv.sha256, mv.size, mv.manifest, mv.path = sha256, size, manifest, path
     session.add(mv)
     session.flush()
     return mv
+
+
+def get_model_version_by_id(session: Session, *, model_version_id: int) -> ModelVersion | None:
+    return session.get(ModelVersion, model_version_id)
+
+
+def list_variants(session: Session, *, model_version_id: int) -> Sequence[ModelVariant]:
+    return session.exec(
+        select(ModelVariant)
+        .where(col(ModelVariant.model_version_id) == model_version_id)
+        .order_by(col(ModelVariant.id))
+    ).all()
+
+
+def variants_by_version(session: Session) -> dict[int, list[ModelVariant]]:
+    out: dict[int, list[ModelVariant]] = {}
+    for v in session.exec(select(ModelVariant).order_by(col(ModelVariant.id))).all():
+        out.setdefault(v.model_version_id, []).append(v)
+    return out
+
+
+def delete_variants(session: Session, *, model_version_id: int) -> None:
+    session.execute(sa.delete(ModelVariant).where(col(ModelVariant.model_version_id) == model_version_id))
+
+
+def replace_variants(session: Session, *, model_version_id: int, variants: Iterable[ModelVariant]) -> None:
+    delete_variants(session, model_version_id=model_version_id)
+    session.flush()
+    for v in variants:
+        v.model_version_id = model_version_id
+        session.add(v)
+    session.flush()
+
+
+def get_variant_by_sha(session: Session, *, sha256: str) -> ModelVariant | None:
+    return session.exec(
+        select(ModelVariant).where(col(ModelVariant.sha256) == sha256, col(ModelVariant.path).is_not(None))
+    ).first()
+
+
+def versions_without_variants(session: Session) -> Sequence[ModelVersion]:
+    has = select(ModelVariant.model_version_id).distinct()
+    return session.exec(select(ModelVersion).where(col(ModelVersion.id).not_in(has))).all()
+
+
+def versions_with_status(session: Session, *, status: str) -> Sequence[ModelVersion]:
+    return session.exec(select(ModelVersion).where(col(ModelVersion.status) == status)).all()

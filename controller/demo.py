@@ -216,6 +216,9 @@ def run_demo(
             "EDGEFLEET_API_HOST": "127.0.0.1",
             "EDGEFLEET_API_PORT": str(port),
             "EDGEFLEET_HEARTBEAT_TIMEOUT_S": "10",
+            # Building FP16/INT8 variants takes minutes of CPU; on a small demo machine the agents
+            # need it more. `edgefleet models push` builds them for uploads.
+            "EDGEFLEET_BUILD_VARIANTS_ON_START": os.environ.get("EDGEFLEET_BUILD_VARIANTS_ON_START", "false"),
         }
         procs.spawn(
             "controller",

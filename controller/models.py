@@ -84,6 +84,8 @@ class Device(DeviceBase, table=True):
     reported_version: int | None = Field(default=None)
     duplicates: int = Field(default=0, sa_type=sa.BigInteger)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    # Per camera: the assignment as asked (model, version, pin) and the variant chosen, with why.
+    assignments: dict[str, Any] | None = Field(default=None, sa_type=JSON)
 
 
 # --------------------------------------------------------------------------- health
@@ -193,14 +195,60 @@ class ModelVersionBase(SQLModel):
 class ModelVersion(ModelVersionBase, table=True):
     __tablename__ = "model_version"
     __table_args__ = (
-        sa.UniqueConstraint("sha256", name="uq_model_version_sha256"),
+        # Not unique: two versions may share one content-addressed file (the same bytes re-released).
+        sa.Index("ix_model_version_sha256", "sha256"),
         sa.UniqueConstraint("name", "version", name="uq_model_version_name_version"),
     )
 
     id: int | None = Field(default=None, primary_key=True)
     path: str
     created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    # Variant builds: "building" while the worker has it, then "ready" (fp32 always serves) or
+    # "failed" (the fp32 model itself could not be judged; it still serves).
+    status: str = Field(default="ready", max_length=16)
+    build_stage: str | None = Field(default=None, max_length=32)
+    build_progress: float = Field(default=0.0)
+    build_error: str | None = Field(default=None)
+
+
+class ModelVariantBase(SQLModel):
+    variant: str = Field(max_length=8)
+    sha256: str | None = Field(default=None, max_length=64)
+    size: int | None = Field(default=None, sa_type=sa.BigInteger)
+    latency_ms_1t: float | None = None
+    latency_ms_2t: float | None = None
+    f1: float | None = None
+    mean_iou: float | None = None
+    detections: int | None = None
+    fit: bool = Field(default=False)
+    reason: str | None = None
+    target: str = Field(default="any", max_length=8)
+    build_s: float = Field(default=0.0)
+
+
+class ModelVariant(ModelVariantBase, table=True):
+    """One optimized form of a model version, with the figures it was judged by."""
+
+    __tablename__ = "model_variant"
+    __table_args__ = (
+        sa.UniqueConstraint("model_version_id", "variant", name="uq_model_variant_version_variant"),
+        sa.Index("ix_model_variant_sha256", "sha256"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    model_version_id: int = Field(foreign_key="model_version.id")
+    path: str | None = None  # set only for a file that may be shipped (fit)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+class ModelVariantPublic(ModelVariantBase):
+    pass
 
 
 class ModelVersionPublic(ModelVersionBase):
     created_at: datetime
+    status: str = "ready"
+    build_stage: str | None = None
+    build_progress: float = 0.0
+    build_error: str | None = None
+    variants: list[ModelVariantPublic] = []

@@ -59,11 +59,6 @@ def register_model(session: Session, *, manifest: ModelManifest, model_path: Pat
         )
     if size != manifest.size:
         raise ModelRejectedError(f"{model_path}: size {size} does not match the manifest's {manifest.size}")
-    other = crud.get_model_by_sha(session, sha256=sha)
-    if other is not None and (other.name, other.version) != (manifest.name, manifest.version):
-        raise ModelRejectedError(
-            f"{model_path}: same bytes are already registered as {other.name}:{other.version}"
-        )
     return crud.upsert_model_version(
         session,
         name=manifest.name,

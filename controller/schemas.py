@@ -21,6 +21,18 @@ class DeviceStats(BaseModel):
     max_seq: int
 
 
+VariantChoice = Literal["auto", "fp32", "fp16", "int8"]
+
+
+class CameraAssignment(BaseModel):
+    model: str
+    version: str
+    variant: str = Field(description="the variant this device is sent: fp32, fp16 or int8")
+    pin: str = Field(default="auto", description="auto, or the variant the assignment pinned")
+    sha256: str | None = None
+    reason: str = Field(default="", description="why this variant was chosen")
+
+
 class DevicePublic(BaseModel):
     id: str
     name: str | None
@@ -34,6 +46,10 @@ class DevicePublic(BaseModel):
     capabilities: dict[str, Any] | None
     cameras: list[CameraStats] = Field(description="per camera, from the last heartbeat")
     models: dict[str, CameraReported] = Field(description="what each camera runs, from the reported state")
+    assignments: dict[str, CameraAssignment] = Field(
+        default_factory=dict,
+        description="per camera: the model version assigned, the variant chosen for this device and why",
+    )
     last_health: dict[str, Any] | None
     desired_version: int
     reported_version: int | None
@@ -55,8 +71,15 @@ class DevicePublic(BaseModel):
                 models[cam] = CameraReported.model_validate(rep)
             except ValueError:
                 continue
+        assignments: dict[str, CameraAssignment] = {}
+        for cam, a in (dev.assignments or {}).items():
+            try:
+                assignments[cam] = CameraAssignment.model_validate(a)
+            except ValueError:
+                continue
         return cls(
             id=dev.id,
+            assignments=assignments,
             name=dev.name,
             labels=dev.labels or {},
             enrolled=dev.enrolled,
@@ -133,6 +156,10 @@ class AssignModel(BaseModel):
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0)
     labels: list[str] | None = Field(default=None, description="keep only these labels; null keeps all")
+    variant: VariantChoice = Field(
+        default="auto",
+        description="auto: chosen from the device's capabilities; or pin fp32, fp16 or int8 (must be fit)",
+    )
 
 
 class IngestStats(BaseModel):

@@ -52,6 +52,19 @@ class ControllerSettings(BaseSettings):
     artifact_queue_max: int = Field(default=1000, ge=1)
     artifact_workers: int = Field(default=2, ge=1, le=32)
     chunk_size: int = Field(default=256 * 1024, ge=1024, le=4 * 1024 * 1024)
+    # Model registry: uploaded files and built variants, named by sha256 (default data_dir/artifacts).
+    store_dir: Path | None = None
+    max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
+    # Variant builds (fp16/int8 with figures) on a background worker.
+    build_variants_on_start: bool = True
+    # False: uploads are registered without variant builds (fp32 everywhere), e.g. for quick tests.
+    build_variants_on_upload: bool = True
+    calibration_footage: Path | None = None  # default models_dir/footage/vtest.avi
+    variant_calib_frames: int = Field(default=100, ge=1, le=10000)
+    variant_eval_frames: int = Field(default=40, ge=1, le=10000)
+    variant_bar_f1: float = Field(default=0.95, ge=0.0, le=1.0)
+    variant_bar_iou: float = Field(default=0.95, ge=0.0, le=1.0)
+    variant_queue_max: int = Field(default=64, ge=1)
     environment: Literal["development", "production"] = "development"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
@@ -93,6 +106,14 @@ class ControllerSettings(BaseSettings):
         if self.database_url is not None:
             return self.database_url.get_secret_value()
         return f"sqlite:///{(self.data_dir / 'edgefleet.db').resolve()}"
+
+    def resolved_store_dir(self) -> Path:
+        return self.store_dir if self.store_dir is not None else self.data_dir / "artifacts"
+
+    def resolved_footage(self) -> Path:
+        if self.calibration_footage is not None:
+            return self.calibration_footage
+        return self.models_dir / "footage" / "vtest.avi"
 
     def mqtt_target(self) -> MqttTarget:
         target = _parse_mqtt_url(self.mqtt_url.get_secret_value())

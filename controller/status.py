@@ -49,6 +49,7 @@ class StatusService:
         queue_max: int,
         stop: threading.Event,
         republish: Callable[[], int],
+        on_capabilities: Callable[[str], object] | None = None,
     ) -> None:
         self._engine = engine
         self._bridge = bridge
@@ -57,6 +58,8 @@ class StatusService:
         self._queue: queue.Queue[_Item | _Republish] = queue.Queue(maxsize=queue_max)
         self._stop = stop
         self._republish = republish
+        # Called (on this worker, after the commit) for a device whose birth reported new capabilities.
+        self._on_capabilities = on_capabilities
         self._thread: threading.Thread | None = None
 
     @property
@@ -125,16 +128,26 @@ class StatusService:
                 log.exception("status worker step failed")
 
     def _apply(self, batch: list[_Item]) -> None:
+        changed: set[str] = set()
         with session_scope(self._engine) as s:
             crud.ensure_devices(s, device_ids={i.device_id for i in batch})
             for item in batch:
                 dev = s.get(Device, item.device_id)
                 if dev is None:
                     continue
-                self._apply_one(s, dev, item)
+                if self._apply_one(s, dev, item):
+                    changed.add(dev.id)
                 s.add(dev)
+        if self._on_capabilities is not None:
+            for device_id in sorted(changed):
+                try:
+                    self._on_capabilities(device_id)
+                except Exception:
+                    log.exception("reacting to new capabilities of %s failed", device_id)
 
-    def _apply_one(self, s: Session, dev: Device, item: _Item) -> None:
+    def _apply_one(self, s: Session, dev: Device, item: _Item) -> bool:
+        """Apply one message; True when the device's capabilities changed."""
+        caps_changed = False
         msg, now = item.msg, item.received_at
         if isinstance(msg, Availability):
             if msg.state == "online":
@@ -143,7 +156,9 @@ class StatusService:
                     log.info("device %s online", dev.id)
                 dev.last_seen = now
                 if msg.capabilities is not None:
-                    dev.capabilities = msg.capabilities.model_dump(mode="json")
+                    caps = msg.capabilities.model_dump(mode="json")
+                    caps_changed = caps != dev.capabilities
+                    dev.capabilities = caps
                 if msg.agent_version is not None:
                     dev.agent_version = msg.agent_version
             elif dev.status != "offline":
@@ -174,6 +189,7 @@ class StatusService:
                     data=msg.model_dump(mode="json"),
                 )
             )
+        return caps_changed
 
     def _sweep(self) -> None:
         now = utcnow()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
@@ -13,14 +16,104 @@ from controller import crud
 from controller.bridge import MqttBridge
 from controller.db import session_scope
 from controller.keys import ArtifactSigner
+from controller.models import Device, ModelVariant, ModelVersion
 from fleet_protocol import TopicKind
-from fleet_protocol.messages import ArtifactRef, CameraDesired, DesiredState, ModelManifest
+from fleet_protocol.messages import ArtifactRef, CameraDesired, Capabilities, DesiredState, ModelManifest
 
 log = logging.getLogger(__name__)
 
 
 class NotFoundError(LookupError):
     """A device, model or camera the request names does not exist; the message says which."""
+
+
+class ConflictError(ValueError):
+    """The request cannot be met in the current state (an unfit pinned variant); the message says why."""
+
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Choice:
+    variant: str
+    reason: str
+    sha256: str
+    size: int
+
+
+def _reports(rows: list[ModelVariant]) -> list[Any]:
+    from controller.variants import VariantReport
+
+    out = []
+    for r in rows:
+        if r.variant not in ("fp32", "fp16", "int8"):
+            continue
+        out.append(
+            VariantReport(
+                variant=r.variant,  # type: ignore[arg-type]
+                path=Path(r.path) if r.path else None,
+                sha256=r.sha256,
+                size=r.size,
+                latency_ms_1t=r.latency_ms_1t,
+                latency_ms_2t=r.latency_ms_2t,
+                f1=r.f1,
+                mean_iou=r.mean_iou,
+                detections=r.detections,
+                fit=r.fit,
+                reason=r.reason,
+                target=r.target if r.target in ("cpu", "gpu", "any") else "any",  # type: ignore[arg-type]
+                build_s=r.build_s,
+            )
+        )
+    return out
+
+
+def choose(s: Session, *, mv: ModelVersion, capabilities: dict[str, Any] | None, pin: str = AUTO) -> Choice:
+    """The variant of ``mv`` a device with ``capabilities`` runs, and why; ConflictError for a bad pin."""
+    assert mv.id is not None
+    rows = list(crud.list_variants(s, model_version_id=mv.id))
+    by_name = {r.variant: r for r in rows}
+    fp32 = Choice("fp32", "", mv.sha256, mv.size)
+    if pin != AUTO:
+        if pin == "fp32":
+            return Choice("fp32", "fp32 pinned by the assignment", mv.sha256, mv.size)
+        row = by_name.get(pin)
+        if row is None:
+            state = f"variant builds {mv.status}" if mv.status != "ready" else "not built"
+            raise ConflictError(f"variant {pin} of {mv.name}:{mv.version} is not available ({state})")
+        if not row.fit or not row.path or not row.sha256 or not row.size:
+            raise ConflictError(
+                f"variant {pin} of {mv.name}:{mv.version} is unfit: {row.reason or 'no file to ship'}"
+            )
+        return Choice(pin, f"{pin} pinned by the assignment", row.sha256, row.size)
+    if not rows:
+        if mv.status == "building":
+            why = f"variants of {mv.name}:{mv.version} are still building ({mv.build_stage or 'queued'})"
+        else:
+            why = f"{mv.name}:{mv.version} has no optimized variants"
+        return Choice("fp32", f"{why}; fp32 runs everywhere", mv.sha256, mv.size)
+    from controller.variants import choose_variant
+
+    try:
+        caps = Capabilities.model_validate(capabilities or {})
+    except ValueError:
+        caps = Capabilities()
+    name, reason = choose_variant(_reports(rows), caps)
+    row = by_name.get(name)
+    if name == "fp32" or row is None or not row.fit or not row.path or not row.sha256 or not row.size:
+        return Choice(
+            "fp32",
+            reason if name == "fp32" else f"{reason}; its file is missing, so fp32",
+            fp32.sha256,
+            fp32.size,
+        )
+    return Choice(name, reason, row.sha256, row.size)
+
+
+def artifact_ref(mv: ModelVersion, choice: Choice, chunk_size: int) -> ArtifactRef:
+    manifest = ModelManifest.model_validate({**mv.manifest, "sha256": choice.sha256, "size": choice.size})
+    return ArtifactRef(manifest=manifest, chunk_size=chunk_size, variant=choice.variant)
 
 
 class TwinService:
@@ -51,6 +144,7 @@ class TwinService:
         threshold: float | None = None,
         max_fps: float | None = None,
         labels: list[str] | None = None,
+        variant: str = AUTO,
     ) -> DesiredState:
         with self._lock, session_scope(self._engine) as s:
             dev = crud.get_device(s, device_id=device_id)
@@ -59,10 +153,14 @@ class TwinService:
             mv = crud.get_model_version(s, name=model, version=version)
             if mv is None:
                 raise NotFoundError(f"model {model!r} version {version!r} is not registered")
-            ref = ArtifactRef(manifest=ModelManifest.model_validate(mv.manifest), chunk_size=self._chunk_size)
+            choice = choose(s, mv=mv, capabilities=dev.capabilities, pin=variant)
+            ref = artifact_ref(mv, choice, self._chunk_size)
             desired = self.current(dev.desired)
             cameras = dict(desired.cameras)
             cameras[camera] = CameraDesired(model=ref, threshold=threshold, max_fps=max_fps, labels=labels)
+            assignments = dict(dev.assignments or {})
+            assignments[camera] = _assignment(mv, variant, choice)
+            dev.assignments = assignments
             return self._commit(s, dev.id, desired, cameras)
 
     def remove(self, *, device_id: str, camera: str) -> DesiredState:
@@ -74,7 +172,57 @@ class TwinService:
             if camera not in desired.cameras:
                 raise NotFoundError(f"camera {camera!r} of device {device_id!r} has no model assigned")
             cameras = {k: v for k, v in desired.cameras.items() if k != camera}
+            dev.assignments = {k: v for k, v in (dev.assignments or {}).items() if k != camera}
             return self._commit(s, dev.id, desired, cameras)
+
+    def recompute(self, device_id: str) -> DesiredState | None:
+        """Choose each camera's variant again (new capabilities, a finished build); publish a new
+        desired state only when a chosen variant changed. Returns it, or None when nothing changed."""
+        with self._lock, session_scope(self._engine) as s:
+            dev = crud.get_device(s, device_id=device_id)
+            if dev is None or dev.desired is None:
+                return None
+            desired = self.current(dev.desired)
+            cameras = dict(desired.cameras)
+            assignments = dict(dev.assignments or {})
+            changed = False
+            for cam, cd in desired.cameras.items():
+                if cd.model is None:
+                    continue
+                m = cd.model.manifest
+                asg = assignments.get(cam) or {}
+                pin = str(asg.get("pin") or AUTO)
+                mv = crud.get_model_version(
+                    s, name=str(asg.get("model") or m.name), version=str(asg.get("version") or m.version)
+                )
+                if mv is None:
+                    continue
+                try:
+                    choice = choose(s, mv=mv, capabilities=dev.capabilities, pin=pin)
+                except ConflictError as exc:
+                    # A pinned variant that is no longer there: fp32 runs, and the API says why.
+                    choice = Choice("fp32", f"{exc}; fp32 instead", mv.sha256, mv.size)
+                assignments[cam] = _assignment(mv, pin, choice)
+                if (cd.model.variant, m.sha256) != (choice.variant, choice.sha256):
+                    ref = artifact_ref(mv, choice, cd.model.chunk_size)
+                    cameras[cam] = cd.model_copy(update={"model": ref})
+                    changed = True
+            dev.assignments = assignments
+            s.add(dev)
+            if not changed:
+                return None
+            log.info("variant choice of %s changed; publishing a new desired state", device_id)
+            return self._commit(s, dev.id, desired, cameras)
+
+    def recompute_for_model(self, model_version_id: int) -> int:
+        """Recompute every device whose desired state runs this model version; returns how many changed."""
+        with Session(self._engine) as s:
+            mv = crud.get_model_version_by_id(s, model_version_id=model_version_id)
+            if mv is None:
+                return 0
+            key = (mv.name, mv.version)
+            devices = [d.id for d in crud.devices_with_desired(s) if key in uses(d)]
+        return sum(self.recompute(d) is not None for d in devices)
 
     def _commit(
         self, s: Session, device_id: str, old: DesiredState, cameras: dict[str, CameraDesired]
@@ -118,3 +266,24 @@ class TwinService:
                 except Exception:
                     log.exception("could not republish desired state of %s", dev.id)
             return len(devices)
+
+
+def _assignment(mv: ModelVersion, pin: str, choice: Choice) -> dict[str, Any]:
+    return {
+        "model": mv.name,
+        "version": mv.version,
+        "pin": pin,
+        "variant": choice.variant,
+        "sha256": choice.sha256,
+        "reason": choice.reason,
+    }
+
+
+def uses(dev: Device) -> set[tuple[str, str]]:
+    """The (model, version) pairs a device's desired state runs."""
+    out: set[tuple[str, str]] = set()
+    for cd in ((dev.desired or {}).get("cameras") or {}).values():
+        m = ((cd or {}).get("model") or {}).get("manifest") or {}
+        if m.get("name") and m.get("version"):
+            out.add((str(m["name"]), str(m["version"])))
+    return out

@@ -171,6 +171,7 @@ class Agent:
             self.data_dir / "models",
             self._send_artifact_request,
             window=art.window,
+            window_bytes=art.window_bytes,
             request_timeout_s=art.request_timeout_s,
             max_retries=art.max_retries,
         )

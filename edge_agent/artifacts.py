@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from fleet_protocol.codec import ProtocolError, decode_chunk
 from fleet_protocol.messages import ArtifactRef, ArtifactRequest
@@ -44,6 +45,9 @@ class _Transfer:
     bitmap: Path
     have: bytearray
     outstanding: dict[int, float] = field(default_factory=dict)
+    # Chunks checked and handed over by the link thread, not yet written: the fetch thread writes
+    # them in batches, so the network thread never waits on the disk.
+    arrived: dict[int, bytes] = field(default_factory=dict)
     bad_chunks: int = 0
     reask: bool = False
     received: int = 0
@@ -60,7 +64,8 @@ class _Transfer:
         return sum(self.chunk_len(i) for i, h in enumerate(self.have) if h)
 
     def missing(self) -> list[int]:
-        return [i for i, h in enumerate(self.have) if not h]
+        """Chunks neither on disk nor waiting to be written."""
+        return [i for i, h in enumerate(self.have) if not h and i not in self.arrived]
 
 
 def file_sha256(path: Path) -> str:
@@ -78,6 +83,7 @@ class ArtifactFetcher:
         request: RequestFn,
         *,
         window: int = 8,
+        window_bytes: int = 8 * 2**20,
         request_timeout_s: float = 5.0,
         max_retries: int = 6,
         disk_free: Callable[[Path], int] | None = None,
@@ -85,7 +91,10 @@ class ArtifactFetcher:
         self.store = store_dir
         self.store.mkdir(parents=True, exist_ok=True)
         self._request = request
+        # Chunks in flight: at least ``window``, more when they are small (bytes in flight set the pace
+        # on a fast link), at most the 64 one request can carry.
         self.window = window
+        self.window_bytes = window_bytes
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self._disk_free = disk_free or (lambda p: shutil.disk_usage(p).free)
@@ -164,8 +173,36 @@ class ArtifactFetcher:
         )
         os.replace(tmp, tr.bitmap)
 
+    def _flush(self, tr: _Transfer, part: BinaryIO) -> bool:
+        """Write the chunks that arrived, make them durable, then record them in the bitmap."""
+        with self._cond:
+            batch, tr.arrived = tr.arrived, {}
+        if not batch:
+            return False
+        for index, data in sorted(batch.items()):
+            part.seek(index * tr.ref.chunk_size)
+            part.write(data)
+        part.flush()
+        # One fsync per batch, and the bitmap only after it: a chunk marked on disk is on disk.
+        os.fsync(part.fileno())
+        with self._cond:
+            for index in batch:
+                tr.have[index] = 1
+        self._save_bitmap(tr)
+        return True
+
     def _loop(self, tr: _Transfer, stop: threading.Event, progress: ProgressFn | None) -> None:
+        with tr.part.open("r+b") as part:
+            try:
+                self._fetch_chunks(tr, part, stop, progress)
+            finally:
+                self._flush(tr, part)  # a stop keeps what arrived: the restart asks only for the rest
+
+    def _fetch_chunks(
+        self, tr: _Transfer, part: BinaryIO, stop: threading.Event, progress: ProgressFn | None
+    ) -> None:
         size = tr.ref.manifest.size
+        window = max(1, min(64, max(self.window, self.window_bytes // tr.ref.chunk_size)))
         retries = 0
         last_received = tr.received
         if progress is not None:
@@ -173,9 +210,11 @@ class ArtifactFetcher:
         while True:
             if stop.is_set():
                 raise FetchCancelled("stopped")
+            if self._flush(tr, part) and progress is not None:
+                progress(tr.bytes_have(), 100.0 * tr.bytes_have() / size)
             with self._cond:
                 seen = tr.received
-                if not tr.missing():
+                if all(tr.have):
                     return
                 now = time.monotonic()
                 if seen != last_received:
@@ -194,7 +233,7 @@ class ArtifactFetcher:
                     tr.outstanding.clear()
                     tr.reask = False
                 missing = tr.missing()
-                ask = [i for i in missing if i not in tr.outstanding][: self.window - len(tr.outstanding)]
+                ask = [i for i in missing if i not in tr.outstanding][: window - len(tr.outstanding)]
                 for i in ask:
                     tr.outstanding[i] = now
             if ask:
@@ -207,11 +246,8 @@ class ArtifactFetcher:
                     stop.wait(0.5)
                     continue
             with self._cond:
-                if tr.received == seen and not tr.reask and tr.missing():
+                if tr.received == seen and not tr.reask and not tr.arrived and not all(tr.have):
                     self._cond.wait(min(0.5, self.request_timeout_s))
-                got_new = tr.received != seen
-            if progress is not None and got_new:
-                progress(tr.bytes_have(), 100.0 * tr.bytes_have() / size)
 
     def _finish(self, tr: _Transfer) -> Path:
         sha = tr.ref.manifest.sha256
@@ -260,15 +296,9 @@ class ArtifactFetcher:
                 )
                 self._cond.notify_all()
                 return
-            if tr.have[header.index]:
+            if tr.have[header.index] or header.index in tr.arrived:
                 return
-            with tr.part.open("r+b") as f:
-                f.seek(header.index * tr.ref.chunk_size)
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            tr.have[header.index] = 1
+            tr.arrived[header.index] = data
             tr.outstanding.pop(header.index, None)
             tr.received += 1
-            self._save_bitmap(tr)
             self._cond.notify_all()

@@ -139,6 +139,8 @@ class OutboxConfig(_Strict):
 
 class ArtifactConfig(_Strict):
     window: int = Field(default=8, ge=1, le=64)
+    """Chunks in flight at least; more when chunks are small, up to ``window_bytes``."""
+    window_bytes: int = Field(default=8 * 2**20, ge=64 * 1024, le=256 * 2**20)
     request_timeout_s: float = Field(default=5.0, gt=0.0)
     max_retries: int = Field(default=6, ge=0)
 

@@ -31,6 +31,8 @@ class ControllerProcess:
             "EDGEFLEET_MQTT_URL": mqtt_url,
             "EDGEFLEET_API_HOST": "127.0.0.1",
             "EDGEFLEET_API_PORT": str(self.port),
+            # Building variants of the bundled models takes minutes of CPU; tests opt in.
+            "EDGEFLEET_BUILD_VARIANTS_ON_START": "false",
             **env,
         }
         self.proc: subprocess.Popen[bytes] | None = None

@@ -118,6 +118,7 @@ def make_app(tmp_path: Path, models_dir: Path, broker: MosquittoBroker) -> Itera
                     "models_dir": models_dir,
                     "mqtt_url": broker.url,
                     "heartbeat_timeout_s": 30,
+                    "build_variants_on_start": False,
                     **overrides,
                 }
             )

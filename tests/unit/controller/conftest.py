@@ -200,7 +200,7 @@ def make_fleet(db_url: str, models_dir: Path, tmp_path: Path) -> Iterator[FleetF
     """Start a controller (``create_app`` + TestClient lifespan); keyword arguments override settings."""
     fleets: list[Fleet] = []
 
-    def start(**overrides: Any) -> Fleet:
+    def start(*, builder: Any = None, **overrides: Any) -> Fleet:
         settings = ControllerSettings(
             **{
                 "data_dir": tmp_path / "data",
@@ -208,12 +208,15 @@ def make_fleet(db_url: str, models_dir: Path, tmp_path: Path) -> Iterator[FleetF
                 "models_dir": models_dir,
                 "mqtt_url": "mqtt://127.0.0.1:1",
                 "chunk_size": 256 * 1024,
+                "build_variants_on_start": False,
                 **overrides,
             }
         )
         transport = FakeTransport()
         fleet = Fleet(
-            TestClient(create_app(settings, transport=transport)), transport, Topics(settings.topic_prefix)
+            TestClient(create_app(settings, transport=transport, variant_builder=builder)),
+            transport,
+            Topics(settings.topic_prefix),
         )
         fleets.append(fleet)
         return fleet

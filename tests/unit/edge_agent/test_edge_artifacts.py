@@ -64,7 +64,7 @@ def fetcher_with(tmp_path: Path, link: FakeLink, **kw: object) -> ArtifactFetche
 
 def test_fetch_stores_verified_file_asking_at_most_a_window(tmp_path: Path) -> None:
     link = FakeLink(DATA)
-    f = fetcher_with(tmp_path, link, window=4)
+    f = fetcher_with(tmp_path, link, window=4, window_bytes=0)  # no byte budget: 4 chunks in flight
     progress: list[float] = []
     path = f.fetch(ref_for(DATA), threading.Event(), lambda done, pct: progress.append(pct))
     assert path.read_bytes() == DATA and path.name == f"{hashlib.sha256(DATA).hexdigest()}.onnx"
@@ -123,3 +123,12 @@ def test_unanswered_requests_give_up_after_retries_with_reason(tmp_path: Path) -
     with pytest.raises(FetchError, match="after 2 retries"):
         f.fetch(ref_for(DATA), threading.Event())
     assert link.asked.count(0) == 3
+
+
+def test_small_chunks_get_a_wider_window_up_to_the_byte_budget(tmp_path: Path) -> None:
+    """Bytes in flight set the pace on a fast link: tiny chunks are asked for many at a time."""
+    link = FakeLink(DATA)
+    f = fetcher_with(tmp_path, link, window=2, window_bytes=6 * len(DATA) // 11)
+    assert f.fetch(ref_for(DATA), threading.Event()).read_bytes() == DATA
+    assert max(len(r.chunks) for r in link.requests) > 2
+    assert all(len(r.chunks) <= 6 for r in link.requests)
