@@ -408,7 +408,9 @@ class Agent:
                     model = self.pipeline.load(path, manifest)
                 finally:
                     self._build_ctx = None
+            swap_start = time.perf_counter()
             self.pipeline.activate(cam, model, params)
+            swap_ms = (time.perf_counter() - swap_start) * 1000.0
         except FetchCancelled:
             return
         except (FetchError, ModelLoadError, OSError) as exc:
@@ -420,6 +422,7 @@ class Agent:
             "model": key,
             "sha256": manifest.sha256,
             "provider": model.backend.provider,
+            "swap_ms": round(swap_ms, 3),
         }
         precision = getattr(model.backend, "precision", None)
         if precision is not None:
@@ -735,6 +738,7 @@ class Agent:
             gpus=sysinfo.get("gpus", []),
             cameras=cams,
             inference_ms=round(max(ms), 2) if ms else None,
+            cpu_energy_j=sysinfo.get("cpu_energy_j"),
             outbox_pending=self.outbox.pending(),
             outbox_dropped=self.outbox.dropped,
             queue_dropped=self.pipeline.out.dropped,

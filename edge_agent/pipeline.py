@@ -7,9 +7,9 @@ hand-off that blocks the prepare thread when full -> ONE inference thread (runs 
 preprocessed while the model runs on the current one.
 
 Hot swap: a new model is loaded and warmed up beside the old one; only then does the camera's slot
-point at it. A batch prepared for a model that has since been replaced is discarded (its frames are
-stale, like the camera slot that ``activate`` clears); replaced models are closed by the inference
-thread, the only thread that runs them.
+point at it. A batch already prepared for the old model still runs on it, and the next frame goes to
+the new one, so no frame is lost to a swap; replaced models are closed by the inference thread, the
+only thread that runs them, after it has run what was prepared for them.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class LoadedModel:
     manifest: ModelManifest
     backend: InferenceBackend
     preprocessor: PreprocessorLike
+    closed: bool = False
 
     @property
     def key(self) -> str:
@@ -197,7 +198,6 @@ class Pipeline:
             old = self._slots.get(camera)
             self._slots[camera] = (model, params)
             self._retire_if_unused(old[0] if old else None)
-        self.cameras[camera].slot.clear()  # a frame queued for the old model is stale now
         log.info("camera %s now runs %s (threshold %.2f)", camera, model.key, params.threshold)
 
     def set_params(self, camera: str, params: CameraParams) -> None:
@@ -344,30 +344,26 @@ class Pipeline:
     def _run(self) -> None:
         while not self._stop.is_set():
             prepared = self._prepared.get(0.1)
+            if prepared is not None:
+                with self._lock:
+                    stats = self._stats
+                if prepared.model.closed:
+                    # Prepared for a model replaced and closed meanwhile (a rare race with the swap).
+                    for f, _ in prepared.items:
+                        stats[f.camera].skipped += 1
+                else:
+                    try:
+                        self._infer(prepared, stats)
+                    except Exception:
+                        log.exception("inference round failed")
             self._close_retired()
-            if prepared is None:
-                continue
-            with self._lock:
-                # Replaced since it was prepared (and maybe closed already): those frames are stale.
-                stale = not any(
-                    (slot := self._slots.get(f.camera)) is not None and slot[0] is prepared.model
-                    for f, _ in prepared.items
-                )
-                stats = self._stats
-            if stale:
-                for f, _ in prepared.items:
-                    stats[f.camera].skipped += 1
-                continue
-            try:
-                self._infer(prepared, stats)
-            except Exception:
-                log.exception("inference round failed")
         self._close_retired()
 
     def _close_retired(self) -> None:
         with self._lock:
             retired, self._retired = self._retired, []
         for m in retired:
+            m.closed = True
             m.backend.close()
             log.info("closed %s", m.key)
 
