@@ -74,7 +74,8 @@ def test_agent_killed_at_half_a_transfer_resumes_with_only_the_missing_chunks(
                 own_broker.url,
                 cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": True}],
                 controller=controller,
-                artifacts={"window": WINDOW},
+                # A fixed window (no byte budget), so the kill at half the requests lands mid-transfer.
+                artifacts={"window": WINDOW, "window_bytes": CHUNK},
             )
             store = agent.workdir / DEVICE / "models"
 
