@@ -130,7 +130,14 @@ def models_push(
     import time
 
     import httpx
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TransferSpeedColumn,
+    )
 
     size = file.stat().st_size
     data: dict[str, str] = {"name": name, "version": version}
@@ -166,6 +173,7 @@ def models_push(
         )
         if not wait:
             return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()) as progress:
         builds = progress.add_task("building variants", total=100)
         with httpx.Client(base_url=api, timeout=30) as client:
             while True:
