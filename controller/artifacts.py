@@ -10,6 +10,7 @@ import logging
 import math
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,50 @@ class _Artifact:
     size: int
 
 
+class FrameCache:
+    """Encoded chunk frames, least recently used out past a byte budget.
+
+    A rollout pushes the same artifact to many devices at once: each chunk is then read and hashed
+    once, not once per device.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._frames: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple[str, int, int]) -> bytes | None:
+        with self._lock:
+            frame = self._frames.get(key)
+            if frame is None:
+                self.misses += 1
+                return None
+            self._frames.move_to_end(key)
+            self.hits += 1
+            return frame
+
+    def put(self, key: tuple[str, int, int], frame: bytes) -> None:
+        if len(frame) > self.max_bytes:
+            return
+        with self._lock:
+            old = self._frames.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old)
+            self._frames[key] = frame
+            self._bytes += len(frame)
+            while self._bytes > self.max_bytes:
+                _, evicted = self._frames.popitem(last=False)
+                self._bytes -= len(evicted)
+
+    def drop(self, sha256: str) -> None:
+        with self._lock:
+            for key in [k for k in self._frames if k[0] == sha256]:
+                self._bytes -= len(self._frames.pop(key))
+
+
 class ArtifactServer:
     def __init__(
         self,
@@ -49,8 +94,10 @@ class ArtifactServer:
         queue_max: int,
         workers: int,
         stop: threading.Event,
+        frame_cache_bytes: int = 64 * 2**20,
     ) -> None:
         self._engine = engine
+        self.frames = FrameCache(frame_cache_bytes)
         self._bridge = bridge
         # Drop when full: the agent asks again for chunks it did not get within its timeout.
         self._queue: queue.Queue[tuple[str, ArtifactRequest]] = queue.Queue(maxsize=queue_max)
@@ -141,23 +188,31 @@ class ArtifactServer:
         if not good:
             return
         sent = 0
+        f = None
         try:
-            with art.path.open("rb") as f:
-                for i in good:
-                    if self._stop.is_set():
-                        return
+            for i in good:
+                if self._stop.is_set():
+                    return
+                key = (req.sha256, req.chunk_size, i)
+                frame = self.frames.get(key)
+                if frame is None:
+                    if f is None:
+                        f = art.path.open("rb")
                     f.seek(i * req.chunk_size)
-                    data = f.read(req.chunk_size)
-                    self._bridge.publish_raw(
-                        device_id, TopicKind.ARTIFACT_CHUNK, encode_chunk(req.sha256, i, total, data)
-                    )
-                    sent += 1
+                    frame = encode_chunk(req.sha256, i, total, f.read(req.chunk_size))
+                    self.frames.put(key, frame)
+                self._bridge.publish_raw(device_id, TopicKind.ARTIFACT_CHUNK, frame)
+                sent += 1
         except OSError as exc:
             counters.add(REQUEST_KIND, "read_failed")
             log.error("cannot read artifact %s at %s: %s", req.sha256[:12], art.path, exc)
             with self._cache_lock:
                 self._cache.pop(req.sha256, None)
+            self.frames.drop(req.sha256)
             return
+        finally:
+            if f is not None:
+                f.close()
         counters.add(REQUEST_KIND, "ok")
         counters.add(CHUNK_KIND, "sent", sent)
         log.debug("sent %d chunks of %s to %s", sent, req.sha256[:12], device_id)
