@@ -159,6 +159,7 @@ class Agent:
             topics=self.topics,
             reconnect_min_s=settings.mqtt_reconnect_min_s,
             reconnect_max_s=settings.mqtt_reconnect_max_s,
+            keepalive_s=settings.mqtt_keepalive_s,
         )
         self.publisher = Publisher(
             self.outbox, self.pipeline.out, self.transport.publish, settings.outbox, stop=self.stop_event

@@ -30,6 +30,9 @@ CREATE TABLE IF NOT EXISTS outbox (
     attempts INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS outbox_sent ON outbox (sent_at);
+-- The span each OUTBOX_DROPPED report still in the outbox declares: if the bound drops the report
+-- itself, its span goes back to the pending span, to be declared by the next report.
+CREATE TABLE IF NOT EXISTS drop_reports (seq INTEGER PRIMARY KEY, first INTEGER NOT NULL, last INTEGER NOT NULL);
 """
 
 
@@ -65,8 +68,12 @@ class Outbox:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
-        self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('next_seq', 1), ('dropped', 0)")
-        self._pending_drop: DroppedRange | None = None
+        # drop_first..drop_last (0 = none) and drop_count: dropped by the bound and not yet in a report,
+        # on disk so that a kill -9 between a drop and its report loses nothing.
+        self._db.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('next_seq', 1), ('dropped', 0), "
+            "('drop_first', 0), ('drop_last', 0), ('drop_count', 0)"
+        )
 
     # ------------------------------------------------------------------ writes
 
@@ -103,22 +110,79 @@ class Outbox:
         first, last = rows[0][0], rows[-1][0]
         cur.execute("DELETE FROM outbox WHERE seq <= ?", (last,))
         cur.execute("UPDATE meta SET value = value + ? WHERE key = 'dropped'", (len(rows),))
-        prev = self._pending_drop
-        if prev is None:
-            self._pending_drop = DroppedRange(first, last, len(rows))
-        else:
-            self._pending_drop = DroppedRange(
-                min(prev.first, first), max(prev.last, last), prev.count + len(rows)
+        cur.execute("UPDATE meta SET value = value + ? WHERE key = 'drop_count'", (len(rows),))
+        # A drop report dropped before it was sent: what it declared must be declared again.
+        spans = [(first, last)]
+        spans += cur.execute("SELECT first, last FROM drop_reports WHERE seq <= ?", (last,)).fetchall()
+        cur.execute("DELETE FROM drop_reports WHERE seq <= ?", (last,))
+        for a, b in spans:
+            cur.execute(
+                "UPDATE meta SET value = CASE WHEN value = 0 THEN ? ELSE MIN(value, ?) END "
+                "WHERE key = 'drop_first'",
+                (a, a),
             )
+            cur.execute("UPDATE meta SET value = MAX(value, ?) WHERE key = 'drop_last'", (b,))
         log.warning(
             "outbox full (%s messages): dropped the oldest %s (seq %s..%s)", count, len(rows), first, last
         )
 
     def take_dropped(self) -> DroppedRange | None:
-        """The rows dropped by the bound since the last call (to report as OUTBOX_DROPPED)."""
+        """The span dropped by the bound and not yet reported (``count``: rows newly dropped in it),
+        cleared; None when there is none. The publisher uses :meth:`append_drop_report`, which also
+        remembers the report's span."""
         with self._lock:
-            dropped, self._pending_drop = self._pending_drop, None
+            cur = self._db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                dropped = self._take_pending(cur)
+                cur.execute("COMMIT")
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
             return dropped
+
+    def append_drop_report(
+        self, build_payload: Callable[[int, DroppedRange], bytes], *, now: float = 0.0
+    ) -> int | None:
+        """Append the OUTBOX_DROPPED report for the pending span, in the transaction that clears it;
+        returns its seq, or None when nothing is pending. Its own append may drop more rows (a full
+        outbox): those form the next pending span, never a recursive report."""
+        with self._lock:
+            cur = self._db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                dropped = self._take_pending(cur)
+                if dropped is None:
+                    cur.execute("COMMIT")
+                    return None
+                (seq,) = cur.execute("SELECT value FROM meta WHERE key = 'next_seq'").fetchone()
+                payload = build_payload(seq, dropped)
+                cur.execute(
+                    "INSERT INTO outbox (seq, kind, payload, created_at) VALUES (?, 'events', ?, ?)",
+                    (seq, payload, now),
+                )
+                cur.execute(
+                    "INSERT INTO drop_reports (seq, first, last) VALUES (?, ?, ?)",
+                    (seq, dropped.first, dropped.last),
+                )
+                cur.execute("UPDATE meta SET value = ? WHERE key = 'next_seq'", (seq + 1,))
+                self._enforce_bound(cur)
+                cur.execute("COMMIT")
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            return int(seq)
+
+    def drop_pending(self) -> bool:
+        with self._lock:
+            return self._meta("drop_first") > 0
+
+    def _take_pending(self, cur: sqlite3.Cursor) -> DroppedRange | None:
+        meta = dict(cur.execute("SELECT key, value FROM meta WHERE key LIKE 'drop_%'").fetchall())
+        if not meta.get("drop_first"):
+            return None
+        cur.execute("UPDATE meta SET value = 0 WHERE key IN ('drop_first', 'drop_last', 'drop_count')")
+        return DroppedRange(int(meta["drop_first"]), int(meta["drop_last"]), int(meta["drop_count"]))
 
     def ack(self, msg: Ack) -> int:
         """Delete every row the ack covers; returns how many were deleted."""
@@ -129,6 +193,7 @@ class Outbox:
                 deleted = cur.execute("DELETE FROM outbox WHERE seq <= ?", (msg.upto,)).rowcount
                 for a, b in msg.ranges:
                     deleted += cur.execute("DELETE FROM outbox WHERE seq BETWEEN ? AND ?", (a, b)).rowcount
+                cur.execute("DELETE FROM drop_reports WHERE seq NOT IN (SELECT seq FROM outbox)")
                 cur.execute("COMMIT")
             except BaseException:
                 cur.execute("ROLLBACK")
@@ -169,6 +234,10 @@ class Outbox:
         with self._lock:
             (n,) = self._db.execute("SELECT value FROM meta WHERE key = 'dropped'").fetchone()
             return int(n)
+
+    def _meta(self, key: str) -> int:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return int(row[0]) if row else 0
 
     @property
     def next_seq(self) -> int:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from edge_agent.outbox import Outbox
+from edge_agent.outbox import DroppedRange, Outbox
 from edge_agent.queues import DropOldestQueue
 from edge_agent.settings import OutboxConfig
 from fleet_protocol.codec import ProtocolError, encode
@@ -179,12 +179,31 @@ class Publisher:
             self._resend_now.set()  # more may be due: next round at once
 
     def _report_drops(self) -> None:
-        dropped = self.outbox.take_dropped()
-        if dropped is None:
+        """Report what the bound dropped as one OUTBOX_DROPPED event (itself through the outbox).
+
+        The outbox appends the report in the transaction that takes the pending span: appending it to
+        a full outbox used to drop another row and report that from inside the report, recursing
+        without end; now such a drop simply waits for the next report.
+        """
+        if not self.outbox.drop_pending():
             return
-        self.emit_event(
-            EventKind.OUTBOX_DROPPED,
-            severity=Severity.WARNING,
-            message=f"outbox full: dropped {dropped.count} oldest messages (seq {dropped.first}..{dropped.last})",
-            data={"first": dropped.first, "last": dropped.last, "count": dropped.count},
-        )
+
+        def build(seq: int, dropped: DroppedRange) -> bytes:
+            return encode(
+                Event(
+                    seq=seq,
+                    ts=time.time(),
+                    kind=EventKind.OUTBOX_DROPPED,
+                    severity=Severity.WARNING,
+                    message=(
+                        f"outbox full: dropped {dropped.count} oldest messages "
+                        f"(seq {dropped.first}..{dropped.last})"
+                    ),
+                    data={"first": dropped.first, "last": dropped.last, "count": dropped.count},
+                )
+            )
+
+        with self._emit_lock:
+            seq = self.outbox.append_drop_report(build, now=time.time())
+        if seq is not None:
+            self._send_seq(seq)

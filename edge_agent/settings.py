@@ -150,6 +150,10 @@ class AgentSettings(_Strict):
     mqtt_url: MqttEndpoint = Field(default_factory=lambda: MqttEndpoint(host="127.0.0.1"))
     mqtt_reconnect_min_s: float = Field(default=1.0, ge=1.0)
     mqtt_reconnect_max_s: float = Field(default=30.0, ge=1.0)
+    mqtt_keepalive_s: int = Field(default=15, ge=2, le=3600)
+    """MQTT keepalive. It bounds how long a half-open link (writes accepted, nothing delivered) goes
+    unnoticed: paho sends PINGREQ after this long without traffic from the broker and drops the
+    connection (then reconnects) when nothing arrives for another keepalive, so at most ~2x this."""
     topic_prefix: str = DEFAULT_PREFIX
     data_dir: Path
     heartbeat_interval_s: float = Field(default=5.0, gt=0.0)
