@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
 from controller.api import build_router
+from controller.api_live import Surfaces, mount_surfaces
 from controller.artifacts import ArtifactServer
 from controller.bridge import MqttBridge, PahoTransport, Transport
 from controller.builder import VariantBuilder, VariantWorker
@@ -52,12 +53,15 @@ class ControllerRuntime:
             client_id = settings.mqtt_client_id or f"edgefleet-controller-{uuid.uuid4().hex[:8]}"
             transport = PahoTransport(settings.mqtt_target(), client_id=client_id)
         self.bridge = MqttBridge(transport, Topics(settings.topic_prefix))
+        # Live view, commands, metrics, retention: fed by the ingest hook and the command results.
+        self.surfaces = Surfaces(self.engine, self.bridge, settings, stop=self.stop_event)
         self.ingest = IngestService(
             self.engine,
             self.bridge,
             queue_max=settings.ingest_queue_max,
             batch_max=settings.ingest_batch_max,
             stop=self.stop_event,
+            on_stored=self.surfaces.on_stored,
         )
         self.twin = TwinService(self.engine, self.bridge, chunk_size=settings.chunk_size, signer=self.signer)
         self.status = StatusService(
@@ -99,6 +103,7 @@ class ControllerRuntime:
             TopicKind.COMMAND_RESULT,
         ):
             self.bridge.on(kind, self.status.submit)
+        self.bridge.on(TopicKind.COMMAND_RESULT, self.surfaces.command_results(then=self.status.submit))
         self.bridge.on(TopicKind.ARTIFACT_REQUEST, self.artifacts.submit)
         self.bridge.on_connect(self.status.request_republish)
 
@@ -112,6 +117,7 @@ class ControllerRuntime:
         self.artifacts.start()
         self.variants.start()
         self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
+        self.surfaces.start(self)
         self.bridge.start()
         log.info("controller started (mqtt %s)", self.settings.redacted_mqtt_url())
 
@@ -125,6 +131,7 @@ class ControllerRuntime:
         self.status.join(STOP_TIMEOUT_S)
         self.artifacts.join(STOP_TIMEOUT_S)
         self.variants.join(STOP_TIMEOUT_S)
+        self.surfaces.join(STOP_TIMEOUT_S)
         self.engine.dispose()
         log.info("controller stopped")
 
@@ -170,6 +177,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.include_router(build_router())
+    mount_surfaces(app)
     return app
 
 

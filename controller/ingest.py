@@ -11,7 +11,9 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -37,6 +39,18 @@ MAX_DECLARED_DROPPED = 200_000
 _INSERT_CHUNK = 5000
 
 IngestMsg = DetectionBatch | EventMsg
+
+
+@dataclass(frozen=True)
+class StoredBatch:
+    """What one ingest commit stored: handed to ``on_stored`` (live view, metrics) after the commit."""
+
+    messages: list[tuple[str, IngestMsg]]  # (device id, message) stored for the first time
+    stored_at: datetime
+    write_s: float  # seconds spent writing the batch to the database
+
+
+StoredCallback = Callable[[StoredBatch], None]
 
 
 @dataclass
@@ -120,9 +134,12 @@ class IngestService:
         queue_max: int,
         batch_max: int,
         stop: threading.Event,
+        on_stored: StoredCallback | None = None,
     ) -> None:
         self._engine = engine
         self._bridge = bridge
+        # Called on the ingest thread after each commit; it must not block (it only enqueues).
+        self._on_stored = on_stored
         self._batch_max = batch_max
         self._queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_max)
         self._stop = stop
@@ -206,6 +223,7 @@ class IngestService:
                 log.exception("ingest batch of %d failed", len(batch))
 
     def _process(self, batch: list[_Item]) -> None:
+        t0 = time.perf_counter()
         try:
             results = self._store(batch)
         except Exception as exc:
@@ -224,7 +242,14 @@ class IngestService:
                     log.exception(
                         "could not store %s seq %d from %s", item.kind, item.msg.seq, item.device_id
                     )
+        write_s = time.perf_counter() - t0
         self._after_commit(results)
+        if self._on_stored is not None:
+            stored = [(dev, item.msg) for dev, res in results.items() for item in res.stored]
+            try:
+                self._on_stored(StoredBatch(messages=stored, stored_at=utcnow(), write_s=write_s))
+            except Exception:
+                log.exception("on_stored callback failed")
 
     def _store(self, batch: list[_Item]) -> dict[str, _DeviceResult]:
         by_device: dict[str, dict[int, _Item]] = defaultdict(dict)

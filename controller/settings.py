@@ -65,6 +65,14 @@ class ControllerSettings(BaseSettings):
     variant_bar_f1: float = Field(default=0.95, ge=0.0, le=1.0)
     variant_bar_iou: float = Field(default=0.95, ge=0.0, le=1.0)
     variant_queue_max: int = Field(default=64, ge=1)
+    # Live view and commands (controller/live.py, controller/commands.py).
+    live_queue_max: int = Field(default=256, ge=1, le=100_000)
+    command_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    # Retention (controller/retention.py): days kept; health history is also thinned with age.
+    retention_detections_days: float = Field(default=30.0, gt=0)
+    retention_events_days: float = Field(default=90.0, gt=0)
+    retention_health_days: float = Field(default=30.0, gt=0)
+    retention_interval_s: float = Field(default=300.0, gt=0)
     environment: Literal["development", "production"] = "development"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 

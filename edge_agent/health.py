@@ -92,6 +92,57 @@ class Nvml:
         return out
 
 
+RAPL_ROOT = Path("/sys/class/powercap")
+
+
+class Rapl:
+    """CPU package energy from Intel/AMD RAPL (``/sys/class/powercap/intel-rapl:N/energy_uj``).
+
+    The kernel counters wrap at ``max_energy_range_uj``; this keeps a cumulative total in joules since
+    the first reading, summed over packages. ``None`` when the kernel exposes no readable package
+    domain (no RAPL, a VM, or a counter only root may read): "not measured", never an estimate.
+    """
+
+    def __init__(self, root: Path = RAPL_ROOT) -> None:
+        self._lock = threading.Lock()
+        self._domains: list[tuple[Path, int]] = []  # (energy_uj file, wrap range)
+        self._last: dict[Path, int] = {}
+        self._total_uj = 0
+        try:
+            for d in sorted(root.glob("intel-rapl:*")):
+                # Packages only ("intel-rapl:0"); sub-domains ("intel-rapl:0:0") are parts of them.
+                if d.name.count(":") != 1:
+                    continue
+                f = d / "energy_uj"
+                try:
+                    int(f.read_text().strip())
+                    rng = int((d / "max_energy_range_uj").read_text().strip())
+                except (OSError, ValueError):
+                    continue
+                self._domains.append((f, rng))
+        except OSError:
+            pass
+
+    @property
+    def available(self) -> bool:
+        return bool(self._domains)
+
+    def joules(self) -> float | None:
+        if not self._domains:
+            return None
+        with self._lock:
+            for f, rng in self._domains:
+                try:
+                    now = int(f.read_text().strip())
+                except (OSError, ValueError):
+                    return None
+                last = self._last.get(f)
+                if last is not None:
+                    self._total_uj += now - last if now >= last else now + rng - last
+                self._last[f] = now
+            return self._total_uj / 1e6
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -108,6 +159,8 @@ class Health:
         self.data_dir = data_dir
         self.started = time.monotonic()
         self.nvml = Nvml()
+        self.rapl = Rapl()
+        self.rapl.joules()  # primes the counters: energy is counted from here
         psutil.cpu_percent(interval=None)  # primes the counter: the first call always says 0
 
     def system(self) -> dict[str, Any]:
@@ -123,6 +176,7 @@ class Health:
         except Exception as exc:
             log.debug("system stats failed: %s", exc)
         out["gpus"] = self.nvml.stats()
+        out["cpu_energy_j"] = self.rapl.joules()
         return out
 
     def capabilities(self, cameras: list[str]) -> Capabilities:

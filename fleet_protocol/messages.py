@@ -167,6 +167,8 @@ class Heartbeat(Msg):
     gpus: list[GpuStats] = Field(default_factory=list)
     cameras: list[CameraStats] = Field(default_factory=list)
     inference_ms: float | None = None
+    # CPU package energy from RAPL, cumulative joules since the agent started (None: not measured).
+    cpu_energy_j: float | None = None
     outbox_pending: int = 0
     outbox_dropped: int = 0
     queue_dropped: int = 0

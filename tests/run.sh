@@ -18,6 +18,17 @@ if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
   fi
 fi
 
+# The browser tests drive Debian's chromium through playwright (no browser download).
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "installing the 'chromium' package for the browser tests"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "the browser tests need /usr/bin/chromium: install the Debian package 'chromium' (sudo apt-get install chromium)" >&2
+    exit 1
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[dev]'

@@ -1,0 +1,150 @@
+// Shared helpers of the edgefleet dashboard: API calls, safe DOM building, formatting, canvas charts.
+"use strict";
+
+const EF = (() => {
+  async function api(path) {
+    const r = await fetch(path, { headers: { Accept: "application/json" } });
+    if (!r.ok) {
+      let detail = r.statusText;
+      try { detail = (await r.json()).detail || detail; } catch (_) { /* not JSON */ }
+      throw new Error(`${r.status}: ${typeof detail === "string" ? detail : JSON.stringify(detail)}`);
+    }
+    return r.json();
+  }
+
+  // el("td", {class: "num", dataset: {x: 1}}, "text", childNode, ...): never parses HTML.
+  function el(tag, attrs, ...children) {
+    const n = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === null || v === undefined) continue;
+      if (k === "dataset") Object.assign(n.dataset, v);
+      else if (k === "class") n.className = v;
+      else n.setAttribute(k, v);
+    }
+    for (const c of children.flat()) {
+      if (c === null || c === undefined) continue;
+      n.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    }
+    return n;
+  }
+
+  function notMeasured() { return el("span", { class: "nm" }, "not measured"); }
+
+  function num(v, digits = 1, unit = "") {
+    if (v === null || v === undefined || Number.isNaN(v)) return notMeasured();
+    return `${Number(v).toFixed(digits)}${unit ? " " + unit : ""}`;
+  }
+
+  function ago(iso) {
+    if (!iso) return "never";
+    const s = (Date.now() - new Date(iso).getTime()) / 1000;
+    if (s < 0) return "just now";
+    if (s < 60) return `${Math.round(s)} s ago`;
+    if (s < 3600) return `${Math.round(s / 60)} min ago`;
+    if (s < 86400) return `${(s / 3600).toFixed(1)} h ago`;
+    return `${(s / 86400).toFixed(1)} d ago`;
+  }
+
+  function when(iso) {
+    if (!iso) return "—";
+    const d = new Date(iso);
+    return `${d.toLocaleString()} (${ago(iso)})`;
+  }
+
+  function badge(text) { return el("span", { class: `badge ${text}` }, text); }
+
+  const PALETTE = ["#58a6ff", "#3fb950", "#d29922", "#f85149", "#bc8cff", "#39c5cf", "#ff9bce", "#e3b341"];
+  const colors = new Map();
+  function color(key) {
+    if (!colors.has(key)) colors.set(key, PALETTE[colors.size % PALETTE.length]);
+    return colors.get(key);
+  }
+
+  function sizeCanvas(canvas) {
+    const dpr = window.devicePixelRatio || 1;
+    const w = canvas.clientWidth || 300, h = canvas.clientHeight || 180;
+    if (canvas.width !== Math.round(w * dpr)) { canvas.width = Math.round(w * dpr); canvas.height = Math.round(h * dpr); }
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, w, h);
+    return { ctx, w, h };
+  }
+
+  function axes(ctx, w, h, max, unit) {
+    ctx.strokeStyle = "#2a3542"; ctx.fillStyle = "#8b98a5"; ctx.font = "11px system-ui";
+    for (let i = 0; i <= 4; i++) {
+      const y = 8 + (h - 24) * (1 - i / 4);
+      ctx.beginPath(); ctx.moveTo(36, y); ctx.lineTo(w - 4, y); ctx.stroke();
+      ctx.fillText(fmtTick(max * i / 4) + (i === 4 && unit ? unit : ""), 2, y + 4);
+    }
+  }
+  function fmtTick(v) { return v >= 100 ? v.toFixed(0) : v >= 10 ? v.toFixed(1) : v.toFixed(2); }
+
+  // Stacked bars: buckets = [{t, counts: {label: n}}], labels in stacking order.
+  function barChart(canvas, buckets, labels) {
+    const { ctx, w, h } = sizeCanvas(canvas);
+    let max = 1;
+    for (const b of buckets) max = Math.max(max, Object.values(b.counts).reduce((a, c) => a + c, 0));
+    axes(ctx, w, h, max, "");
+    const n = Math.max(buckets.length, 1), bw = (w - 44) / n;
+    buckets.forEach((b, i) => {
+      let y = h - 16;
+      for (const lbl of labels) {
+        const c = b.counts[lbl] || 0;
+        if (!c) continue;
+        const bh = (h - 24) * c / max;
+        ctx.fillStyle = color(lbl);
+        ctx.fillRect(40 + i * bw, y - bh, Math.max(1, bw - 2), bh);
+        y -= bh;
+      }
+    });
+  }
+
+  // Lines: series = [{name, points: [[t_ms, value|null], ...]}].
+  function lineChart(canvas, series, unit) {
+    const { ctx, w, h } = sizeCanvas(canvas);
+    let max = 0, t0 = Infinity, t1 = -Infinity;
+    for (const s of series) for (const [t, v] of s.points) {
+      if (v === null || v === undefined) continue;
+      max = Math.max(max, v); t0 = Math.min(t0, t); t1 = Math.max(t1, t);
+    }
+    if (!Number.isFinite(t0)) {
+      ctx.fillStyle = "#8b98a5"; ctx.font = "13px system-ui"; ctx.fillText("not measured", 44, h / 2);
+      return;
+    }
+    max = max > 0 ? max * 1.1 : 1;
+    axes(ctx, w, h, max, unit);
+    const span = Math.max(t1 - t0, 1);
+    for (const s of series) {
+      ctx.strokeStyle = color(s.name); ctx.lineWidth = 1.5; ctx.beginPath();
+      let pen = false;
+      for (const [t, v] of s.points) {
+        if (v === null || v === undefined) { pen = false; continue; }
+        const x = 40 + (w - 46) * (t - t0) / span, y = 8 + (h - 24) * (1 - v / max);
+        if (pen) ctx.lineTo(x, y); else ctx.moveTo(x, y);
+        pen = true;
+      }
+      ctx.stroke();
+    }
+  }
+
+  function legend(container, names) {
+    container.replaceChildren(...names.map((n) => el("span", { style: `--c:${color(n)}` }, n)));
+  }
+
+  function liveSocket(params, onMessage, onState) {
+    const qs = new URLSearchParams(Object.entries(params).filter(([, v]) => v !== null && v !== undefined && v !== ""));
+    const proto = location.protocol === "https:" ? "wss:" : "ws:";
+    let ws, retry = 1000;
+    function open() {
+      ws = new WebSocket(`${proto}//${location.host}/api/v1/detections/live?${qs}`);
+      ws.onopen = () => { retry = 1000; onState("live"); };
+      ws.onmessage = (e) => { try { onMessage(JSON.parse(e.data)); } catch (_) { /* ignore */ } };
+      ws.onclose = () => { onState("reconnecting"); setTimeout(open, retry); retry = Math.min(retry * 2, 15000); };
+    }
+    open();
+    return () => ws && ws.close();
+  }
+
+  return { api, el, num, ago, when, badge, color, barChart, lineChart, legend, liveSocket, notMeasured };
+})();

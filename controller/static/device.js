@@ -1,0 +1,150 @@
+// Technician device page: is it working, and if not, why.
+"use strict";
+(() => {
+  const { api, el, num, badge, when, ago } = EF;
+  const id = decodeURIComponent(location.pathname.replace(/^\/devices\//, "").replace(/\/$/, ""));
+  const enc = encodeURIComponent(id);
+  document.getElementById("device-id").textContent = id;
+  document.title = `edgefleet · ${id}`;
+  const $ = (x) => document.getElementById(x);
+
+  function setVal(node, value, digits, unit, hbTs) {
+    node.replaceChildren(num(value, digits, unit));
+    node.dataset.value = value === null || value === undefined ? "" : String(value);
+    node.dataset.hbTs = hbTs === undefined ? "" : String(hbTs);
+  }
+
+  function duration(s) {
+    if (s === null || s === undefined) return EF.notMeasured();
+    if (s < 120) return `${s.toFixed(0)} s`;
+    if (s < 7200) return `${(s / 60).toFixed(0)} min`;
+    return `${(s / 3600).toFixed(1)} h`;
+  }
+
+  async function snapshot(camera, btn) {
+    const box = $("snapshot-box");
+    btn.disabled = true;
+    box.replaceChildren(el("p", { class: "muted" }, `asking ${id} for ${camera}'s current frame…`));
+    try {
+      const r = await fetch(`/api/v1/devices/${enc}/cameras/${encodeURIComponent(camera)}/snapshot?boxes=true`);
+      if (!r.ok) {
+        let detail = r.statusText;
+        try { detail = (await r.json()).detail; } catch (_) { /* keep status text */ }
+        throw new Error(`${r.status}: ${detail}`);
+      }
+      const url = URL.createObjectURL(await r.blob());
+      const img = el("img", { id: "snapshot-img", alt: `snapshot of ${camera}`, src: url });
+      box.replaceChildren(el("p", { class: "muted" }, `${camera}, frame ${r.headers.get("X-Snapshot-Frame") || "?"}, ${r.headers.get("X-Snapshot-Boxes") || 0} boxes, taken ${new Date().toLocaleTimeString()}`), img);
+    } catch (e) {
+      box.replaceChildren(el("p", { class: "err", id: "snapshot-error" }, `snapshot failed: ${e.message}`));
+    } finally {
+      btn.disabled = false;
+    }
+  }
+
+  function render(d, energy) {
+    const h = d.last_health || {};
+    const hb = h.ts;
+    const st = $("status");
+    st.replaceChildren(badge(d.status));
+    st.dataset.status = d.status;
+    $("status-since").textContent = d.status === "online"
+      ? `online since ${when(d.online_since)}` : `offline since ${when(d.offline_since)}`;
+    $("last-heartbeat").textContent = hb ? `${new Date(hb * 1000).toLocaleTimeString()} (${ago(new Date(hb * 1000).toISOString())})` : "none yet";
+    $("last-heartbeat").dataset.hbTs = hb === undefined ? "" : String(hb);
+    $("agent-version").textContent = d.agent_version || "unknown";
+    setVal($("cpu"), h.cpu_pct, 1, "%", hb);
+    setVal($("memory"), h.memory_pct, 1, "%", hb);
+    setVal($("disk"), h.disk_pct, 1, "%", hb);
+    setVal($("disk-free"), h.disk_free_mb === undefined || h.disk_free_mb === null ? null : h.disk_free_mb / 1024, 1, "GiB", hb);
+    $("uptime").replaceChildren(duration(h.uptime_s));
+    $("outbox").textContent = h.outbox_pending === undefined ? "–" : `${h.outbox_pending} / ${h.outbox_dropped}`;
+    const e = energy && energy.devices.find((x) => x.device === id);
+    $("energy-jpf").replaceChildren(e && e.joules_per_frame !== null ? `${e.joules_per_frame.toFixed(3)} J` : EF.notMeasured());
+    $("energy-power").replaceChildren(e && e.avg_power_w !== null ? `${e.avg_power_w.toFixed(1)} W (${e.sources.join(", ")})` : EF.notMeasured());
+
+    const gpus = h.gpus || [];
+    $("gpus").replaceChildren(...(gpus.length ? gpus.map((g) => el("tr", { dataset: { gpu: g.index } },
+      el("td", {}, `${g.index}: ${g.name}`),
+      el("td", { class: "num" }, num(g.utilization_pct, 0, "%")),
+      el("td", { class: "num" }, g.memory_used_mb === null || g.memory_used_mb === undefined ? EF.notMeasured()
+        : `${(g.memory_used_mb / 1024).toFixed(1)} / ${g.memory_total_mb ? (g.memory_total_mb / 1024).toFixed(1) : "?"} GiB`),
+      el("td", { class: "num" }, num(g.temperature_c, 0, "°C")),
+      el("td", { class: "num" }, num(g.power_w, 1, "W")),
+    )) : [el("tr", {}, el("td", { colspan: 5 }, el("span", { class: "nm" }, "no GPU reported: GPU metrics not measured")))]));
+
+    const cams = d.cameras || [];
+    const known = new Set(cams.map((c) => c.camera));
+    for (const cam of Object.keys(d.models || {})) if (!known.has(cam)) cams.push({ camera: cam, state: "unknown" });
+    $("cameras").replaceChildren(...(cams.length ? cams.map((c) => {
+      const rep = (d.models || {})[c.camera] || {};
+      const btn = el("button", { type: "button", class: "snap", dataset: { camera: c.camera } }, "snapshot");
+      btn.addEventListener("click", () => snapshot(c.camera, btn));
+      if (d.status !== "online") btn.disabled = true;
+      return el("tr", { dataset: { camera: c.camera } },
+        el("td", {}, c.camera),
+        el("td", {}, badge(c.state)),
+        el("td", { class: "num", dataset: { field: "fps" } }, num(c.fps, 1)),
+        el("td", { class: "num" }, c.dropped === undefined ? "–" : String(c.dropped)),
+        el("td", { class: "num hide-sm" }, c.frames === undefined ? "–" : String(c.frames)),
+        el("td", { class: "num" }, num(c.inference_ms, 1, "ms")),
+        el("td", {}, rep.model || c.model || "none", rep.state ? " " : "", rep.state ? badge(rep.state) : "",
+          rep.error ? el("div", { class: "err" }, rep.error) : ""),
+        el("td", {}, btn));
+    }) : [el("tr", {}, el("td", { colspan: 8, class: "muted" }, "no cameras reported yet"))]));
+  }
+
+  function renderEvents(events) {
+    $("events").replaceChildren(...(events.length ? events.map((e) => el("tr", { dataset: { kind: e.kind, severity: e.severity } },
+      el("td", {}, new Date(e.ts).toLocaleString()),
+      el("td", {}, badge(e.severity)),
+      el("td", {}, e.kind),
+      el("td", { class: "hide-sm" }, e.camera || ""),
+      el("td", {}, e.message || ""))) : [el("tr", {}, el("td", { colspan: 5, class: "muted" }, "no events"))]));
+  }
+
+  function renderHistory(samples) {
+    const pts = samples.slice().reverse().map((s) => [new Date(s.ts).getTime(), s.payload || {}]);
+    EF.lineChart($("chart-system"), [
+      { name: "CPU %", points: pts.map(([t, p]) => [t, p.cpu_pct]) },
+      { name: "memory %", points: pts.map(([t, p]) => [t, p.memory_pct]) },
+    ], "%");
+    EF.legend($("legend-system"), ["CPU %", "memory %"]);
+    const cams = new Set();
+    for (const [, p] of pts) for (const c of p.cameras || []) cams.add(c.camera);
+    const fps = [...cams].sort().map((cam) => ({ name: cam, points: pts.map(([t, p]) => [t, ((p.cameras || []).find((c) => c.camera === cam) || {}).fps]) }));
+    EF.lineChart($("chart-fps"), fps, "");
+    EF.legend($("legend-fps"), fps.map((s) => s.name));
+    const gpus = new Set();
+    for (const [, p] of pts) for (const g of p.gpus || []) gpus.add(g.index);
+    const gs = [];
+    for (const i of [...gpus].sort()) {
+      gs.push({ name: `GPU${i} W`, points: pts.map(([t, p]) => [t, ((p.gpus || []).find((g) => g.index === i) || {}).power_w]) });
+      gs.push({ name: `GPU${i} °C`, points: pts.map(([t, p]) => [t, ((p.gpus || []).find((g) => g.index === i) || {}).temperature_c]) });
+    }
+    EF.lineChart($("chart-gpu"), gs, "");
+    EF.legend($("legend-gpu"), gs.map((s) => s.name));
+  }
+
+  async function refresh() {
+    try {
+      const [d, events, energy] = await Promise.all([
+        api(`/api/v1/devices/${enc}`),
+        api(`/api/v1/events?device=${enc}&limit=25`),
+        api(`/api/v1/energy?device=${enc}&since=${encodeURIComponent(new Date(Date.now() - 600e3).toISOString())}`).catch(() => null),
+      ]);
+      render(d, energy);
+      renderEvents(events);
+      $("error").textContent = "";
+    } catch (e) {
+      $("error").textContent = `could not load ${id}: ${e.message}`;
+    }
+  }
+  async function refreshHistory() {
+    try { renderHistory(await api(`/api/v1/devices/${enc}/health?limit=600`)); } catch (_) { /* shown by refresh */ }
+  }
+  refresh();
+  refreshHistory();
+  setInterval(refresh, 2000);
+  setInterval(refreshHistory, 10000);
+})();

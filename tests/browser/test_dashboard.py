@@ -1,0 +1,188 @@
+"""The dashboard in headless Chromium (Debian's /usr/bin/chromium driven by playwright; nothing downloaded),
+against a real mosquitto, a controller process and an agent process running the person detector on the
+real footage. Also the snapshot API on that real agent."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cv2
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import FOOTAGE
+from tests.mqtt_broker import MosquittoBroker
+from tests.processes import AgentProcess, ControllerProcess
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.e2e
+
+DEVICE = "web-site-1"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@dataclass
+class Fleet:
+    controller: ControllerProcess
+    agent: AgentProcess
+    api: httpx.Client
+    shots: Path
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, broker: MosquittoBroker) -> Iterator[Fleet]:
+    work = tmp_path_factory.mktemp("dashboard")
+    controller = ControllerProcess(work, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="30")
+    controller.start()
+    agent = AgentProcess(
+        work,
+        DEVICE,
+        broker.url,
+        cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": True}],
+        controller=controller,
+    )
+    api = controller.client()
+    try:
+        r = api.post(
+            "/api/v1/devices", json={"id": DEVICE, "name": "Gate 1", "labels": {"site": "north-gate"}}
+        )
+        assert r.status_code in (200, 201), r.text
+        r = api.put(
+            f"/api/v1/devices/{DEVICE}/cameras/cam1/model", json={"model": "ped_ssdlite", "version": "1"}
+        )
+        assert r.status_code == 200, r.text
+        agent.start()
+
+        def running() -> bool:
+            assert agent.alive(), agent.log.read_text()[-3000:]
+            dev = api.get(f"/api/v1/devices/{DEVICE}").json()
+            return dev["status"] == "online" and any((c.get("fps") or 0) > 0 for c in dev["cameras"])
+
+        wait_for(running, timeout=90, what="agent online with the camera running")
+        yield Fleet(controller, agent, api, work)
+    finally:
+        api.close()
+        agent.stop()
+        controller.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} missing: install the Debian package 'chromium' (tests/run.sh does as root)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def test_snapshot_of_the_real_camera_is_a_jpeg_of_the_footage_size(fleet: Fleet) -> None:
+    r = fleet.api.get(f"/api/v1/devices/{DEVICE}/cameras/cam1/snapshot", params={"boxes": "true"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "image/jpeg"
+    img = cv2.imdecode(np.frombuffer(r.content, np.uint8), cv2.IMREAD_COLOR)
+    assert img is not None and img.shape[:2] == (576, 768)
+    r = fleet.api.get(f"/api/v1/devices/{DEVICE}/cameras/nope/snapshot")
+    assert r.status_code == 404 and "unknown camera" in r.json()["detail"]
+
+
+def test_overview_lists_the_device_online_and_live_detections_arrive(
+    fleet: Fleet, browser: Any, tmp_path: Path
+) -> None:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(f"{fleet.controller.url}/")
+        row = page.locator(f'tr[data-device="{DEVICE}"]')
+        row.wait_for(timeout=15_000)
+        page.wait_for_selector(f'tr[data-device="{DEVICE}"][data-status="online"]', timeout=15_000)
+        assert "north-gate" in page.locator(".site h3").first.inner_text()
+        assert "ped_ssdlite" in row.inner_text()
+        page.wait_for_selector('#feed li.det[data-label="person"]', timeout=30_000)
+        assert page.locator("#feed-state").text_content() == "live"
+        page.wait_for_timeout(1500)  # a few more detections and one chart redraw for the screenshot
+        page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
+        _keep(tmp_path / "overview.png", fleet)
+    finally:
+        page.close()
+
+
+def test_device_page_matches_the_api_and_the_snapshot_button_shows_an_image(
+    fleet: Fleet, browser: Any, tmp_path: Path
+) -> None:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(f"{fleet.controller.url}/devices/{DEVICE}")
+        page.wait_for_selector('#status[data-status="online"]', timeout=15_000)
+        page.wait_for_selector('#cpu[data-hb-ts]:not([data-hb-ts=""])', timeout=15_000)
+        # The values shown belong to one heartbeat; the same heartbeat through the API must agree.
+        shown = page.evaluate(
+            """() => Object.fromEntries(['cpu', 'memory', 'disk'].map(
+                 (k) => [k, [document.getElementById(k).dataset.value, document.getElementById(k).dataset.hbTs,
+                             document.getElementById(k).innerText]]))"""
+        )
+        hb_ts = float(shown["cpu"][1])
+        samples = fleet.api.get(f"/api/v1/devices/{DEVICE}/health", params={"limit": 200}).json()
+        (payload,) = [s["payload"] for s in samples if s["payload"]["ts"] == hb_ts]
+        for key, field in (("cpu", "cpu_pct"), ("memory", "memory_pct"), ("disk", "disk_pct")):
+            value, ts, text = shown[key]
+            assert float(ts) == hb_ts
+            assert float(value) == payload[field], (key, value, payload[field])
+            assert text == f"{payload[field]:.1f} %"
+        cam = page.locator('#cameras tr[data-camera="cam1"]')
+        assert "up" in cam.inner_text() and "ped_ssdlite" in cam.inner_text()
+        assert "not measured" in page.locator("#gpus").inner_text()  # no GPU here: said, not invented
+        page.wait_for_selector("#events tr[data-kind]", timeout=15_000)
+
+        page.locator('button.snap[data-camera="cam1"]').click()
+        page.wait_for_function(
+            "() => { const i = document.getElementById('snapshot-img'); return i && i.complete && i.naturalWidth > 0; }",
+            timeout=30_000,
+        )
+        assert page.evaluate("document.getElementById('snapshot-img').naturalWidth") == 768
+        page.wait_for_timeout(300)
+        page.screenshot(path=str(tmp_path / "device.png"), full_page=True)
+        _keep(tmp_path / "device.png", fleet)
+    finally:
+        page.close()
+
+
+@pytest.mark.parametrize("path", ["/", f"/devices/{DEVICE}"])
+def test_phone_viewport_has_no_horizontal_overflow(
+    fleet: Fleet, browser: Any, tmp_path: Path, path: str
+) -> None:
+    ctx = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True)
+    page = ctx.new_page()
+    try:
+        page.goto(f"{fleet.controller.url}{path}")
+        if path == "/":
+            page.wait_for_selector(f'tr[data-device="{DEVICE}"]', timeout=15_000)
+        else:
+            page.wait_for_selector('#cameras tr[data-camera="cam1"]', timeout=15_000)
+        page.wait_for_timeout(500)
+        width = page.evaluate("document.documentElement.scrollWidth")
+        inner = page.evaluate("window.innerWidth")
+        assert width <= inner, f"{path}: page is {width}px wide on a {inner}px screen"
+        name = "phone-overview.png" if path == "/" else "phone-device.png"
+        page.screenshot(path=str(tmp_path / name), full_page=True)
+        _keep(tmp_path / name, fleet)
+    finally:
+        ctx.close()
+
+
+def _keep(shot: Path, fleet: Fleet) -> None:
+    """Screenshots also land next to the fleet's logs, one folder to look at after a run."""
+    shutil.copy(shot, fleet.shots / shot.name)
