@@ -15,7 +15,15 @@ from fastapi.concurrency import run_in_threadpool
 from sqlmodel import Session, col, select
 
 from controller import crud
+from controller.deployments import (
+    APPLIED_STATES,
+    get_deployment,
+    list_deployments,
+    rollout_devices,
+    rollout_of,
+)
 from controller.models import (
+    Deployment,
     Detection,
     DeviceCreate,
     EventPublic,
@@ -23,17 +31,24 @@ from controller.models import (
     ModelVariantPublic,
     ModelVersion,
     ModelVersionPublic,
+    Rollout,
 )
+from controller.rollouts import DeploymentError, GateConfig
 from controller.schemas import (
     ArtifactKey,
     AssignModel,
     BoxOut,
+    DeploymentCreate,
+    DeploymentPublic,
     DetectionOut,
     DetectionPage,
     DevicePublic,
     EnrolledDevice,
     Health,
     IngestStats,
+    LabelsBody,
+    RolloutDevicePublic,
+    RolloutPublic,
 )
 from controller.twin import ConflictError, NotFoundError, uses
 from controller.uploads import UploadError, parse_multipart, register_upload
@@ -95,6 +110,76 @@ def decode_cursor(cursor: str) -> tuple[datetime, int]:
         raise _query_error("cursor", "invalid cursor; use the next_cursor of a previous page") from None
 
 
+def rollout_public(session: Session, dep: Deployment, ro: Rollout) -> RolloutPublic:
+    assert ro.id is not None and dep.id is not None
+    members = rollout_devices(session, ro.id)
+    devices: list[RolloutDevicePublic] = []
+    for m in members:
+        dev = crud.get_device(session, device_id=m.device_id)
+        reported = ((dev.reported if dev else None) or {}).get("cameras") or {}
+        progress = [
+            float(reported[c]["progress_pct"])
+            for c in m.cameras
+            if c in reported and reported[c].get("progress_pct") is not None
+        ]
+        devices.append(
+            RolloutDevicePublic(
+                device_id=m.device_id,
+                wave=m.wave + 1,
+                state=m.state,
+                cameras=list(m.cameras or []),
+                target_version=m.target_version,
+                reported_version=dev.reported_version if dev else None,
+                progress_pct=min(progress) if progress else None,
+                baseline_fps=m.baseline_fps,
+                baseline_latency_ms=m.baseline_latency_ms,
+                admitted_at=m.admitted_at,
+                settled_at=m.settled_at,
+                reason=m.reason,
+            )
+        )
+    progress_counts = {
+        k: sum(m.state == k for m in members) for k in ("applying", "active", "failed", "rolled_back")
+    }
+    progress_counts["admitted"] = len(members)
+    progress_counts["planned"] = ro.plan[-1] if ro.plan else 0
+    return RolloutPublic(
+        id=ro.id,
+        deployment=dep.name,
+        deployment_id=dep.id,
+        state=ro.state,
+        waves=list(ro.waves or []),
+        plan=list(ro.plan or []),
+        current_wave=min(ro.current_wave, max(len(ro.plan) - 1, 0)) + 1,
+        gate=GateConfig.model_validate(ro.gate or {}),
+        gates=[{**g, "wave": int(g.get("wave", 0)) + 1} for g in ro.gates or []],
+        reason=ro.reason,
+        progress=progress_counts,
+        devices=devices,
+        created_at=ro.created_at,
+        updated_at=ro.updated_at,
+        finished_at=ro.finished_at,
+    )
+
+
+def deployment_public(session: Session, dep: Deployment) -> DeploymentPublic:
+    assert dep.id is not None
+    ro = rollout_of(session, dep.id)
+    return DeploymentPublic(
+        id=dep.id,
+        name=dep.name,
+        model=dep.model,
+        version=dep.version,
+        variant=dep.variant,
+        selector=dep.selector,
+        cameras=list(dep.cameras or []),
+        priority=dep.priority,
+        state=dep.state,
+        created_at=dep.created_at,
+        rollout=rollout_public(session, dep, ro) if ro is not None else None,
+    )
+
+
 def build_router() -> APIRouter:
     root = APIRouter()
     api = APIRouter(prefix="/api/v1")
@@ -119,6 +204,8 @@ def build_router() -> APIRouter:
     def enroll(body: DeviceCreate, session: SessionDep, rt: RuntimeDep) -> EnrolledDevice:
         dev = crud.enroll_device(session, device_in=body)
         session.commit()
+        if "labels" in body.model_fields_set and rt.twin.recompute(dev.id) is not None:
+            session.refresh(dev)
         public = DevicePublic.from_row(dev, rt.ingest.stats(dev.id))
         return EnrolledDevice(
             **public.model_dump(),
@@ -159,6 +246,118 @@ def build_router() -> APIRouter:
             raise _not_found(f"device {device_id!r} is not known")
         rows = crud.health_history(session, device_id=device_id, since=since, until=until, limit=limit)
         return [HealthSamplePublic(device_id=r.device_id, ts=r.ts, payload=r.payload) for r in rows]
+
+    @api.put(
+        "/devices/{device_id}/labels",
+        response_model=DevicePublic,
+        summary="Replace a device's labels; its desired state is derived again from the deployments",
+        responses={404: {"description": "unknown device"}},
+    )
+    def put_labels(device_id: DeviceIdPath, body: LabelsBody, rt: RuntimeDep) -> DevicePublic:
+        with Session(rt.engine) as session:
+            dev = crud.get_device(session, device_id=device_id)
+            if dev is None:
+                raise _not_found(f"device {device_id!r} is not known")
+            dev.labels = dict(body.labels)
+            session.add(dev)
+            session.commit()
+        rt.twin.recompute(device_id)
+        with Session(rt.engine) as session:
+            dev = crud.get_device(session, device_id=device_id)
+            assert dev is not None
+            return DevicePublic.from_row(dev, rt.ingest.stats(dev.id))
+
+    # ------------------------------------------------------------------ deployments / rollouts
+
+    def _deployment_or_404(session: Session, ref: str) -> Deployment:
+        dep = get_deployment(session, ref)
+        if dep is None or dep.state == "deleted":
+            raise _not_found(f"deployment {ref!r} is not known")
+        return dep
+
+    @api.post(
+        "/deployments",
+        response_model=DeploymentPublic,
+        status_code=status.HTTP_201_CREATED,
+        summary="Deploy a model version to the devices a label selector matches, in waves with health gates",
+        responses={
+            404: {"description": "unknown model version"},
+            409: {"description": "name taken, or a pinned variant that is not fit"},
+            422: {"description": "bad selector or waves; the detail names the problem"},
+        },
+    )
+    def create_deployment(body: DeploymentCreate, rt: RuntimeDep) -> DeploymentPublic:
+        name = body.name or f"{body.model}-{body.version}"[:40] + f"-{datetime.now(UTC):%Y%m%d%H%M%S%f}"
+        try:
+            dep_id = rt.rollouts.create(
+                name=name,
+                model=body.model,
+                version=body.version,
+                selector=body.selector,
+                variant=body.variant,
+                cameras=[c.model_dump(exclude_none=True) for c in body.cameras],
+                priority=body.priority,
+                waves=body.waves,
+                gate=body.gate,
+            )
+        except DeploymentError as exc:
+            if exc.status == 422:
+                raise HTTPException(
+                    422, detail=[{"loc": ["body"], "msg": str(exc), "type": "value_error"}]
+                ) from None
+            raise HTTPException(exc.status, str(exc)) from None
+        with Session(rt.engine) as session:
+            dep = session.get(Deployment, dep_id)
+            assert dep is not None
+            return deployment_public(session, dep)
+
+    @api.get("/deployments", response_model=list[DeploymentPublic], summary="Deployments with their rollouts")
+    def deployments(session: SessionDep) -> list[DeploymentPublic]:
+        return [deployment_public(session, d) for d in list_deployments(session)]
+
+    @api.get(
+        "/deployments/{ref}",
+        response_model=DeploymentPublic,
+        summary="One deployment (by id or name): rollout, waves, gate evaluations, per-device state",
+        responses={404: {"description": "unknown deployment"}},
+    )
+    def deployment(ref: NamePath, session: SessionDep) -> DeploymentPublic:
+        return deployment_public(session, _deployment_or_404(session, ref))
+
+    def _operation(name: str, doc: str) -> None:
+        @api.post(
+            f"/deployments/{{ref}}/{name}",
+            response_model=DeploymentPublic,
+            summary=doc,
+            responses={404: {"description": "unknown deployment"}},
+            name=f"{name}_deployment",
+        )
+        def operate(ref: NamePath, rt: RuntimeDep) -> DeploymentPublic:
+            with Session(rt.engine) as session:
+                _deployment_or_404(session, ref)
+            try:
+                dep_id = getattr(rt.rollouts, name)(ref)
+            except NotFoundError as exc:
+                raise _not_found(str(exc)) from None
+            with Session(rt.engine) as session:
+                dep = session.get(Deployment, dep_id)
+                assert dep is not None
+                return deployment_public(session, dep)
+
+    _operation("pause", "Stop admitting new waves (checks of the current one go on); idempotent")
+    _operation("resume", "Admit waves again; idempotent")
+    _operation("cancel", "Stop: devices already active keep it, devices still applying go back; idempotent")
+    _operation("rollback", "Every device it reached goes back to its previous layer; any state, idempotent")
+
+    @api.get("/rollouts", response_model=list[RolloutPublic], summary="Every rollout, newest first")
+    def rollouts(session: SessionDep) -> list[RolloutPublic]:
+        out = []
+        for dep in reversed(list_deployments(session)):
+            assert dep.id is not None
+            ro = rollout_of(session, dep.id)
+            if ro is not None:
+                out.append(rollout_public(session, dep, ro))
+        return out
 
     # ------------------------------------------------------------------ twin
 
@@ -375,6 +574,16 @@ def build_router() -> APIRouter:
     def delete_model(name: NamePath, version: NamePath, session: SessionDep, rt: RuntimeDep) -> Response:
         mv = _version_or_404(session, name, version)
         users = [d.id for d in crud.devices_with_desired(session) if (name, version) in uses(d)]
+        deps = [
+            d.name
+            for d in list_deployments(session)
+            if (d.model, d.version) == (name, version) and d.state in APPLIED_STATES
+        ]
+        if deps:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                f"{name}:{version} is deployed by {', '.join(deps[:10])}; roll it back first",
+            )
         if users:
             raise HTTPException(
                 status.HTTP_409_CONFLICT,

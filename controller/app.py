@@ -23,6 +23,7 @@ from controller.db import make_engine, migrate
 from controller.ingest import IngestService
 from controller.keys import load_or_create_signer
 from controller.registry import register_bundled_models
+from controller.rollouts import RolloutService
 from controller.settings import ControllerSettings
 from controller.status import StatusService
 from controller.store import ArtifactStore
@@ -64,6 +65,7 @@ class ControllerRuntime:
             on_stored=self.surfaces.on_stored,
         )
         self.twin = TwinService(self.engine, self.bridge, chunk_size=settings.chunk_size, signer=self.signer)
+        self.rollouts = RolloutService(self.engine, self.twin, stop=self.stop_event)
         self.status = StatusService(
             self.engine,
             self.bridge,
@@ -117,6 +119,7 @@ class ControllerRuntime:
         self.artifacts.start()
         self.variants.start()
         self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
+        self.rollouts.start()
         self.surfaces.start(self)
         self.bridge.start()
         log.info("controller started (mqtt %s)", self.settings.redacted_mqtt_url())
@@ -131,6 +134,7 @@ class ControllerRuntime:
         self.status.join(STOP_TIMEOUT_S)
         self.artifacts.join(STOP_TIMEOUT_S)
         self.variants.join(STOP_TIMEOUT_S)
+        self.rollouts.join(STOP_TIMEOUT_S)
         self.surfaces.join(STOP_TIMEOUT_S)
         self.engine.dispose()
         log.info("controller stopped")

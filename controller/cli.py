@@ -275,3 +275,295 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# --------------------------------------------------------------------------- devices
+
+devices_app = typer.Typer(help="Devices: list, show, label.", no_args_is_help=True)
+app.add_typer(devices_app, name="devices")
+rollouts_app = typer.Typer(
+    help="Rollouts of deployments: ls, show, pause, resume, cancel, rollback.", no_args_is_help=True
+)
+app.add_typer(rollouts_app, name="rollouts")
+
+
+def _request(api: str, method: str, path: str, **kw: Any) -> Any:
+    import httpx
+
+    with httpx.Client(base_url=api, timeout=30) as client:
+        resp = client.request(method, path, **kw)
+    if resp.status_code >= 400:
+        _api_error(resp)
+    return resp.json()
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "-"
+
+
+@devices_app.command("ls")
+def devices_ls(
+    select: Annotated[str | None, typer.Option("--select", "-l", help="label selector")] = None,
+    api: ApiOption = DEFAULT_API,
+) -> None:
+    """List devices with status, labels and what each camera is assigned."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from controller.selectors import SelectorError, parse_selector
+
+    try:
+        sel = parse_selector(select) if select else None
+    except SelectorError as exc:
+        typer.echo(f"error: selector: {exc}", err=True)
+        raise typer.Exit(2) from None
+    table = Table("id", "status", "labels", "desired", "reported", "cameras")
+    for d in _request(api, "GET", "/api/v1/devices"):
+        if sel is not None and not sel.matches(d.get("labels") or {}):
+            continue
+        cams = ", ".join(
+            f"{cam}={a['model']}:{a['version']}" + (f" ({a['deployment']})" if a.get("deployment") else "")
+            for cam, a in sorted((d.get("assignments") or {}).items())
+        )
+        table.add_row(
+            d["id"],
+            d["status"],
+            _labels(d.get("labels") or {}),
+            str(d["desired_version"]),
+            "-" if d.get("reported_version") is None else str(d["reported_version"]),
+            cams or "-",
+        )
+    Console().print(table)
+
+
+@devices_app.command("show")
+def devices_show(
+    device: Annotated[str, typer.Argument(help="device id")], api: ApiOption = DEFAULT_API
+) -> None:
+    """One device: status, labels, per camera assignment (with the layer that won) and what it runs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    d = _request(api, "GET", f"/api/v1/devices/{device}")
+    console = Console()
+    console.print(
+        f"[bold]{d['id']}[/]  {d['status']}  labels {_labels(d.get('labels') or {})}  "
+        f"desired v{d['desired_version']}  reported v{d.get('reported_version')}"
+    )
+    table = Table("camera", "assigned", "layer", "variant", "runs", "state", "error")
+    models = d.get("models") or {}
+    for cam in sorted(set(d.get("assignments") or {}) | set(models)):
+        a = (d.get("assignments") or {}).get(cam) or {}
+        m = models.get(cam) or {}
+        table.add_row(
+            cam,
+            f"{a['model']}:{a['version']}" if a else "-",
+            a.get("deployment") or a.get("source") or "-",
+            a.get("variant") or "-",
+            m.get("model") or "-",
+            m.get("state") or "-",
+            m.get("error") or "",
+        )
+    console.print(table)
+
+
+@devices_app.command("label")
+def devices_label(
+    device: Annotated[str, typer.Argument(help="device id")],
+    changes: Annotated[list[str], typer.Argument(help="key=value to set, key- to remove")],
+    api: ApiOption = DEFAULT_API,
+) -> None:
+    """Set or remove labels (merged into the current ones); the device's desired state follows."""
+    labels = dict(_request(api, "GET", f"/api/v1/devices/{device}").get("labels") or {})
+    for c in changes:
+        if "=" in c:
+            k, _, v = c.partition("=")
+            labels[k] = v
+        elif c.endswith("-") and len(c) > 1:
+            labels.pop(c[:-1], None)
+        else:
+            typer.echo(f"error: {c!r}: give key=value to set or key- to remove", err=True)
+            raise typer.Exit(2)
+    d = _request(api, "PUT", f"/api/v1/devices/{device}/labels", json={"labels": labels})
+    typer.echo(f"{d['id']}: {_labels(d.get('labels') or {})}")
+
+
+# --------------------------------------------------------------------------- deploy / rollouts
+
+
+def _parse_camera(spec: str) -> dict[str, Any]:
+    """``cam1`` or ``cam1:threshold=0.5,max_fps=5,labels=person+car`` (``*`` for every camera)."""
+    cam, _, opts = spec.partition(":")
+    out: dict[str, Any] = {"camera": cam or "*"}
+    for item in filter(None, opts.split(",")):
+        k, _, v = item.partition("=")
+        if k in ("threshold", "max_fps"):
+            out[k] = float(v)
+        elif k == "labels":
+            out[k] = [x for x in v.split("+") if x]
+        else:
+            raise typer.BadParameter(f"camera option {k!r}: threshold, max_fps or labels")
+    return out
+
+
+def _print_rollout(dep: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    ro = dep.get("rollout") or {}
+    console.print(
+        f"[bold]{dep['name']}[/] (#{dep['id']})  {dep['model']}:{dep['version']} variant {dep['variant']}  "
+        f"select '{dep['selector']}'  priority {dep['priority']}  deployment {dep['state']}"
+    )
+    if not ro:
+        return
+    console.print(
+        f"rollout {ro['state']}  wave {ro['current_wave']}/{len(ro['plan'])}  plan {ro['plan']}  "
+        f"progress {ro['progress']}" + (f"\nreason: {ro['reason']}" if ro.get("reason") else "")
+    )
+    if ro.get("gates"):
+        gates = Table("wave", "verdict", "failed", "FPS ratio min", "latency ms max", "reason")
+        for g in ro["gates"]:
+            gates.add_row(
+                str(g["wave"]),
+                "pass" if g["passed"] else "FAIL",
+                f"{len(g.get('failed') or [])}/{g.get('size')}",
+                "-" if g.get("fps_ratio_min") is None else f"{g['fps_ratio_min']:.2f}",
+                "-" if g.get("latency_ms_max") is None else f"{g['latency_ms_max']:.1f}",
+                g.get("reason") or "",
+            )
+        console.print(gates)
+    table = Table("device", "wave", "state", "target", "reported", "progress", "reason")
+    for d in ro.get("devices") or []:
+        table.add_row(
+            d["device_id"],
+            str(d["wave"]),
+            d["state"],
+            "-" if d.get("target_version") is None else f"v{d['target_version']}",
+            "-" if d.get("reported_version") is None else f"v{d['reported_version']}",
+            "-" if d.get("progress_pct") is None else f"{d['progress_pct']:.0f}%",
+            d.get("reason") or "",
+        )
+    console.print(table)
+
+
+@app.command()
+def deploy(
+    ref: Annotated[str, typer.Argument(help="MODEL:VERSION")],
+    select: Annotated[str, typer.Option("--select", "-l", help="label selector, e.g. 'site=lobby,!canary'")],
+    cameras: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--cameras", help="camera[:threshold=…,max_fps=…,labels=a+b]; repeat; default every camera"
+        ),
+    ] = None,
+    waves: Annotated[
+        str, typer.Option(help="cumulative wave sizes: counts or percentages")
+    ] = "1,10%,50%,100%",
+    name: Annotated[str | None, typer.Option(help="deployment name (default: derived)")] = None,
+    priority: Annotated[int, typer.Option(help="higher wins where deployments overlap")] = 0,
+    variant: Annotated[str, typer.Option(help="auto, fp32, fp16 or int8")] = "auto",
+    soak: Annotated[float, typer.Option(help="seconds each wave must stay healthy")] = 30.0,
+    max_failure_ratio: Annotated[float, typer.Option(help="allowed failed share of a wave")] = 0.0,
+    min_fps_ratio: Annotated[float, typer.Option(help="FPS after / FPS before, at least")] = 0.5,
+    max_latency_ms: Annotated[float | None, typer.Option(help="inference latency bound")] = None,
+    step_timeout: Annotated[float, typer.Option(help="seconds a device may take to activate")] = 300.0,
+    offline_timeout: Annotated[float, typer.Option(help="seconds offline before it counts as failed")] = 60.0,
+    follow: Annotated[bool, typer.Option(help="show live progress until the rollout finishes")] = True,
+    api: ApiOption = DEFAULT_API,
+) -> None:
+    """Deploy a model version to the devices a selector matches, wave by wave with health gates."""
+    import time
+
+    model, sep, version = ref.partition(":")
+    if not sep or not model or not version:
+        typer.echo("error: give the model as MODEL:VERSION", err=True)
+        raise typer.Exit(2)
+    body: dict[str, Any] = {
+        "model": model,
+        "version": version,
+        "selector": select,
+        "variant": variant,
+        "priority": priority,
+        "waves": [w.strip() for w in waves.split(",") if w.strip()],
+        "gate": {
+            "soak_s": soak,
+            "max_failure_ratio": max_failure_ratio,
+            "min_fps_ratio": min_fps_ratio,
+            "max_latency_ms": max_latency_ms,
+            "step_timeout_s": step_timeout,
+            "offline_timeout_s": offline_timeout,
+        },
+    }
+    if name:
+        body["name"] = name
+    if cameras:
+        body["cameras"] = [_parse_camera(c) for c in cameras]
+    dep = _request(api, "POST", "/api/v1/deployments", json=body)
+    typer.echo(f"deployment {dep['name']} (#{dep['id']}) created; rollout plan {dep['rollout']['plan']}")
+    if not follow:
+        return
+    from rich.live import Live
+    from rich.text import Text
+
+    with Live(Text(""), refresh_per_second=2) as live:
+        while True:
+            dep = _request(api, "GET", f"/api/v1/deployments/{dep['id']}")
+            ro = dep["rollout"]
+            live.update(
+                Text(
+                    f"rollout {ro['state']}  wave {ro['current_wave']}/{len(ro['plan'])}  "
+                    + "  ".join(f"{k} {v}" for k, v in ro["progress"].items())
+                )
+            )
+            if ro["state"] in ("succeeded", "failed", "cancelled", "rolled_back"):
+                break
+            time.sleep(1.0)
+    _print_rollout(dep)
+    if dep["rollout"]["state"] != "succeeded":
+        raise typer.Exit(1)
+
+
+@rollouts_app.command("ls")
+def rollouts_ls(api: ApiOption = DEFAULT_API) -> None:
+    """List rollouts, newest first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("deployment", "state", "wave", "plan", "active", "failed", "reason")
+    for ro in _request(api, "GET", "/api/v1/rollouts"):
+        table.add_row(
+            ro["deployment"],
+            ro["state"],
+            f"{ro['current_wave']}/{len(ro['plan'])}",
+            ",".join(map(str, ro["plan"])),
+            str(ro["progress"].get("active", 0)),
+            str(ro["progress"].get("failed", 0)),
+            ro.get("reason") or "",
+        )
+    Console().print(table)
+
+
+@rollouts_app.command("show")
+def rollouts_show(
+    deployment: Annotated[str, typer.Argument(help="deployment name or id")], api: ApiOption = DEFAULT_API
+) -> None:
+    """A rollout with each wave's gate figures and every device's state."""
+    _print_rollout(_request(api, "GET", f"/api/v1/deployments/{deployment}"))
+
+
+def _operation(op: str, doc: str) -> None:
+    def command(
+        deployment: Annotated[str, typer.Argument(help="deployment name or id")], api: ApiOption = DEFAULT_API
+    ) -> None:
+        _print_rollout(_request(api, "POST", f"/api/v1/deployments/{deployment}/{op}"))
+
+    command.__doc__ = doc
+    rollouts_app.command(op)(command)
+
+
+_operation("pause", "Stop admitting new waves; checks of the current wave go on.")
+_operation("resume", "Admit waves again.")
+_operation("cancel", "Stop: active devices keep it, devices still applying go back.")
+_operation("rollback", "Every device the deployment reached goes back to its previous layer.")

@@ -86,6 +86,8 @@ class Device(DeviceBase, table=True):
     created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
     # Per camera: the assignment as asked (model, version, pin) and the variant chosen, with why.
     assignments: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    # Per camera: the direct assignment (the lowest layer, below every deployment).
+    direct: dict[str, Any] | None = Field(default=None, sa_type=JSON)
 
 
 # --------------------------------------------------------------------------- health
@@ -252,3 +254,64 @@ class ModelVersionPublic(ModelVersionBase):
     build_progress: float = 0.0
     build_error: str | None = None
     variants: list[ModelVariantPublic] = []
+
+
+# --------------------------------------------------------------------------- deployments / rollouts
+
+
+class Deployment(SQLModel, table=True):
+    """A model version for the devices a selector matches, on some cameras, at a priority (layered)."""
+
+    __tablename__ = "deployment"
+    __table_args__ = (sa.UniqueConstraint("name", name="uq_deployment_name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=64)
+    model: str = Field(max_length=64)
+    version: str = Field(max_length=64)
+    variant: str = Field(default="auto", max_length=8)
+    selector: str = Field(default="")
+    # [{"camera": id or "*", "threshold": …, "max_fps": …, "labels": […]}]
+    cameras: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)
+    priority: int = Field(default=0)
+    # active | rolling_out | rolled_back | cancelled | deleted
+    state: str = Field(default="rolling_out", max_length=16)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+class Rollout(SQLModel, table=True):
+    """The staged rollout of one deployment: waves, the current one, gate config and results."""
+
+    __tablename__ = "rollout"
+    __table_args__ = (sa.UniqueConstraint("deployment_id", name="uq_rollout_deployment"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    deployment_id: int = Field(foreign_key="deployment.id")
+    waves: list[Any] = Field(default_factory=list, sa_type=JSON)  # as asked: 1, "10%", …
+    plan: list[int] = Field(default_factory=list, sa_type=JSON)  # cumulative device counts per wave
+    current_wave: int = Field(default=0)  # index of the wave being admitted/soaked
+    # running | paused | succeeded | failed | cancelled | rolled_back
+    state: str = Field(default="running", max_length=16)
+    gate: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+    gates: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)  # evaluations per wave
+    reason: str | None = None
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    finished_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+
+
+class RolloutDevice(SQLModel, table=True):
+    __tablename__ = "rollout_device"
+
+    rollout_id: int = Field(foreign_key="rollout.id", primary_key=True)
+    device_id: str = Field(primary_key=True, max_length=64)
+    wave: int
+    # pending | applying | active | failed | rolled_back
+    state: str = Field(default="applying", max_length=16)
+    cameras: list[str] = Field(default_factory=list, sa_type=JSON)
+    target_version: int | None = None
+    baseline_fps: float | None = None
+    baseline_latency_ms: float | None = None
+    admitted_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    settled_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    reason: str | None = None

@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from controller.models import Device
+from controller.rollouts import GateConfig
 from controller.seqtrack import SeqStats
 from fleet_protocol.messages import CameraReported, CameraStats, Name
 
@@ -31,6 +32,8 @@ class CameraAssignment(BaseModel):
     pin: str = Field(default="auto", description="auto, or the variant the assignment pinned")
     sha256: str | None = None
     reason: str = Field(default="", description="why this variant was chosen")
+    source: str = Field(default="direct", description="the layer that won: direct or deployment")
+    deployment: str | None = Field(default=None, description="the deployment that won, if one did")
 
 
 class DevicePublic(BaseModel):
@@ -174,3 +177,99 @@ class Health(BaseModel):
     status: Literal["ok", "degraded"]
     db: bool
     mqtt: bool
+
+
+# --------------------------------------------------------------------------- deployments / rollouts
+
+_LABEL_KEY = r"^[A-Za-z0-9]([A-Za-z0-9_.\-/]{0,61}[A-Za-z0-9])?$"
+_LABEL_VALUE = r"^([A-Za-z0-9]([A-Za-z0-9_.\-]{0,61}[A-Za-z0-9])?)?$"
+_CAMERA_OR_ANY = r"^(\*|[A-Za-z0-9][A-Za-z0-9_.-]{0,63})$"
+
+
+def check_labels(labels: dict[str, str]) -> dict[str, str]:
+    import re
+
+    for k, v in labels.items():
+        if not re.match(_LABEL_KEY, k):
+            raise ValueError(f"label key {k!r}: letters, digits and -_./ inside, at most 63 characters")
+        if not re.match(_LABEL_VALUE, v):
+            raise ValueError(f"label {k}: value {v!r}: letters, digits and -_. inside, at most 63 characters")
+    return labels
+
+
+class LabelsBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    labels: dict[str, str]
+
+    @field_validator("labels")
+    @classmethod
+    def _valid(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_labels(v)
+
+
+class DeploymentCamera(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    camera: str = Field(default="*", pattern=_CAMERA_OR_ANY, description='camera id, or "*" for every camera')
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    max_fps: float | None = Field(default=None, gt=0.0)
+    labels: list[str] | None = None
+
+
+class DeploymentCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    model: str = Field(max_length=64)
+    version: str = Field(max_length=64)
+    variant: VariantChoice = "auto"
+    selector: str = Field(default="", max_length=2000, description="label selector; empty matches all")
+    cameras: list[DeploymentCamera] = Field(default_factory=lambda: [DeploymentCamera()])
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    waves: list[int | str] | None = Field(default=None, description="default [1, '10%', '50%', '100%']")
+    gate: GateConfig | None = None
+
+
+class RolloutDevicePublic(BaseModel):
+    device_id: str
+    wave: int = Field(description="1-based")
+    state: str
+    cameras: list[str]
+    target_version: int | None
+    reported_version: int | None
+    progress_pct: float | None = Field(description="artifact transfer progress while applying")
+    baseline_fps: float | None
+    baseline_latency_ms: float | None
+    admitted_at: datetime | None
+    settled_at: datetime | None
+    reason: str | None
+
+
+class RolloutPublic(BaseModel):
+    id: int
+    deployment: str
+    deployment_id: int
+    state: str
+    waves: list[int | str]
+    plan: list[int] = Field(description="cumulative device count per wave")
+    current_wave: int = Field(description="1-based")
+    gate: GateConfig
+    gates: list[dict[str, Any]] = Field(description="each evaluated wave gate with figures and verdict")
+    reason: str | None
+    progress: dict[str, int]
+    devices: list[RolloutDevicePublic]
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+class DeploymentPublic(BaseModel):
+    id: int
+    name: str
+    model: str
+    version: str
+    variant: str
+    selector: str
+    cameras: list[dict[str, Any]]
+    priority: int
+    state: str
+    created_at: datetime
+    rollout: RolloutPublic | None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,8 @@ class TwinService:
         labels: list[str] | None = None,
         variant: str = AUTO,
     ) -> DesiredState:
+        """Set the direct assignment of a camera (the bottom layer; a deployment that applies to the
+        camera wins over it) and publish the device's desired state when it changed."""
         with self._lock, session_scope(self._engine) as s:
             dev = crud.get_device(s, device_id=device_id)
             if dev is None:
@@ -153,66 +156,87 @@ class TwinService:
             mv = crud.get_model_version(s, name=model, version=version)
             if mv is None:
                 raise NotFoundError(f"model {model!r} version {version!r} is not registered")
-            choice = choose(s, mv=mv, capabilities=dev.capabilities, pin=variant)
-            ref = artifact_ref(mv, choice, self._chunk_size)
-            desired = self.current(dev.desired)
-            cameras = dict(desired.cameras)
-            cameras[camera] = CameraDesired(model=ref, threshold=threshold, max_fps=max_fps, labels=labels)
-            assignments = dict(dev.assignments or {})
-            assignments[camera] = _assignment(mv, variant, choice)
-            dev.assignments = assignments
-            return self._commit(s, dev.id, desired, cameras)
+            choose(s, mv=mv, capabilities=dev.capabilities, pin=variant)  # a bad pin is refused here
+            direct = dict(dev.direct or {})
+            direct[camera] = {
+                "model": model,
+                "version": version,
+                "pin": variant,
+                "threshold": threshold,
+                "max_fps": max_fps,
+                "labels": labels,
+            }
+            dev.direct = direct
+            return self._apply(s, dev) or self.current(dev.desired)
 
     def remove(self, *, device_id: str, camera: str) -> DesiredState:
         with self._lock, session_scope(self._engine) as s:
             dev = crud.get_device(s, device_id=device_id)
             if dev is None:
                 raise NotFoundError(f"device {device_id!r} is not known")
-            desired = self.current(dev.desired)
-            if camera not in desired.cameras:
+            if camera not in (dev.direct or {}):
                 raise NotFoundError(f"camera {camera!r} of device {device_id!r} has no model assigned")
-            cameras = {k: v for k, v in desired.cameras.items() if k != camera}
-            dev.assignments = {k: v for k, v in (dev.assignments or {}).items() if k != camera}
-            return self._commit(s, dev.id, desired, cameras)
+            dev.direct = {k: v for k, v in (dev.direct or {}).items() if k != camera}
+            return self._apply(s, dev) or self.current(dev.desired)
 
     def recompute(self, device_id: str) -> DesiredState | None:
-        """Choose each camera's variant again (new capabilities, a finished build); publish a new
-        desired state only when a chosen variant changed. Returns it, or None when nothing changed."""
+        """Derive the device's desired state again from its layers (deployments by priority over the
+        direct assignment) and each camera's variant choice; publish it only when it changed.
+        Returns the new state, or None when nothing changed."""
         with self._lock, session_scope(self._engine) as s:
             dev = crud.get_device(s, device_id=device_id)
-            if dev is None or dev.desired is None:
+            if dev is None:
                 return None
-            desired = self.current(dev.desired)
-            cameras = dict(desired.cameras)
-            assignments = dict(dev.assignments or {})
-            changed = False
-            for cam, cd in desired.cameras.items():
-                if cd.model is None:
-                    continue
-                m = cd.model.manifest
-                asg = assignments.get(cam) or {}
-                pin = str(asg.get("pin") or AUTO)
-                mv = crud.get_model_version(
-                    s, name=str(asg.get("model") or m.name), version=str(asg.get("version") or m.version)
-                )
-                if mv is None:
-                    continue
-                try:
-                    choice = choose(s, mv=mv, capabilities=dev.capabilities, pin=pin)
-                except ConflictError as exc:
-                    # A pinned variant that is no longer there: fp32 runs, and the API says why.
-                    choice = Choice("fp32", f"{exc}; fp32 instead", mv.sha256, mv.size)
-                assignments[cam] = _assignment(mv, pin, choice)
-                if (cd.model.variant, m.sha256) != (choice.variant, choice.sha256):
-                    ref = artifact_ref(mv, choice, cd.model.chunk_size)
-                    cameras[cam] = cd.model_copy(update={"model": ref})
-                    changed = True
+            return self._apply(s, dev)
+
+    def recompute_many(self, device_ids: Iterable[str]) -> int:
+        changed = 0
+        for d in sorted(set(device_ids)):
+            try:
+                changed += self.recompute(d) is not None
+            except Exception:
+                log.exception("recomputing the desired state of %s failed", d)
+        return changed
+
+    def _apply(self, s: Session, dev: Device) -> DesiredState | None:
+        from controller.deployments import admitted_for, applied_deployments, layers
+
+        chosen = layers(dev, applied_deployments(s), admitted_for(s, dev.id))
+        cameras: dict[str, CameraDesired] = {}
+        assignments: dict[str, Any] = {}
+        for cam, layer in sorted(chosen.items()):
+            mv = crud.get_model_version(s, name=layer.model, version=layer.version)
+            if mv is None:
+                continue
+            try:
+                choice = choose(s, mv=mv, capabilities=dev.capabilities, pin=layer.pin)
+            except ConflictError as exc:
+                # A pinned variant that is not there: fp32 runs, and the API says why.
+                choice = Choice("fp32", f"{exc}; fp32 instead", mv.sha256, mv.size)
+            cameras[cam] = CameraDesired(
+                model=artifact_ref(mv, choice, self._chunk_size),
+                threshold=layer.threshold,
+                max_fps=layer.max_fps,
+                labels=layer.labels,
+            )
+            assignments[cam] = {
+                **_assignment(mv, layer.pin, choice),
+                "source": layer.source,
+                "deployment": layer.deployment,
+            }
+        if assignments != (dev.assignments or {}):
             dev.assignments = assignments
-            s.add(dev)
-            if not changed:
-                return None
-            log.info("variant choice of %s changed; publishing a new desired state", device_id)
-            return self._commit(s, dev.id, desired, cameras)
+        s.add(dev)
+        old = self.current(dev.desired)
+        new = self._signed(old.model_copy(update={"cameras": cameras}))
+        same = {k: v.model_dump(mode="json") for k, v in new.cameras.items()} == {
+            k: v.model_dump(mode="json") for k, v in old.cameras.items()
+        }
+        if same:
+            s.commit()
+            return None
+        log.info("desired state of %s changed; publishing", dev.id)
+        return self._commit(s, dev.id, old, cameras)
 
     def recompute_for_model(self, model_version_id: int) -> int:
         """Recompute every device whose desired state runs this model version; returns how many changed."""

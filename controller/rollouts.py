@@ -1,0 +1,709 @@
+"""Rollouts: waves of devices, each wave's health gate, automatic rollback; restart-safe.
+
+``step`` is a pure decision function over a snapshot (the rollout, its members, the devices) and
+the time; ``RolloutService`` loads the snapshot from the database, applies the actions in one
+transaction and has the twin recompute the desired state of every device they touch. Everything
+lives in the database, so a controller killed mid-rollout continues where it was after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from controller import crud
+from controller.deployments import get_deployment, matching_devices, rollout_devices, rollout_of
+from controller.models import Deployment, Device, HealthSample, Rollout, RolloutDevice, utcnow
+from controller.selectors import SelectorError, parse_selector
+from controller.twin import AUTO, ConflictError, NotFoundError, TwinService, choose
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WAVES: list[int | str] = [1, "10%", "50%", "100%"]
+TICK_S = 1.0
+RUNNING, PAUSED = "running", "paused"
+CRASH_LOOP_RESTARTS = 3  # more restarts than this since admission is a crash loop
+FINISHED = ("succeeded", "failed", "cancelled", "rolled_back")
+
+
+class GateConfig(BaseModel):
+    soak_s: float = Field(default=30.0, ge=0)
+    max_failure_ratio: float = Field(default=0.0, ge=0, le=1)
+    min_fps_ratio: float = Field(default=0.5, ge=0)
+    max_latency_ms: float | None = Field(default=None, gt=0)
+    step_timeout_s: float = Field(default=300.0, gt=0)
+    offline_timeout_s: float = Field(default=60.0, ge=0)
+
+
+# --------------------------------------------------------------------------- waves
+
+
+def parse_wave(spec: int | str) -> int | str:
+    """A wave as asked: a device count (cumulative, >= 1) or a percentage of the matching devices."""
+    if isinstance(spec, bool):
+        raise ValueError(f"wave {spec!r} is not a count or a percentage")
+    if isinstance(spec, int):
+        if spec < 1:
+            raise ValueError(f"wave {spec} must be at least 1 device")
+        return spec
+    text = str(spec).strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"wave {spec!r} is not a percentage") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"wave {spec!r} must be above 0% and at most 100%")
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"wave {spec!r} is not a device count (>= 1) or a percentage like 10%")
+
+
+def plan_waves(waves: Sequence[int | str], n: int) -> list[int]:
+    """Cumulative device counts per wave for ``n`` matching devices; each wave at least one device,
+    empty waves dropped."""
+    out: list[int] = []
+    prev = 0
+    for spec in waves:
+        if prev >= n:
+            break
+        if isinstance(spec, str) and spec.endswith("%"):
+            target = math.ceil(float(spec[:-1]) / 100.0 * n)
+        else:
+            target = int(spec)
+        cum = min(n, max(prev + 1, target))
+        out.append(cum)
+        prev = cum
+    return out
+
+
+# --------------------------------------------------------------------------- the decision function
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    id: str
+    matches: bool = True
+    online: bool = True
+    offline_since: float | None = None
+    reported_version: int | None = None
+    reported: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # camera → CameraReported
+    fps: Mapping[str, float] = field(default_factory=dict)  # camera → fps, latest heartbeat
+    latency_ms: Mapping[str, float] = field(default_factory=dict)  # camera → inference ms
+    restarts: tuple[float, ...] = ()  # when the agent came back up with a fresh uptime
+
+
+@dataclass(frozen=True)
+class MemberView:
+    device_id: str
+    wave: int
+    state: str
+    admitted_at: float
+    cameras: tuple[str, ...] = ()
+    target_version: int | None = None
+    baseline_fps: float | None = None
+    settled_at: float | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class RolloutView:
+    state: str
+    model: str  # "name:version", as the agent reports it
+    plan: tuple[int, ...]
+    current_wave: int
+    gate: GateConfig
+    members: Mapping[str, MemberView]
+    gated_waves: frozenset[int] = frozenset()
+    admit_all_in_last: bool = True
+
+
+@dataclass(frozen=True)
+class Admit:
+    device_id: str
+    wave: int
+
+
+@dataclass(frozen=True)
+class Settle:
+    device_id: str
+    state: str  # active | failed
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class GateResult:
+    wave: int
+    passed: bool
+    figures: dict[str, Any]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Advance:
+    wave: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    state: str  # succeeded | failed
+    reason: str
+
+
+Action = Admit | Settle | GateResult | Advance | Finish
+
+
+def _offline_for(dev: DeviceView, since: float, now: float) -> float:
+    if dev.online:
+        return 0.0
+    return now - max(dev.offline_since or since, since)
+
+
+def _crash_loop(m: MemberView, dev: DeviceView) -> Settle | None:
+    n = sum(t >= m.admitted_at for t in dev.restarts)
+    if n > CRASH_LOOP_RESTARTS:
+        return Settle(m.device_id, "failed", f"crash loop: the agent restarted {n} times since admission")
+    return None
+
+
+def _settle_applying(m: MemberView, dev: DeviceView | None, r: RolloutView, now: float) -> Settle | None:
+    if dev is None:
+        return Settle(m.device_id, "failed", "device is no longer known")
+    if (crash := _crash_loop(m, dev)) is not None:
+        return crash
+    if not dev.matches:
+        return Settle(m.device_id, "failed", "device no longer matches the selector")
+    if m.target_version is not None:
+        if not m.cameras:
+            return Settle(m.device_id, "active", "every camera is held by a higher-priority layer")
+        for cam in m.cameras:
+            rep = dev.reported.get(cam) or {}
+            if rep.get("state") == "failed" and (dev.reported_version or 0) >= m.target_version:
+                return Settle(
+                    m.device_id, "failed", f"camera {cam} failed: {rep.get('error') or 'no reason'}"
+                )
+        if (dev.reported_version or 0) >= m.target_version and all(
+            (dev.reported.get(c) or {}).get("state") == "running"
+            and (dev.reported.get(c) or {}).get("model") == r.model
+            for c in m.cameras
+        ):
+            return Settle(m.device_id, "active")
+    off = _offline_for(dev, m.admitted_at, now)
+    if not dev.online and off > r.gate.offline_timeout_s:
+        return Settle(m.device_id, "failed", f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)")
+    if now - m.admitted_at > r.gate.step_timeout_s:
+        states = {c: (dev.reported.get(c) or {}).get("state", "unknown") for c in m.cameras}
+        return Settle(
+            m.device_id,
+            "failed",
+            f"not active after {r.gate.step_timeout_s:g}s (reported v{dev.reported_version}, {states})",
+        )
+    return None
+
+
+def _settle_active(m: MemberView, dev: DeviceView | None, r: RolloutView, now: float) -> Settle | None:
+    """A device of the wave being soaked that went bad after activation."""
+    if dev is None:
+        return Settle(m.device_id, "failed", "device is no longer known")
+    if (crash := _crash_loop(m, dev)) is not None:
+        return crash
+    for cam in m.cameras:
+        rep = dev.reported.get(cam) or {}
+        if rep.get("state") == "failed":
+            return Settle(m.device_id, "failed", f"camera {cam} failed: {rep.get('error') or 'no reason'}")
+    off = _offline_for(dev, m.settled_at or m.admitted_at, now)
+    if not dev.online and off > r.gate.offline_timeout_s:
+        return Settle(m.device_id, "failed", f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)")
+    return None
+
+
+def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: RolloutView) -> dict[str, Any]:
+    failed = [m.device_id for m in wave if m.state == "failed"]
+    ratios: dict[str, float] = {}
+    latencies: dict[str, float] = {}
+    for m in wave:
+        dev = devices.get(m.device_id)
+        if m.state != "active" or dev is None or not m.cameras:
+            continue
+        fps = [dev.fps[c] for c in m.cameras if c in dev.fps]
+        if fps and m.baseline_fps:
+            ratios[m.device_id] = round(min(fps) / m.baseline_fps, 3)
+        lat = [dev.latency_ms[c] for c in m.cameras if c in dev.latency_ms]
+        if lat:
+            latencies[m.device_id] = round(max(lat), 2)
+    return {
+        "devices": [m.device_id for m in wave],
+        "size": len(wave),
+        "active": sum(m.state == "active" for m in wave),
+        "failed": failed,
+        "failures": {m.device_id: m.reason for m in wave if m.state == "failed"},
+        "failure_ratio": round(len(failed) / len(wave), 3) if wave else 0.0,
+        "max_failure_ratio": r.gate.max_failure_ratio,
+        "fps_ratio": ratios,
+        "fps_ratio_min": min(ratios.values()) if ratios else None,
+        "min_fps_ratio": r.gate.min_fps_ratio,
+        "latency_ms": latencies,
+        "latency_ms_max": max(latencies.values()) if latencies else None,
+        "max_latency_ms": r.gate.max_latency_ms,
+    }
+
+
+def _verdict(fig: dict[str, Any], r: RolloutView) -> str | None:
+    """Why the gate fails, or None when it passes."""
+    if fig["failure_ratio"] > r.gate.max_failure_ratio:
+        why = "; ".join(f"{d}: {reason or 'failed'}" for d, reason in sorted(fig["failures"].items()))
+        return f"{len(fig['failed'])} of {fig['size']} devices failed ({why})"
+    low = {d: v for d, v in fig["fps_ratio"].items() if v < r.gate.min_fps_ratio}
+    if low:
+        return "FPS fell below {:g} of the FPS before: {}".format(
+            r.gate.min_fps_ratio, ", ".join(f"{d} {v:.2f}" for d, v in sorted(low.items()))
+        )
+    if r.gate.max_latency_ms is not None:
+        slow = {d: v for d, v in fig["latency_ms"].items() if v > r.gate.max_latency_ms}
+        if slow:
+            return "inference latency over {:g} ms: {}".format(
+                r.gate.max_latency_ms, ", ".join(f"{d} {v:.1f} ms" for d, v in sorted(slow.items()))
+            )
+    return None
+
+
+def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[Action]:
+    """What to do next. Pure: the same snapshot and time give the same actions."""
+    if r.state not in (RUNNING, PAUSED):
+        return []
+    actions: list[Action] = []
+    members = dict(r.members)
+    # 1. per device: activation, failure, timeouts, offline
+    for m in r.members.values():
+        dev = devices.get(m.device_id)
+        s: Settle | None = None
+        if m.state == "applying":
+            s = _settle_applying(m, dev, r, now)
+        elif m.state == "active" and m.wave == r.current_wave and r.current_wave not in r.gated_waves:
+            s = _settle_active(m, dev, r, now)
+        if s is not None:
+            actions.append(s)
+            members[m.device_id] = replace(m, state=s.state, settled_at=now, reason=s.reason)
+    w = r.current_wave
+    if w >= len(r.plan):
+        return [*actions, Finish("succeeded", "every wave passed its gate")]
+    wave = [m for m in members.values() if m.wave == w]
+    # 2. admission of the current wave
+    if not wave:
+        if r.state != RUNNING:
+            return actions
+        last = w == len(r.plan) - 1
+        want = r.plan[w] - len(members)
+        candidates = sorted(d.id for d in devices.values() if d.matches and d.id not in members)
+        if last and r.admit_all_in_last:
+            want = len(candidates)
+        admit = candidates[: max(0, want)]
+        if not admit:
+            if last:
+                return [*actions, Finish("succeeded", "no devices left to admit")]
+            return [*actions, Advance(w + 1)]
+        return [*actions, *(Admit(d, w) for d in admit)]
+    # 3. the gate of the current wave
+    if w in r.gated_waves:
+        return actions
+    fig = _figures(wave, devices, r)
+    if fig["failure_ratio"] > r.gate.max_failure_ratio:
+        bad = _verdict(fig, r) or "too many failures"
+        return [
+            *actions,
+            GateResult(w, False, fig, bad),
+            Finish("failed", f"wave {w + 1} gate failed: {bad}"),
+        ]
+    if any(m.state == "applying" for m in wave):
+        return actions
+    settled = max((m.settled_at or m.admitted_at) for m in wave)
+    if now - settled < r.gate.soak_s:
+        return actions
+    why = _verdict(fig, r)
+    if why is not None:
+        return [
+            *actions,
+            GateResult(w, False, fig, why),
+            Finish("failed", f"wave {w + 1} gate failed: {why}"),
+        ]
+    actions.append(GateResult(w, True, fig, "passed"))
+    if w == len(r.plan) - 1:
+        actions.append(Finish("succeeded", "every wave passed its gate"))
+    else:
+        actions.append(Advance(w + 1))
+    return actions
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class DeploymentError(ValueError):
+    """A deployment that cannot be created; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _ts(dt: datetime | None) -> float | None:
+    return dt.timestamp() if dt is not None else None
+
+
+def restarts_since(s: Session, device_id: str, since: datetime) -> tuple[float, ...]:
+    """Times at which the device's heartbeats show a fresh uptime (the agent started again)."""
+    rows = s.exec(
+        select(HealthSample.ts, HealthSample.payload)
+        .where(col(HealthSample.device_id) == device_id, col(HealthSample.ts) >= since)
+        .order_by(col(HealthSample.ts), col(HealthSample.id))
+    ).all()
+    out: list[float] = []
+    prev: float | None = None
+    for ts, payload in rows:
+        up = (payload or {}).get("uptime_s")
+        if up is None:
+            continue
+        if prev is not None and float(up) < prev:
+            out.append(ts.timestamp())
+        prev = float(up)
+    return tuple(out)
+
+
+def device_view(dev: Device, dep: Deployment, restarts: tuple[float, ...] = ()) -> DeviceView:
+    from controller.deployments import matches
+
+    health = dev.last_health or {}
+    fps: dict[str, float] = {}
+    lat: dict[str, float] = {}
+    for c in health.get("cameras") or []:
+        cam = str(c.get("camera"))
+        if c.get("fps") is not None:
+            fps[cam] = float(c["fps"])
+        if c.get("inference_ms") is not None:
+            lat[cam] = float(c["inference_ms"])
+    return DeviceView(
+        id=dev.id,
+        matches=matches(dep, dev.labels or {}),
+        online=dev.status == "online",
+        offline_since=_ts(dev.offline_since),
+        reported_version=dev.reported_version,
+        reported=dict((dev.reported or {}).get("cameras") or {}),
+        fps=fps,
+        latency_ms=lat,
+        restarts=restarts,
+    )
+
+
+def member_view(m: RolloutDevice) -> MemberView:
+    return MemberView(
+        device_id=m.device_id,
+        wave=m.wave,
+        state=m.state,
+        admitted_at=_ts(m.admitted_at) or 0.0,
+        cameras=tuple(m.cameras or ()),
+        target_version=m.target_version,
+        baseline_fps=m.baseline_fps,
+        settled_at=_ts(m.settled_at),
+        reason=m.reason,
+    )
+
+
+def rollout_view(ro: Rollout, dep: Deployment, members: Sequence[RolloutDevice]) -> RolloutView:
+    waves = list(ro.waves or [])
+    return RolloutView(
+        state=ro.state,
+        model=f"{dep.model}:{dep.version}",
+        plan=tuple(ro.plan or ()),
+        current_wave=ro.current_wave,
+        gate=GateConfig.model_validate(ro.gate or {}),
+        members={m.device_id: member_view(m) for m in members},
+        gated_waves=frozenset(int(g["wave"]) for g in ro.gates or [] if g.get("passed")),
+        admit_all_in_last=bool(waves) and str(waves[-1]).strip() == "100%",
+    )
+
+
+class RolloutService:
+    """Creates deployments with their rollouts, drives them from a runner thread, and carries out
+    the operator's pause/resume/cancel/rollback. One lock orders ticks and operator actions."""
+
+    def __init__(self, engine: Engine, twin: TwinService, *, stop: threading.Event, tick_s: float = TICK_S):
+        self._engine = engine
+        self._twin = twin
+        self._stop = stop
+        self._tick_s = tick_s
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.clock: Callable[[], float] = time.time
+
+    # ------------------------------------------------------------------ runner
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="edgefleet-rollouts", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("rollout tick failed")
+            self._stop.wait(self._tick_s)
+
+    def tick(self) -> None:
+        with Session(self._engine) as s:
+            ids = [
+                int(i)
+                for i in s.exec(select(Rollout.id).where(col(Rollout.state).in_((RUNNING, PAUSED)))).all()
+                if i is not None
+            ]
+        for rid in ids:
+            with self._lock:
+                self._tick_one(rid)
+
+    def _tick_one(self, rollout_id: int) -> None:
+        self._fill_targets(rollout_id)
+        touched: set[str] = set()
+        now = self.clock()
+        with Session(self._engine) as s:
+            ro = s.get(Rollout, rollout_id)
+            if ro is None or ro.state not in (RUNNING, PAUSED):
+                return
+            dep = s.get(Deployment, ro.deployment_id)
+            assert dep is not None
+            members = {m.device_id: m for m in rollout_devices(s, rollout_id)}
+            watched = {
+                m.device_id: m.admitted_at
+                for m in members.values()
+                if m.admitted_at is not None
+                and (m.state == "applying" or (m.state == "active" and m.wave == ro.current_wave))
+            }
+            devices = {
+                d.id: device_view(d, dep, restarts_since(s, d.id, watched[d.id]) if d.id in watched else ())
+                for d in crud.list_devices(s)
+            }
+            actions = step(rollout_view(ro, dep, list(members.values())), devices, now)
+            if not actions:
+                return
+            at = datetime.fromtimestamp(now, UTC)
+            for a in actions:
+                if isinstance(a, Admit):
+                    s.add(
+                        RolloutDevice(
+                            rollout_id=rollout_id, device_id=a.device_id, wave=a.wave, admitted_at=at
+                        )
+                    )
+                    touched.add(a.device_id)
+                    log.info("rollout %d: wave %d admits %s", rollout_id, a.wave + 1, a.device_id)
+                elif isinstance(a, Settle):
+                    m = members[a.device_id]
+                    m.state, m.reason, m.settled_at = a.state, a.reason, at
+                    s.add(m)
+                    if a.state == "failed":
+                        touched.add(a.device_id)
+                        log.warning("rollout %d: %s failed: %s", rollout_id, a.device_id, a.reason)
+                elif isinstance(a, GateResult):
+                    gate = {"wave": a.wave, "passed": a.passed, "reason": a.reason, "at": now, **a.figures}
+                    ro.gates = [*(ro.gates or []), gate]
+                    log.info("rollout %d: wave %d gate %s", rollout_id, a.wave + 1, a.reason)
+                elif isinstance(a, Advance):
+                    ro.current_wave = a.wave
+                elif isinstance(a, Finish):
+                    ro.state, ro.reason, ro.finished_at = a.state, a.reason, at
+                    if a.state == "succeeded":
+                        dep.state = "active"
+                        touched.update(d.id for d in matching_devices(s, dep))
+                    else:
+                        dep.state = "rolled_back"
+                        touched.update(self._revert(s, rollout_id, a.reason))
+                    log.info("rollout %d %s: %s", rollout_id, a.state, a.reason)
+            ro.updated_at = at
+            s.add(ro)
+            s.add(dep)
+            s.commit()
+        self._twin.recompute_many(touched)
+        self._fill_targets(rollout_id)
+
+    @staticmethod
+    def _revert(s: Session, rollout_id: int, reason: str, *, states: Sequence[str] | None = None) -> set[str]:
+        out: set[str] = set()
+        for m in rollout_devices(s, rollout_id):
+            if m.state == "rolled_back" or (states is not None and m.state not in states):
+                continue
+            m.state, m.reason = "rolled_back", reason if m.reason is None else f"{m.reason}; {reason}"
+            m.settled_at = utcnow()
+            s.add(m)
+            out.add(m.device_id)
+        return out
+
+    def _fill_targets(self, rollout_id: int) -> None:
+        """Admitted devices whose new desired state is not recorded yet: publish and record it."""
+        with Session(self._engine) as s:
+            ro = s.get(Rollout, rollout_id)
+            if ro is None:
+                return
+            dep = s.get(Deployment, ro.deployment_id)
+            assert dep is not None
+            pending = [m.device_id for m in rollout_devices(s, rollout_id) if m.target_version is None]
+        for device_id in pending:
+            self._twin.recompute(device_id)
+            with Session(self._engine) as s:
+                m = s.get(RolloutDevice, (rollout_id, device_id))
+                dev = crud.get_device(s, device_id=device_id)
+                if m is None or dev is None:
+                    continue
+                m.target_version = dev.desired_version
+                m.cameras = sorted(
+                    cam for cam, a in (dev.assignments or {}).items() if a.get("deployment") == dep.name
+                )
+                health = {str(c.get("camera")): c for c in (dev.last_health or {}).get("cameras") or []}
+                fps = [float(health[c]["fps"]) for c in m.cameras if c in health and health[c].get("fps")]
+                lat = [
+                    float(health[c]["inference_ms"])
+                    for c in m.cameras
+                    if c in health and health[c].get("inference_ms") is not None
+                ]
+                m.baseline_fps = min(fps) if fps else None
+                m.baseline_latency_ms = max(lat) if lat else None
+                s.add(m)
+                s.commit()
+
+    # ------------------------------------------------------------------ create
+
+    def create(
+        self,
+        *,
+        name: str,
+        model: str,
+        version: str,
+        selector: str,
+        variant: str = AUTO,
+        cameras: list[dict[str, Any]] | None = None,
+        priority: int = 0,
+        waves: Sequence[int | str] | None = None,
+        gate: GateConfig | None = None,
+    ) -> int:
+        """A new deployment in state rolling_out with its rollout; returns the deployment id."""
+        try:
+            parse_selector(selector)
+        except SelectorError as exc:
+            raise DeploymentError(422, f"selector: {exc}") from None
+        try:
+            plan_in = [parse_wave(w) for w in (waves if waves is not None else DEFAULT_WAVES)]
+        except ValueError as exc:
+            raise DeploymentError(422, f"waves: {exc}") from None
+        if not plan_in:
+            raise DeploymentError(422, "waves: at least one wave")
+        with self._lock, Session(self._engine) as s:
+            mv = crud.get_model_version(s, name=model, version=version)
+            if mv is None:
+                raise DeploymentError(404, f"model {model!r} version {version!r} is not registered")
+            try:
+                choose(s, mv=mv, capabilities=None, pin=variant)
+            except ConflictError as exc:
+                raise DeploymentError(409, str(exc)) from None
+            if get_deployment(s, name) is not None:
+                raise DeploymentError(409, f"a deployment named {name!r} exists")
+            dep = Deployment(
+                name=name,
+                model=model,
+                version=version,
+                variant=variant,
+                selector=selector,
+                cameras=list(cameras or [{"camera": "*"}]),
+                priority=priority,
+                state="rolling_out",
+            )
+            s.add(dep)
+            s.flush()
+            assert dep.id is not None
+            n = len(matching_devices(s, dep))
+            s.add(
+                Rollout(
+                    deployment_id=dep.id,
+                    waves=list(plan_in),
+                    plan=plan_waves(plan_in, n),
+                    gate=(gate or GateConfig()).model_dump(),
+                )
+            )
+            s.commit()
+            return dep.id
+
+    # ------------------------------------------------------------------ operator actions
+
+    def _operate(self, ref: str | int, fn: Callable[[Session, Deployment, Rollout], set[str]]) -> int:
+        with self._lock:
+            with Session(self._engine) as s:
+                dep = get_deployment(s, ref)
+                if dep is None or dep.id is None:
+                    raise NotFoundError(f"deployment {ref!r} is not known")
+                ro = rollout_of(s, dep.id)
+                assert ro is not None
+                touched = fn(s, dep, ro)
+                ro.updated_at = utcnow()
+                s.add(ro)
+                s.add(dep)
+                s.commit()
+                dep_id = dep.id
+            self._twin.recompute_many(touched)
+            return dep_id
+
+    def pause(self, ref: str | int) -> int:
+        def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
+            if ro.state == RUNNING:
+                ro.state = PAUSED
+            return set()
+
+        return self._operate(ref, fn)
+
+    def resume(self, ref: str | int) -> int:
+        def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
+            if ro.state == PAUSED:
+                ro.state = RUNNING
+            return set()
+
+        return self._operate(ref, fn)
+
+    def cancel(self, ref: str | int) -> int:
+        """Stop: devices already active keep the deployment, devices still applying are reverted."""
+
+        def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
+            if ro.state not in (RUNNING, PAUSED):
+                return set()
+            assert ro.id is not None
+            ro.state, ro.reason, ro.finished_at = "cancelled", "cancelled by the operator", utcnow()
+            dep.state = "cancelled"
+            return self._revert(s, ro.id, "cancelled before it was active", states=("pending", "applying"))
+
+        return self._operate(ref, fn)
+
+    def rollback(self, ref: str | int) -> int:
+        """Every device the deployment reached goes back to its previous layer, whatever the state."""
+
+        def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
+            assert ro.id is not None
+            touched = {d.id for d in matching_devices(s, dep)}
+            touched |= self._revert(s, ro.id, "rolled back by the operator")
+            touched |= {m.device_id for m in rollout_devices(s, ro.id)}
+            if dep.state != "rolled_back" or ro.state not in ("failed", "rolled_back"):
+                if ro.state != "failed":
+                    ro.state = "rolled_back"
+                    ro.reason = "rolled back by the operator"
+                ro.finished_at = ro.finished_at or utcnow()
+                dep.state = "rolled_back"
+            return touched
+
+        return self._operate(ref, fn)
