@@ -124,7 +124,7 @@ def _setup_fleet(client: httpx.Client) -> dict[str, str]:
 
 def _table(client: httpx.Client, api_url: str, started: float) -> tuple[Table, dict[str, int]]:
     table = Table(
-        title=f"edgefleet demo · {api_url}/docs · {time.monotonic() - started:.0f}s",
+        title=f"edgefleet demo · dashboard {api_url}/ · {time.monotonic() - started:.0f}s",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
         collapse_padding=True,
@@ -227,7 +227,10 @@ def run_demo(
             ctrl_env,
         )
         console.print(f"[bold]edgefleet demo[/]  data: {data_dir}  broker: {mqtt_url}")
-        console.print(f"API: {api_url}/api/v1   OpenAPI docs: {api_url}/docs   logs: {data_dir}/*.log")
+        console.print(
+            f"[bold]Dashboard: {api_url}/[/]   API: {api_url}/api/v1   OpenAPI docs: {api_url}/docs"
+        )
+        console.print(f"logs: {data_dir}/*.log   metrics: {api_url}/metrics")
         with httpx.Client(base_url=api_url, timeout=5.0) as client:
             _wait_healthy(client, procs, stop)
             keys = _setup_fleet(client)
