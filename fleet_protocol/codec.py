@@ -78,6 +78,12 @@ def decode_as(cls: type[M], payload: bytes) -> M:
         raise ProtocolError(f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > MAX_JSON_BYTES:
         raise ProtocolError(f"payload is {len(payload)} bytes, over the {MAX_JSON_BYTES} byte limit")
+    # Fast path (pydantic parses the JSON itself); a payload it refuses goes the slow way below, which
+    # says precisely what is wrong.
+    try:
+        return cls.model_validate_json(bytes(payload))
+    except (ValidationError, RecursionError, ValueError):
+        pass
     try:
         obj = json.loads(bytes(payload))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -174,22 +174,21 @@ class Heartbeat(Msg):
     queue_dropped: int = 0
 
 
+Coord = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class Box(Strict):
-    """Pixel coordinates in the original frame: left, top, right, bottom."""
+    """Pixel coordinates in the original frame: left, top, right, bottom (ordering is checked once per
+    batch in :class:`DetectionBatch`, not per box: this is the ingest hot path)."""
 
-    x0: float
-    y0: float
-    x1: float
-    y1: float
+    x0: Coord
+    y0: Coord
+    x1: Coord
+    y1: Coord
 
-    @model_validator(mode="after")
-    def _finite_ordered(self) -> Box:
-        vals = (self.x0, self.y0, self.x1, self.y1)
-        if not all(math.isfinite(v) for v in vals):
-            raise ValueError("box coordinates must be finite")
-        if self.x1 < self.x0 or self.y1 < self.y0:
-            raise ValueError("box must satisfy x0 <= x1 and y0 <= y1")
-        return self
+    @property
+    def ordered(self) -> bool:
+        return self.x0 <= self.x1 and self.y0 <= self.y1
 
 
 class Detection(Strict):
@@ -215,6 +214,14 @@ class DetectionBatch(Msg):
     seq: int = Field(ge=1)
     sent_at: float
     frames: list[FrameDetections] = Field(min_length=1, max_length=500)
+
+    @model_validator(mode="after")
+    def _boxes_ordered(self) -> DetectionBatch:
+        for fi, frame in enumerate(self.frames):
+            for di, det in enumerate(frame.detections):
+                if not det.box.ordered:
+                    raise ValueError(f"frames.{fi}.detections.{di}.box must satisfy x0 <= x1 and y0 <= y1")
+        return self
 
 
 class EventKind(StrEnum):
