@@ -348,7 +348,8 @@ def devices_show(
     console = Console()
     console.print(
         f"[bold]{d['id']}[/]  {d['status']}  labels {_labels(d.get('labels') or {})}  "
-        f"desired v{d['desired_version']}  reported v{d.get('reported_version')}"
+        f"desired v{d['desired_version']}  reported v{d.get('reported_version')}  "
+        f"twin {d.get('sync', '?')}" + (f" ({d['sync_reason']})" if d.get("sync_reason") else "")
     )
     table = Table("camera", "assigned", "layer", "variant", "runs", "state", "error")
     models = d.get("models") or {}

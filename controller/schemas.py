@@ -36,6 +36,49 @@ class CameraAssignment(BaseModel):
     deployment: str | None = Field(default=None, description="the deployment that won, if one did")
 
 
+SyncState = Literal["in_sync", "pending", "applying", "failed", "drifted"]
+_APPLYING = ("fetching", "verifying", "loading")
+
+
+def twin_sync(
+    desired: dict[str, Any] | None,
+    desired_version: int,
+    reported: dict[str, CameraReported],
+    reported_version: int | None,
+) -> tuple[SyncState, str | None]:
+    """Compare desired and reported state: in sync, pending (not applied yet), applying (a model on
+    its way), failed (the device says why), or drifted (it applied this version but runs something
+    else)."""
+    busy = [cam for cam, r in reported.items() if r.state in _APPLYING]
+    if desired_version == 0 and not reported:
+        return "in_sync", None
+    if reported_version is None or reported_version < desired_version:
+        if busy:
+            return "applying", f"{', '.join(sorted(busy))}: {reported[busy[0]].state}"
+        return (
+            "pending",
+            f"device reports v{reported_version if reported_version is not None else '-'}, desired v{desired_version}",
+        )
+    want: dict[str, str] = {}
+    for cam, cd in ((desired or {}).get("cameras") or {}).items():
+        ref = (cd or {}).get("model")
+        if ref:
+            want[cam] = ref["manifest"]["sha256"]
+    for cam, sha in sorted(want.items()):
+        r = reported.get(cam)
+        if r is not None and r.state == "failed":
+            return "failed", f"{cam}: {r.error or 'failed'}"
+        if r is not None and r.state in _APPLYING:
+            return "applying", f"{cam}: {r.state}"
+        if r is None or r.sha256 != sha or r.state != "running":
+            runs = f"{r.model} ({r.state})" if r is not None and r.model else "nothing"
+            return "drifted", f"{cam} runs {runs} instead of the desired {sha[:12]}"
+    extra = sorted(cam for cam, r in reported.items() if cam not in want and r.state == "running" and r.model)
+    if extra:
+        return "drifted", f"{', '.join(extra)} run a model the desired state does not assign"
+    return "in_sync", None
+
+
 class DevicePublic(BaseModel):
     id: str
     name: str | None
@@ -56,6 +99,8 @@ class DevicePublic(BaseModel):
     last_health: dict[str, Any] | None
     desired_version: int
     reported_version: int | None
+    sync: SyncState = Field(description="does the device run its desired state (twin comparison)")
+    sync_reason: str | None = Field(default=None, description="why it is not in sync")
     stats: DeviceStats
     created_at: datetime
 
@@ -80,6 +125,7 @@ class DevicePublic(BaseModel):
                 assignments[cam] = CameraAssignment.model_validate(a)
             except ValueError:
                 continue
+        sync, sync_reason = twin_sync(dev.desired, dev.desired_version, models, dev.reported_version)
         return cls(
             id=dev.id,
             assignments=assignments,
@@ -97,6 +143,8 @@ class DevicePublic(BaseModel):
             last_health=dev.last_health,
             desired_version=dev.desired_version,
             reported_version=dev.reported_version,
+            sync=sync,
+            sync_reason=sync_reason,
             stats=DeviceStats(
                 stored=stats.stored,
                 duplicates=stats.duplicates,
