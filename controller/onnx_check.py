@@ -174,9 +174,11 @@ def infer_manifest(model: Any) -> dict[str, Any]:
         od = _dims(outputs[0])
         if len(od) == 3 and od[1] is not None and od[2] is not None:
             a, b = od[1], od[2]
-            if a < b and a > 4:  # [B, 4+C, N]
+            # [B, 4+C, N] is YOLOv8/11, [B, N, 5+C] YOLOv5: same preprocessing, different head.
+            yolo = ("yolov8", a - 4) if a < b and a > 4 else ("yolov5", b - 5) if b < a and b > 5 else None
+            if yolo is not None:
                 return _manifest(
-                    "yolov8",
+                    yolo[0],
                     inp.name,
                     layout,
                     dtype,
@@ -184,23 +186,7 @@ def infer_manifest(model: Any) -> dict[str, Any]:
                     width,
                     height,
                     outputs=out_names,
-                    labels=a - 4,
-                    std=(255.0, 255.0, 255.0) if float_norm else (1.0, 1.0, 1.0),
-                    letterbox=True,
-                    default_threshold=0.25,
-                    nms_iou=0.45,
-                )
-            if b < a and b > 5:  # [B, N, 5+C]
-                return _manifest(
-                    "yolov5",
-                    inp.name,
-                    layout,
-                    dtype,
-                    "RGB",
-                    width,
-                    height,
-                    outputs=out_names,
-                    labels=b - 5,
+                    labels=yolo[1],
                     std=(255.0, 255.0, 255.0) if float_norm else (1.0, 1.0, 1.0),
                     letterbox=True,
                     default_threshold=0.25,

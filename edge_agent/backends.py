@@ -179,25 +179,6 @@ class OnnxRuntimeBackend:
         self.__dict__.pop("_session", None)
 
 
-def onnxruntime_factory(
-    *,
-    threads: int,
-    providers_preference: Sequence[str],
-    trt_cache_dir: Path | None = None,
-    spin: bool = False,
-) -> BackendFactory:
-    def make(path: Path, manifest: ModelManifest) -> InferenceBackend:
-        return OnnxRuntimeBackend(
-            path,
-            threads=threads,
-            providers_preference=providers_preference,
-            trt_cache_dir=trt_cache_dir,
-            spin=spin,
-        )
-
-    return make
-
-
 # --------------------------------------------------------------------------- engine choice and builds
 
 EngineChoice = Literal["auto", "onnxruntime", "tensorrt"]
