@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any
@@ -15,6 +16,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlmodel import Session, col, select
 
 from controller import crud
+from controller.broker_auth import BrokerAdminError, generate_password, hash_password
 from controller.deployments import (
     APPLIED_STATES,
     get_deployment,
@@ -47,12 +49,14 @@ from controller.schemas import (
     Health,
     IngestStats,
     LabelsBody,
+    RevokedDevice,
     RolloutDevicePublic,
     RolloutPublic,
 )
 from controller.twin import ConflictError, NotFoundError, uses
 from controller.uploads import UploadError, parse_multipart, register_upload
-from fleet_protocol.messages import DesiredState
+from fleet_protocol import TopicKind
+from fleet_protocol.messages import Availability, DesiredState
 
 if TYPE_CHECKING:
     from controller.app import ControllerRuntime
@@ -61,7 +65,8 @@ if TYPE_CHECKING:
 _NO_NUL = r"^[^\x00]*$"
 _CAMERA = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
-DeviceIdPath = Annotated[str, Path(description="device id", max_length=64, pattern=_NO_NUL)]
+# A device id is an MQTT topic level and a folder name: anything else is a 422 naming device_id.
+DeviceIdPath = Annotated[str, Path(description="device id", max_length=64, pattern=_CAMERA)]
 NamePath = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 CameraPath = Annotated[str, Path(description="camera id on the device", max_length=64, pattern=_CAMERA)]
 
@@ -180,17 +185,35 @@ def deployment_public(session: Session, dep: Deployment) -> DeploymentPublic:
     )
 
 
+def _cut_off(rt: ControllerRuntime, device_id: str) -> None:
+    """Say offline for a device the broker has just disconnected: Mosquitto's dynsec kicks a client
+    without publishing its Last Will, which would leave its retained ``online`` birth standing."""
+    rt.bridge.publish_message(
+        device_id, TopicKind.AVAILABILITY, Availability(state="offline", ts=time.time())
+    )
+
+
 def build_router() -> APIRouter:
     root = APIRouter()
     api = APIRouter(prefix="/api/v1")
 
-    @root.get("/healthz", response_model=Health, summary="Liveness: database reachable, MQTT connected")
+    @root.get(
+        "/healthz",
+        response_model=Health,
+        response_model_exclude_none=True,  # mqtt_error only when there is one
+        summary="Liveness: database reachable, MQTT connected (or why not: mqtt_error)",
+    )
     def healthz(rt: RuntimeDep, response: Response) -> Health:
         db_ok = rt.db_ok()
         mqtt_ok = rt.bridge.connected
         if not db_ok:
             response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-        return Health(status="ok" if db_ok and mqtt_ok else "degraded", db=db_ok, mqtt=mqtt_ok)
+        return Health(
+            status="ok" if db_ok and mqtt_ok else "degraded",
+            db=db_ok,
+            mqtt=mqtt_ok,
+            mqtt_error=None if mqtt_ok else rt.bridge.link_error,
+        )
 
     # ------------------------------------------------------------------ devices
 
@@ -199,10 +222,25 @@ def build_router() -> APIRouter:
         response_model=EnrolledDevice,
         status_code=status.HTTP_201_CREATED,
         summary="Enroll a device (idempotent: updates name/labels of an existing one); "
-        "the answer carries the artifact public key the device's agent must be given",
+        "the answer carries the artifact public key the device's agent must be given and, when the "
+        "controller manages broker credentials, the device's MQTT password (shown once; enrolling "
+        "again issues a new one)",
+        responses={503: {"description": "the broker could not be given the device's credentials"}},
     )
     def enroll(body: DeviceCreate, session: SessionDep, rt: RuntimeDep) -> EnrolledDevice:
         dev = crud.enroll_device(session, device_in=body)
+        password: str | None = None
+        was_online = dev.status == "online"
+        if rt.broker_admin is not None:
+            password = generate_password()
+            crud.set_mqtt_credentials(session, device=dev, password_hash=hash_password(password))
+            try:
+                # Broker first: a refused broker leaves the database untouched (not committed).
+                rt.broker_admin.issue(dev.id, password)
+            except BrokerAdminError as exc:
+                raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, detail=str(exc)) from None
+            if was_online:
+                _cut_off(rt, dev.id)
         session.commit()
         if "labels" in body.model_fields_set and rt.twin.recompute(dev.id) is not None:
             session.refresh(dev)
@@ -211,7 +249,39 @@ def build_router() -> APIRouter:
             **public.model_dump(),
             artifact_public_key=rt.signer.public_key,
             artifact_key_id=rt.signer.key_id,
+            mqtt_username=dev.id if password is not None else None,
+            mqtt_password=password,
         )
+
+    @api.post(
+        "/devices/{device_id}/revoke",
+        response_model=RevokedDevice,
+        summary="Revoke a device's broker credentials: deleted on the broker, which disconnects the "
+        "device now and refuses it from then on; its data stays. Enrolling it again issues new ones",
+        responses={
+            404: {"description": "unknown device"},
+            409: {"description": "the controller does not manage broker credentials"},
+            503: {"description": "the broker could not be reached or refused"},
+        },
+    )
+    def revoke(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -> RevokedDevice:
+        if rt.broker_admin is None:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                detail="broker credentials are not managed by this controller "
+                "(EDGEFLEET_MQTT_BROKER_AUTH=none)",
+            )
+        dev = crud.get_device(session, device_id=device_id)
+        if dev is None:
+            raise _not_found(f"device {device_id!r} is not known")
+        try:
+            rt.broker_admin.revoke(dev.id)
+        except BrokerAdminError as exc:
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, detail=str(exc)) from None
+        revoked_at = crud.revoke_mqtt_credentials(session, device=dev)
+        session.commit()
+        _cut_off(rt, dev.id)
+        return RevokedDevice(id=dev.id, mqtt_username=dev.id, revoked_at=revoked_at)
 
     @api.get("/devices", response_model=list[DevicePublic], summary="All devices with status and stats")
     def list_devices(session: SessionDep, rt: RuntimeDep) -> list[DevicePublic]:
@@ -348,6 +418,21 @@ def build_router() -> APIRouter:
     _operation("resume", "Admit waves again; idempotent")
     _operation("cancel", "Stop: devices already active keep it, devices still applying go back; idempotent")
     _operation("rollback", "Every device it reached goes back to its previous layer; any state, idempotent")
+
+    @api.delete(
+        "/deployments/{ref}",
+        status_code=status.HTTP_204_NO_CONTENT,
+        summary="Delete a deployment: each device it applied to falls back to its next layer (a "
+        "lower-priority deployment or its direct assignment) and gets a new desired state; a rollout "
+        "still running or paused is cancelled first. The name is free again afterwards",
+        responses={404: {"description": "unknown deployment, or already deleted"}},
+    )
+    def delete_deployment(ref: NamePath, rt: RuntimeDep) -> Response:
+        try:
+            rt.rollouts.delete(ref)
+        except NotFoundError as exc:
+            raise _not_found(str(exc)) from None
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
 
     @api.get("/rollouts", response_model=list[RolloutPublic], summary="Every rollout, newest first")
     def rollouts(session: SessionDep) -> list[RolloutPublic]:

@@ -25,6 +25,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy.engine import Engine
 from starlette.websockets import WebSocketDisconnect
 
+from controller.auth import ws_subprotocol
 from controller.bridge import MqttBridge
 from controller.commands import CommandError, CommandService
 from controller.energy import device_energy, fleet_summary, load_payloads
@@ -33,7 +34,7 @@ from controller.live import LiveFilter, LiveHub, TooManyClients
 from controller.metrics import CONTENT_TYPE, ControllerMetrics
 from controller.models import Detection, Device, Event
 from controller.retention import RetentionPolicy, RetentionService
-from fleet_protocol.messages import CommandName, CommandResult, Message
+from fleet_protocol.messages import CommandName, CommandResult, Message, Severity
 
 if TYPE_CHECKING:
     from controller.app import ControllerRuntime
@@ -146,7 +147,8 @@ def build_live_router() -> APIRouter:
         min_score: Annotated[float | None, Query(ge=0.0, le=1.0)] = None,
     ) -> None:
         hub = _surfaces(ws).hub
-        await ws.accept()
+        # The token was checked by controller.auth before this point (header, subprotocol or query).
+        await ws.accept(subprotocol=ws_subprotocol(ws))
         try:
             client = hub.add(LiveFilter(device, camera, label, min_score), asyncio.get_running_loop())
         except TooManyClients as exc:
@@ -353,7 +355,10 @@ def build_live_router() -> APIRouter:
         request: Request,
         device: Annotated[str | None, Query(max_length=64, pattern=_NO_NUL)] = None,
         kind: Annotated[str | None, Query(max_length=32, pattern=_NO_NUL)] = None,
-        severity: Annotated[list[str] | None, Query(description="info, warning, error (repeatable)")] = None,
+        # An enum, not free text: a value the column cannot hold (NUL on PostgreSQL) is a 422, not a 500.
+        severity: Annotated[
+            list[Severity] | None, Query(description="info, warning, error (repeatable)")
+        ] = None,
         since: Annotated[datetime | None, Query()] = None,
         until: Annotated[datetime | None, Query(description="exclusive")] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
@@ -365,7 +370,7 @@ def build_live_router() -> APIRouter:
         if kind is not None:
             q = q.where(t.c.kind == kind)
         if severity:
-            q = q.where(t.c.severity.in_(severity))
+            q = q.where(t.c.severity.in_([s.value for s in severity]))
         if since is not None:
             q = q.where(t.c.ts >= _utc(since))
         if until is not None:

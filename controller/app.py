@@ -11,13 +11,21 @@ from contextlib import asynccontextmanager
 
 import sqlalchemy as sa
 import uvicorn
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from sqlalchemy.engine import Engine
 
 from controller.api import build_router
 from controller.api_live import Surfaces, mount_surfaces
 from controller.artifacts import ArtifactServer
+from controller.auth import (
+    TokenAuthority,
+    authorize,
+    build_token_router,
+    install_log_redaction,
+    load_or_create_admin_token,
+)
 from controller.bridge import MqttBridge, PahoTransport, Transport
+from controller.broker_auth import DynsecAdmin
 from controller.builder import VariantBuilder, VariantWorker
 from controller.db import make_engine, migrate
 from controller.ingest import IngestService
@@ -27,7 +35,7 @@ from controller.rollouts import RolloutService
 from controller.settings import ControllerSettings
 from controller.status import StatusService
 from controller.store import ArtifactStore
-from controller.twin import TwinService
+from controller.twin import ResendPolicy, TwinConverger, TwinService
 from fleet_protocol import TopicKind, Topics
 
 log = logging.getLogger(__name__)
@@ -48,12 +56,28 @@ class ControllerRuntime:
         self.settings = settings
         # First: a key that cannot be used must stop the start before anything else is opened.
         self.signer = load_or_create_signer(settings.data_dir)
+        admin_token = load_or_create_admin_token(settings.data_dir, settings.admin_token)
         self.stop_event = threading.Event()
         self.engine: Engine = make_engine(settings.resolved_database_url())
+        self.auth = TokenAuthority(self.engine, admin_token)
         if transport is None:
             client_id = settings.mqtt_client_id or f"edgefleet-controller-{uuid.uuid4().hex[:8]}"
             transport = PahoTransport(settings.mqtt_target(), client_id=client_id)
         self.bridge = MqttBridge(transport, Topics(settings.topic_prefix))
+        # Per-device broker credentials (off unless EDGEFLEET_MQTT_BROKER_AUTH=dynsec).
+        self.broker_admin: DynsecAdmin | None = None
+        if settings.mqtt_broker_auth == "dynsec":
+            admin_user, admin_password = settings.mqtt_admin()
+            self.broker_admin = DynsecAdmin(
+                settings.mqtt_target(),
+                Topics(settings.topic_prefix),
+                username=admin_user,
+                password=admin_password,
+                controller_username=settings.mqtt_target().username,
+            )
+            if isinstance(transport, PahoTransport):
+                # A role granted after the bridge subscribed (broker down at start) needs a resubscribe.
+                self.broker_admin.on_controller_access(transport.resubscribe)
         # Live view, commands, metrics, retention: fed by the ingest hook and the command results.
         self.surfaces = Surfaces(self.engine, self.bridge, settings, stop=self.stop_event)
         self.ingest = IngestService(
@@ -65,6 +89,16 @@ class ControllerRuntime:
             on_stored=self.surfaces.on_stored,
         )
         self.twin = TwinService(self.engine, self.bridge, chunk_size=settings.chunk_size, signer=self.signer)
+        self.converger = TwinConverger(
+            self.engine,
+            self.twin,
+            policy=ResendPolicy(
+                pending_after_s=settings.twin_pending_resend_s,
+                backoff_s=settings.twin_resend_backoff_s,
+                backoff_max_s=settings.twin_resend_backoff_max_s,
+            ),
+            stop=self.stop_event,
+        )
         self.rollouts = RolloutService(self.engine, self.twin, stop=self.stop_event)
         self.status = StatusService(
             self.engine,
@@ -120,7 +154,14 @@ class ControllerRuntime:
         self.variants.start()
         self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
         self.rollouts.start()
+        self.converger.start()
         self.surfaces.start(self)
+        if self.broker_admin is not None:
+            self.broker_admin.start()
+            # Before the bridge subscribes, so its first subscriptions are allowed; a broker that is
+            # down now is retried in the background (and the bridge resubscribes then).
+            if not self.broker_admin.wait_controller_access(5.0):
+                log.error("the controller's broker role is not set up yet; retrying in the background")
         self.bridge.start()
         log.info("controller started (mqtt %s)", self.settings.redacted_mqtt_url())
 
@@ -129,12 +170,15 @@ class ControllerRuntime:
             self.bridge.stop()
         except Exception:
             log.exception("stopping the MQTT bridge failed")
+        if self.broker_admin is not None:
+            self.broker_admin.stop()
         self.stop_event.set()
         self.ingest.join(STOP_TIMEOUT_S)
         self.status.join(STOP_TIMEOUT_S)
         self.artifacts.join(STOP_TIMEOUT_S)
         self.variants.join(STOP_TIMEOUT_S)
         self.rollouts.join(STOP_TIMEOUT_S)
+        self.converger.join(STOP_TIMEOUT_S)
         self.surfaces.join(STOP_TIMEOUT_S)
         self.engine.dispose()
         log.info("controller stopped")
@@ -179,8 +223,12 @@ def create_app(
         version="0.1.0",
         summary="Devices, models, desired state, detections and health of an edge inference fleet.",
         lifespan=lifespan,
+        # One guard for every route of every router, present and future: the role each needs comes
+        # from its method and path (controller/auth.py), so no route can forget it.
+        dependencies=[Depends(authorize)],
     )
     app.include_router(build_router())
+    app.include_router(build_token_router())
     mount_surfaces(app)
     return app
 
@@ -198,6 +246,8 @@ def run_controller(settings: ControllerSettings) -> None:
         log_level=settings.log_level.lower(),
         lifespan="on",
     )
+    # After uvicorn.Config, which (re)configures its loggers.
+    install_log_redaction()
     server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; the no-op
     # SIGTERM handler and the KeyboardInterrupt catch turn that into a normal return for the CLI.

@@ -8,6 +8,8 @@ disk or on a lock held by an API request.
 from __future__ import annotations
 
 import logging
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from pydantic import BaseModel
 from controller.settings import MqttTarget
 from fleet_protocol import ProtocolError, TopicKind, Topics, decode, encode
 from fleet_protocol.messages import Message
+from fleet_protocol.mqtt_tls import describe_connect_error
 from fleet_protocol.topics import SPECS
 
 log = logging.getLogger(__name__)
@@ -130,7 +133,8 @@ class PahoTransport:
             password = target.password.get_secret_value() if target.password else None
             self._client.username_pw_set(target.username, password)
         if target.tls:
-            self._client.tls_set()
+            # No ca_file: the system's CAs. Hostname checking stays on (paho's default).
+            self._client.tls_set(ca_certs=target.ca_file, certfile=target.cert_file, keyfile=target.key_file)
         self._client.reconnect_delay_set(min_delay=1, max_delay=30)
         # paho's default of 20 unacknowledged QoS 1 messages is shared by every device: with chunked
         # model pushes to many devices at once it, not the link, would set the pace.
@@ -139,12 +143,19 @@ class PahoTransport:
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._client.on_socket_open = _no_delay
+        self._client.on_connect_fail = self._on_connect_fail
+        self._client.on_subscribe = self._on_subscribe
         self._subs: list[tuple[str, int]] = []
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._on_message_cb: MessageCallback | None = None
         self._on_connect_cb: ConnectCallback | None = None
         self.refused: str | None = None  # reason, once the broker refused us for good
+        # Why the link is not (fully) up: a failed connect (TLS, refused) or a refused subscription.
+        # Shown by /healthz; cleared by the next good CONNACK / SUBACK.
+        self.last_error: str | None = None
+        self._error_log = RateLimitedLog(log, interval_s=60.0)
         self._stopping = False
 
     @property
@@ -173,6 +184,13 @@ class PahoTransport:
         if self.connected and topics:
             self._client.subscribe(topics)
 
+    def resubscribe(self) -> None:
+        """Subscribe again to everything (after the broker's ACL for us changed)."""
+        with self._lock:
+            subs = list(self._subs)
+        if self.connected and subs:
+            self._client.subscribe(subs)
+
     def publish(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
         # QoS 1/2 messages stay queued in paho while disconnected; only a QoS 0 one is lost here.
@@ -200,6 +218,7 @@ class PahoTransport:
                 log.warning("MQTT broker refused the connection (%s); retrying", reason_code)
             return
         log.info("connected to MQTT broker %s:%s", self._target.host, self._target.port)
+        self.last_error = None
         with self._lock:
             subs = list(self._subs)
         if subs:
@@ -210,6 +229,26 @@ class PahoTransport:
                 self._on_connect_cb()
             except Exception:
                 log.exception("on_connect handler failed")
+
+    def _on_connect_fail(self, _client: mqtt.Client, _userdata: Any) -> None:
+        # paho calls this from inside its ``except OSError`` around the connect, without the
+        # exception: sys.exc_info() is how to say *why* (a TLS verify failure above all).
+        self.last_error = describe_connect_error(
+            sys.exc_info()[1], f"MQTT broker {self._target.host}:{self._target.port}"
+        )
+        self._error_log.warning("connect", "%s; retrying with backoff", self.last_error)
+
+    def _on_subscribe(
+        self, _client: mqtt.Client, _userdata: Any, _mid: int, reason_codes: list[ReasonCode], _props: Any
+    ) -> None:
+        if any(rc.is_failure for rc in reason_codes):
+            self.last_error = (
+                "the broker refused a subscription: the controller's MQTT user lacks read access to the "
+                "device topics (ACL)"
+            )
+            log.error("%s", self.last_error)
+        elif self.last_error is not None and "subscription" in self.last_error:
+            self.last_error = None
 
     def _on_disconnect(
         self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason_code: ReasonCode, _props: Any
@@ -239,6 +278,12 @@ class MqttBridge:
     @property
     def connected(self) -> bool:
         return self.transport.connected
+
+    @property
+    def link_error(self) -> str | None:
+        """Why the broker link is down or partial, where the transport can tell (fakes cannot)."""
+        error = getattr(self.transport, "last_error", None) or getattr(self.transport, "refused", None)
+        return str(error) if error else None
 
     def on(self, kind: TopicKind, handler: Handler) -> None:
         """Route decoded messages of ``kind`` to ``handler``."""
@@ -305,3 +350,11 @@ class MqttBridge:
         except Exception:
             self.counters.add(kind_name, "error")
             log.exception("unexpected error handling a message on %r", topic[:200])
+
+
+def _no_delay(_client: mqtt.Client, _userdata: object, sock: object) -> None:
+    """TCP_NODELAY on the broker connection (paho leaves Nagle on): otherwise a small publish (a chunk
+    request, an ack, a desired state) waits for the ACK of the previous small one, which the peer
+    delays by up to 40 ms; measured in bench/transfer.py."""
+    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # TLS sockets too; not unix sockets

@@ -6,6 +6,7 @@ the agent, this entry point only dispatches to it.
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import logging
 import os
@@ -20,6 +21,25 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+# --token of this invocation (typer vendors its own click, so its context is not reachable from helpers).
+_cli_token: contextvars.ContextVar[str | None] = contextvars.ContextVar("edgefleet_cli_token", default=None)
+
+
+@app.callback()
+def _root(
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            envvar="EDGEFLEET_TOKEN",
+            help="API token for the operator commands (EDGEFLEET_TOKEN; default: <data dir>/admin.token "
+            "when readable, for use on the controller's machine)",
+        ),
+    ] = None,
+) -> None:
+    _cli_token.set(token)
 
 
 def _setup_logging(level: str) -> None:
@@ -57,7 +77,12 @@ def controller(
     try:
         settings = ControllerSettings(**overrides)
     except ValidationError as exc:
-        typer.echo(f"invalid controller settings:\n{exc}", err=True)
+        # Field and message only: pydantic's own text repeats the input, which may hold secrets.
+        lines = [
+            f"  {'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False)
+        ]
+        typer.echo("invalid controller settings:\n" + "\n".join(lines), err=True)
         raise typer.Exit(2) from None
     if validate_config:
         typer.echo("controller settings OK")
@@ -111,7 +136,35 @@ def _api_error(resp: Any) -> None:
     except ValueError:
         detail = resp.text
     typer.echo(f"error: HTTP {resp.status_code}: {detail}", err=True)
+    if resp.status_code == 401:
+        typer.echo(
+            "give an API token: edgefleet --token TOKEN …, or EDGEFLEET_TOKEN "
+            "(an admin makes one with `edgefleet tokens create`)",
+            err=True,
+        )
     raise typer.Exit(1)
+
+
+def _api_token() -> str | None:
+    """--token / EDGEFLEET_TOKEN, else the controller's own admin token file when it is readable here."""
+    if token := _cli_token.get():
+        return token
+    if env := os.environ.get("EDGEFLEET_TOKEN"):
+        return env
+    path = Path(os.environ.get("EDGEFLEET_DATA_DIR") or "data") / "admin.token"
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _http(api: str, timeout: float) -> Any:
+    """An httpx client for the controller at ``api`` that sends the API token."""
+    import httpx
+
+    token = _api_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=api, timeout=timeout, headers=headers)
 
 
 @models_app.command("push")
@@ -129,7 +182,6 @@ def models_push(
     """Upload a model; the controller validates it and builds optimized variants."""
     import time
 
-    import httpx
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -159,7 +211,7 @@ def models_push(
                 progress.advance(task, len(chunk))
                 return chunk
 
-        with file.open("rb") as fh, httpx.Client(base_url=api, timeout=600) as client:
+        with file.open("rb") as fh, _http(api, 600) as client:
             resp = client.post(
                 "/api/v1/models",
                 data=data,
@@ -175,7 +227,7 @@ def models_push(
             return
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()) as progress:
         builds = progress.add_task("building variants", total=100)
-        with httpx.Client(base_url=api, timeout=30) as client:
+        with _http(api, 30) as client:
             while True:
                 r = client.get(f"/api/v1/models/{name}/versions/{version}")
                 if r.status_code >= 400:
@@ -227,11 +279,10 @@ def _print_version(info: dict[str, Any]) -> None:
 @models_app.command("ls")
 def models_ls(api: ApiOption = DEFAULT_API) -> None:
     """List model versions."""
-    import httpx
     from rich.console import Console
     from rich.table import Table
 
-    with httpx.Client(base_url=api, timeout=30) as client:
+    with _http(api, 30) as client:
         resp = client.get("/api/v1/models")
     if resp.status_code >= 400:
         _api_error(resp)
@@ -255,13 +306,11 @@ def models_show(
     ref: Annotated[str, typer.Argument(help="NAME:VERSION")], api: ApiOption = DEFAULT_API
 ) -> None:
     """Show one model version with its variants and their figures."""
-    import httpx
-
     name, sep, version = ref.partition(":")
     if not sep or not name or not version:
         typer.echo("error: give the model as NAME:VERSION", err=True)
         raise typer.Exit(2)
-    with httpx.Client(base_url=api, timeout=30) as client:
+    with _http(api, 30) as client:
         resp = client.get(f"/api/v1/models/{name}/versions/{version}")
     if resp.status_code >= 400:
         _api_error(resp)
@@ -288,13 +337,11 @@ app.add_typer(rollouts_app, name="rollouts")
 
 
 def _request(api: str, method: str, path: str, **kw: Any) -> Any:
-    import httpx
-
-    with httpx.Client(base_url=api, timeout=30) as client:
+    with _http(api, 30) as client:
         resp = client.request(method, path, **kw)
     if resp.status_code >= 400:
         _api_error(resp)
-    return resp.json()
+    return resp.json() if resp.content else None
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -424,7 +471,9 @@ def _print_rollout(dep: dict[str, Any]) -> None:
         f"progress {ro['progress']}" + (f"\nreason: {ro['reason']}" if ro.get("reason") else "")
     )
     if ro.get("gates"):
-        gates = Table("wave", "verdict", "failed", "FPS ratio min", "latency ms max", "reason")
+        gates = Table(
+            "wave", "verdict", "failed", "FPS ratio min", "latency ms max", "latency ratio max", "reason"
+        )
         for g in ro["gates"]:
             gates.add_row(
                 str(g["wave"]),
@@ -432,6 +481,7 @@ def _print_rollout(dep: dict[str, Any]) -> None:
                 f"{len(g.get('failed') or [])}/{g.get('size')}",
                 "-" if g.get("fps_ratio_min") is None else f"{g['fps_ratio_min']:.2f}",
                 "-" if g.get("latency_ms_max") is None else f"{g['latency_ms_max']:.1f}",
+                "-" if g.get("latency_ratio_max") is None else f"{g['latency_ratio_max']:.1f}x",
                 g.get("reason") or "",
             )
         console.print(gates)
@@ -469,6 +519,9 @@ def deploy(
     max_failure_ratio: Annotated[float, typer.Option(help="allowed failed share of a wave")] = 0.0,
     min_fps_ratio: Annotated[float, typer.Option(help="FPS after / FPS before, at least")] = 0.5,
     max_latency_ms: Annotated[float | None, typer.Option(help="inference latency bound")] = None,
+    max_latency_ratio: Annotated[
+        float | None, typer.Option(help="inference latency after / before, at most")
+    ] = None,
     step_timeout: Annotated[float, typer.Option(help="seconds a device may take to activate")] = 300.0,
     offline_timeout: Annotated[float, typer.Option(help="seconds offline before it counts as failed")] = 60.0,
     follow: Annotated[bool, typer.Option(help="show live progress until the rollout finishes")] = True,
@@ -493,6 +546,7 @@ def deploy(
             "max_failure_ratio": max_failure_ratio,
             "min_fps_ratio": min_fps_ratio,
             "max_latency_ms": max_latency_ms,
+            "max_latency_ratio": max_latency_ratio,
             "step_timeout_s": step_timeout,
             "offline_timeout_s": offline_timeout,
         },
@@ -568,3 +622,96 @@ _operation("pause", "Stop admitting new waves; checks of the current wave go on.
 _operation("resume", "Admit waves again.")
 _operation("cancel", "Stop: active devices keep it, devices still applying go back.")
 _operation("rollback", "Every device the deployment reached goes back to its previous layer.")
+
+
+deployments_app = typer.Typer(help="Deployments: ls, delete.", no_args_is_help=True)
+app.add_typer(deployments_app, name="deployments")
+
+
+@deployments_app.command("ls")
+def deployments_ls(api: ApiOption = DEFAULT_API) -> None:
+    """List deployments with their layer (selector, priority) and their rollout's state."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("name", "id", "model", "selector", "priority", "state", "rollout")
+    for d in _request(api, "GET", "/api/v1/deployments"):
+        table.add_row(
+            d["name"],
+            str(d["id"]),
+            f"{d['model']}:{d['version']}",
+            d["selector"] or "(all)",
+            str(d["priority"]),
+            d["state"],
+            (d.get("rollout") or {}).get("state") or "-",
+        )
+    Console().print(table)
+
+
+@deployments_app.command("delete")
+def deployments_delete(
+    deployment: Annotated[str, typer.Argument(help="deployment name or id")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask")] = False,
+    api: ApiOption = DEFAULT_API,
+) -> None:
+    """Delete a deployment: its devices fall back to their next layer (a lower-priority deployment or
+    the direct assignment); a rollout still running is cancelled first."""
+    dep = _request(api, "GET", f"/api/v1/deployments/{deployment}")
+    if not yes:
+        typer.confirm(
+            f"delete {dep['name']} ({dep['model']}:{dep['version']}, select '{dep['selector']}')? "
+            "its devices fall back to their next layer",
+            abort=True,
+        )
+    _request(api, "DELETE", f"/api/v1/deployments/{dep['id']}")
+    typer.echo(f"deployment {dep['name']} (#{dep['id']}) deleted; its devices fall back to their next layer")
+
+
+# --------------------------------------------------------------------------- API tokens
+
+tokens_app = typer.Typer(help="API tokens (admin): create, ls, revoke.", no_args_is_help=True)
+app.add_typer(tokens_app, name="tokens")
+
+
+@tokens_app.command("create")
+def tokens_create(
+    name: Annotated[str, typer.Option(help="who or what uses it, e.g. 'prometheus' or 'tech-anna'")],
+    role: Annotated[str, typer.Option(help="viewer (read only), operator (change the fleet) or admin")],
+    api: ApiOption = DEFAULT_API,
+) -> None:
+    """Make a token and print it once (only its hash is kept: it cannot be shown again)."""
+    t = _request(api, "POST", "/api/v1/tokens", json={"name": name, "role": role})
+    typer.echo(f"token #{t['id']} '{t['name']}' ({t['role']}); shown this once, keep it now:", err=True)
+    typer.echo(t["token"])
+
+
+@tokens_app.command("ls")
+def tokens_ls(api: ApiOption = DEFAULT_API) -> None:
+    """List tokens: id, name, role, first characters, last use, revocation (never the tokens)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def short(ts: str | None) -> str:
+        return ts[:19].replace("T", " ") if ts else "-"
+
+    table = Table("id", "name", "role", "prefix", "created", "last used", "revoked")
+    for t in _request(api, "GET", "/api/v1/tokens"):
+        table.add_row(
+            str(t["id"]),
+            t["name"],
+            t["role"],
+            f"{t['prefix']}…",
+            short(t["created_at"]),
+            short(t.get("last_used_at")),
+            short(t.get("revoked_at")),
+        )
+    Console().print(table)
+
+
+@tokens_app.command("revoke")
+def tokens_revoke(
+    token_id: Annotated[int, typer.Argument(help="the token's id (tokens ls)")], api: ApiOption = DEFAULT_API
+) -> None:
+    """Revoke a token: requests with it are refused (401) from now on."""
+    _request(api, "DELETE", f"/api/v1/tokens/{token_id}")
+    typer.echo(f"token #{token_id} revoked")

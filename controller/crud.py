@@ -63,6 +63,25 @@ def enroll_device(session: Session, *, device_in: DeviceCreate) -> Device:
     return device
 
 
+def set_mqtt_credentials(session: Session, *, device: Device, password_hash: str) -> None:
+    """Record a newly issued broker password (its hash only); it replaces any earlier one."""
+    device.mqtt_password_hash = password_hash
+    device.mqtt_issued_at = utcnow()
+    device.mqtt_revoked_at = None
+    session.add(device)
+    session.flush()
+
+
+def revoke_mqtt_credentials(session: Session, *, device: Device) -> datetime:
+    """Forget the device's broker password; returns when it was revoked."""
+    now = utcnow()
+    device.mqtt_password_hash = None
+    device.mqtt_revoked_at = now
+    session.add(device)
+    session.flush()
+    return now
+
+
 def ensure_devices(session: Session, *, device_ids: Iterable[str]) -> None:
     """Register devices not seen before (``enrolled = false``) so nothing they send is orphaned."""
     now = utcnow()

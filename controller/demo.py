@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -208,7 +209,11 @@ def run_demo(
             broker.start()
             mqtt_url = broker.url
         api_url = f"http://127.0.0.1:{port}"
+        # The demo's own admin token (or the caller's): the demo drives the API with it, and the
+        # dashboard link carries it in the fragment, which browsers never send to the server.
+        token = os.environ.get("EDGEFLEET_ADMIN_TOKEN") or secrets.token_urlsafe(32)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("EDGEFLEET_ADMIN_TOKEN", None)  # the agents have no use for it
         ctrl_env = {
             **env,
             "EDGEFLEET_DATA_DIR": str(data_dir / "controller"),
@@ -216,6 +221,7 @@ def run_demo(
             "EDGEFLEET_API_HOST": "127.0.0.1",
             "EDGEFLEET_API_PORT": str(port),
             "EDGEFLEET_HEARTBEAT_TIMEOUT_S": "10",
+            "EDGEFLEET_ADMIN_TOKEN": token,
             # Building FP16/INT8 variants takes minutes of CPU; on a small demo machine the agents
             # need it more. `edgefleet models push` builds them for uploads.
             "EDGEFLEET_BUILD_VARIANTS_ON_START": os.environ.get("EDGEFLEET_BUILD_VARIANTS_ON_START", "false"),
@@ -228,10 +234,16 @@ def run_demo(
         )
         console.print(f"[bold]edgefleet demo[/]  data: {data_dir}  broker: {mqtt_url}")
         console.print(
-            f"[bold]Dashboard: {api_url}/[/]   API: {api_url}/api/v1   OpenAPI docs: {api_url}/docs"
+            f"[bold]Dashboard: {api_url}/#token={token}[/]   API: {api_url}/api/v1   "
+            f"OpenAPI docs: {api_url}/docs"
         )
-        console.print(f"logs: {data_dir}/*.log   metrics: {api_url}/metrics")
-        with httpx.Client(base_url=api_url, timeout=5.0) as client:
+        console.print(
+            f"admin API token: {token} (send it as 'Authorization: Bearer …')   "
+            f"logs: {data_dir}/*.log   metrics: {api_url}/metrics"
+        )
+        with httpx.Client(
+            base_url=api_url, timeout=5.0, headers={"Authorization": f"Bearer {token}"}
+        ) as client:
             _wait_healthy(client, procs, stop)
             keys = _setup_fleet(client)
             for device_id, _model in DEVICES:

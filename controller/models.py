@@ -65,6 +65,22 @@ class DeviceCreate(DeviceBase):
             raise ValueError("device id must match ^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
         return v
 
+    @field_validator("name")
+    @classmethod
+    def _no_nul(cls, v: str | None) -> str | None:
+        # PostgreSQL text cannot hold NUL: a 422 here instead of a 500 at the insert.
+        if v is not None and "\x00" in v:
+            raise ValueError("name must not contain NUL characters")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _valid_labels(cls, v: dict[str, str]) -> dict[str, str]:
+        # The same rules as PUT /labels: labels feed selectors and must be plain keys and values.
+        from controller.schemas import check_labels  # schemas imports this module
+
+        return check_labels(v)
+
 
 class Device(DeviceBase, table=True):
     __tablename__ = "device"
@@ -88,6 +104,10 @@ class Device(DeviceBase, table=True):
     assignments: dict[str, Any] | None = Field(default=None, sa_type=JSON)
     # Per camera: the direct assignment (the lowest layer, below every deployment).
     direct: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    # Broker credentials (controller/broker_auth.py): only a hash of the password, never the password.
+    mqtt_password_hash: str | None = Field(default=None, max_length=200)
+    mqtt_issued_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    mqtt_revoked_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
 
 
 # --------------------------------------------------------------------------- health
@@ -315,3 +335,23 @@ class RolloutDevice(SQLModel, table=True):
     admitted_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
     settled_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
     reason: str | None = None
+
+
+# --------------------------------------------------------------------------- API tokens
+
+
+class ApiToken(SQLModel, table=True):
+    """A bearer token for the REST API. Only its sha256 is kept: the token itself is shown once, when made."""
+
+    __tablename__ = "api_token"
+    __table_args__ = (sa.UniqueConstraint("token_hash", name="uq_api_token_hash"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=64)
+    role: str = Field(max_length=16)  # viewer | operator | admin
+    # The token's first characters, not secret: shown to tell tokens apart, and the lookup key.
+    prefix: str = Field(max_length=16, index=True)
+    token_hash: str = Field(max_length=64)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    last_used_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    revoked_at: datetime | None = Field(default=None, sa_type=UtcDateTime)

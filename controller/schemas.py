@@ -90,7 +90,11 @@ class DevicePublic(BaseModel):
     last_seen: datetime | None
     agent_version: str | None
     capabilities: dict[str, Any] | None
-    cameras: list[CameraStats] = Field(description="per camera, from the last heartbeat")
+    cameras: list[CameraStats] = Field(
+        description="per camera, from the last heartbeat: FPS and the model's inference latency, median "
+        "(inference_ms) and p99 (inference_p99_ms; null from agents that do not report it), both over the "
+        "model running now only"
+    )
     models: dict[str, CameraReported] = Field(description="what each camera runs, from the reported state")
     assignments: dict[str, CameraAssignment] = Field(
         default_factory=dict,
@@ -165,6 +169,24 @@ class EnrolledDevice(DevicePublic):
         "artifact_public_key (or EDGEFLEET_ARTIFACT_PUBLIC_KEY)"
     )
     artifact_key_id: str = Field(description="first 16 hex digits of the sha256 of the public key")
+    mqtt_username: str | None = Field(
+        default=None,
+        description="the device's own broker user (= its id); null when the controller does not manage "
+        "broker credentials (EDGEFLEET_MQTT_BROKER_AUTH=none)",
+    )
+    mqtt_password: str | None = Field(
+        default=None,
+        description="the device's broker password, shown in this answer only (the controller keeps a hash); "
+        "enrolling again issues a new one and disconnects the old",
+    )
+
+
+class RevokedDevice(BaseModel):
+    """The answer to revoking a device's broker credentials."""
+
+    id: str
+    mqtt_username: str
+    revoked_at: datetime
 
 
 class ArtifactKey(BaseModel):
@@ -225,6 +247,9 @@ class Health(BaseModel):
     status: Literal["ok", "degraded"]
     db: bool
     mqtt: bool
+    mqtt_error: str | None = Field(
+        default=None, description="why the broker link is down or partial (TLS, refused, ACL), if known"
+    )
 
 
 # --------------------------------------------------------------------------- deployments / rollouts
@@ -266,10 +291,13 @@ class DeploymentCamera(BaseModel):
 class DeploymentCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    model: str = Field(max_length=64)
-    version: str = Field(max_length=64)
+    # Names as the registry has them: no path separators or NUL (they reach queries and file paths).
+    model: Name = Field(description="registered model name")
+    version: Name = Field(description="registered model version")
     variant: VariantChoice = "auto"
-    selector: str = Field(default="", max_length=2000, description="label selector; empty matches all")
+    selector: str = Field(
+        default="", max_length=2000, pattern=r"^[^\x00]*$", description="label selector; empty matches all"
+    )
     cameras: list[DeploymentCamera] = Field(default_factory=lambda: [DeploymentCamera()])
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     waves: list[int | str] | None = Field(default=None, description="default [1, '10%', '50%', '100%']")
@@ -285,7 +313,9 @@ class RolloutDevicePublic(BaseModel):
     reported_version: int | None
     progress_pct: float | None = Field(description="artifact transfer progress while applying")
     baseline_fps: float | None
-    baseline_latency_ms: float | None
+    baseline_latency_ms: float | None = Field(
+        description="inference latency before the rollout: p99 where the agent reports it, else the median"
+    )
     admitted_at: datetime | None
     settled_at: datetime | None
     reason: str | None
@@ -321,3 +351,33 @@ class DeploymentPublic(BaseModel):
     state: str
     created_at: datetime
     rollout: RolloutPublic | None
+
+
+# --------------------------------------------------------------------------- API tokens
+
+TokenRole = Literal["viewer", "operator", "admin"]
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.@-]*$", description="who uses it"
+    )
+    role: TokenRole = Field(description="viewer (read only), operator (change the fleet) or admin")
+
+
+class TokenPublic(BaseModel):
+    """A token as listed: never the token itself, only its first characters."""
+
+    id: int
+    name: str
+    role: TokenRole
+    prefix: str = Field(description="the token's first characters, to tell tokens apart")
+    created_at: datetime
+    last_used_at: datetime | None = Field(description="to the minute")
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenPublic):
+    token: str = Field(description="the bearer token: shown in this answer only, keep it now")

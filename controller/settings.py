@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleet_protocol import DEFAULT_PREFIX, Topics
+from fleet_protocol.mqtt_tls import check_tls_files
 
 
 def _default_models_dir() -> Path:
@@ -28,6 +29,10 @@ class MqttTarget:
     tls: bool
     username: str | None
     password: SecretStr | None
+    # TLS trust and client certificate (PEM paths); TLS is on with mqtts:// or when ca_file is set.
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
 
 
 class ControllerSettings(BaseSettings):
@@ -39,6 +44,17 @@ class ControllerSettings(BaseSettings):
     mqtt_url: SecretStr = SecretStr("mqtt://127.0.0.1:1883")
     # Overrides a password in mqtt_url, so production can keep the URL in config and the secret in env.
     mqtt_password: SecretStr | None = None
+    # TLS: a CA (PEM) to trust instead of the system's (implies TLS even with mqtt://), and an optional
+    # client certificate + key for brokers that require one.
+    mqtt_ca_file: Path | None = None
+    mqtt_cert_file: Path | None = None
+    mqtt_key_file: Path | None = None
+    # Per-device broker credentials (controller/broker_auth.py): "dynsec" administers Mosquitto's
+    # dynamic-security plugin; "none" leaves the broker alone (a plain dev broker).
+    mqtt_broker_auth: Literal["none", "dynsec"] = "none"
+    # The dynsec admin user; default the user and password the controller connects with.
+    mqtt_admin_username: str | None = None
+    mqtt_admin_password: SecretStr | None = None
     # None: a unique id per process, so a second controller never kicks the first off the broker.
     mqtt_client_id: str | None = None
     topic_prefix: str = DEFAULT_PREFIX
@@ -46,6 +62,12 @@ class ControllerSettings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=0, le=65535)
     heartbeat_timeout_s: float = Field(default=15.0, gt=0)
+    # Twin convergence (controller/twin.py ResendPolicy): a drifted device gets its desired state
+    # again at once, one still on an older version after twin_pending_resend_s; then backoff doubling
+    # from twin_resend_backoff_s up to twin_resend_backoff_max_s per device.
+    twin_pending_resend_s: float = Field(default=60.0, gt=0)
+    twin_resend_backoff_s: float = Field(default=10.0, gt=0)
+    twin_resend_backoff_max_s: float = Field(default=600.0, gt=0)
     ingest_queue_max: int = Field(default=10000, ge=1)
     ingest_batch_max: int = Field(default=500, ge=1)
     status_queue_max: int = Field(default=10000, ge=1)
@@ -74,12 +96,21 @@ class ControllerSettings(BaseSettings):
     retention_health_days: float = Field(default=30.0, gt=0)
     retention_interval_s: float = Field(default=300.0, gt=0)
     environment: Literal["development", "production"] = "development"
+    # The bootstrap admin API token. Unset: made on first start in data_dir/admin.token (mode 0600);
+    # production refuses to start without a strong one (controller/auth.py).
+    admin_token: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, v: object) -> object:
         return v.upper() if isinstance(v, str) else v
+
+    @field_validator("admin_token")
+    @classmethod
+    def _blank_token_is_unset(cls, v: SecretStr | None) -> SecretStr | None:
+        # EDGEFLEET_ADMIN_TOKEN= (empty) must not become an admin token nobody can present.
+        return v if v is not None and v.get_secret_value().strip() else None
 
     @field_validator("topic_prefix")
     @classmethod
@@ -93,6 +124,17 @@ class ControllerSettings(BaseSettings):
         _parse_mqtt_url(v.get_secret_value())
         return v
 
+    @model_validator(mode="after")
+    def _mqtt_tls_ok(self) -> ControllerSettings:
+        check_tls_files(self.mqtt_ca_file, self.mqtt_cert_file, self.mqtt_key_file)
+        admin = self.mqtt_admin_username or self.mqtt_target().username
+        if self.mqtt_broker_auth == "dynsec" and not admin:
+            raise ValueError(
+                "mqtt_broker_auth 'dynsec' needs the broker's dynsec admin user: set "
+                "mqtt_admin_username/mqtt_admin_password, or a user in mqtt_url"
+            )
+        return self
+
     @field_validator("database_url")
     @classmethod
     def _db_url_ok(cls, v: SecretStr | None) -> SecretStr | None:
@@ -103,11 +145,43 @@ class ControllerSettings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _production_needs_explicit_db(self) -> ControllerSettings:
+    def _production_secrets(self) -> ControllerSettings:
+        # Names only in the message, never the values: it is printed and may be logged.
+        if self.environment != "production":
+            return self
+        problems: list[str] = []
         # A production controller silently writing to ./data/edgefleet.db would lose the fleet's
         # truth on the next container rebuild.
-        if self.environment == "production" and self.database_url is None:
-            raise ValueError("database_url must be set explicitly when environment is 'production'")
+        if self.database_url is None:
+            problems.append("database_url must be set explicitly")
+        if self.admin_token is None:
+            problems.append(
+                "admin_token (EDGEFLEET_ADMIN_TOKEN) is not set; make one with "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        elif reason := _weak_secret(self.admin_token.get_secret_value(), min_len=32):
+            problems.append(f"admin_token (EDGEFLEET_ADMIN_TOKEN) {reason}")
+        target = self.mqtt_target()
+        if target.cert_file is None:  # a client certificate authenticates without a password
+            if not target.username:
+                problems.append("mqtt_url has no user: the broker must not accept anonymous clients")
+            if target.password is None or not target.password.get_secret_value():
+                problems.append("the MQTT password (in mqtt_url or EDGEFLEET_MQTT_PASSWORD) is empty")
+            elif reason := _weak_secret(target.password.get_secret_value(), min_len=12):
+                problems.append(f"the MQTT password {reason}")
+        if self.mqtt_admin_password is not None and (
+            reason := _weak_secret(self.mqtt_admin_password.get_secret_value(), min_len=12)
+        ):
+            problems.append(f"mqtt_admin_password {reason}")
+        if self.database_url is not None:
+            db_password = urlsplit(self.database_url.get_secret_value()).password
+            if db_password is not None and (reason := _weak_secret(unquote(db_password), min_len=12)):
+                problems.append(f"the password in database_url {reason}")
+        if problems:
+            raise ValueError(
+                "environment 'production' refuses missing or default settings:"
+                + "".join(f"\n    - {p}" for p in problems)
+            )
         return self
 
     def resolved_database_url(self) -> str:
@@ -126,13 +200,53 @@ class ControllerSettings(BaseSettings):
     def mqtt_target(self) -> MqttTarget:
         target = _parse_mqtt_url(self.mqtt_url.get_secret_value())
         if self.mqtt_password is not None:
-            target = MqttTarget(target.host, target.port, target.tls, target.username, self.mqtt_password)
+            target = replace(target, password=self.mqtt_password)
+        if self.mqtt_ca_file is not None or self.mqtt_cert_file is not None:
+            target = replace(
+                target,
+                tls=True,
+                ca_file=str(self.mqtt_ca_file) if self.mqtt_ca_file else None,
+                cert_file=str(self.mqtt_cert_file) if self.mqtt_cert_file else None,
+                key_file=str(self.mqtt_key_file) if self.mqtt_key_file else None,
+            )
         return target
+
+    def mqtt_admin(self) -> tuple[str, SecretStr | None]:
+        """The dynsec admin user and password (default: those the controller connects with)."""
+        target = self.mqtt_target()
+        username = self.mqtt_admin_username or target.username
+        if username is None:
+            raise ValueError("no broker admin user configured")
+        password = self.mqtt_admin_password
+        if password is None and self.mqtt_admin_username in (None, target.username):
+            password = target.password
+        return username, password
 
     def redacted_mqtt_url(self) -> str:
         t = self.mqtt_target()
         user = f"{t.username}:***@" if t.username else ""
         return f"{'mqtts' if t.tls else 'mqtt'}://{user}{t.host}:{t.port}"
+
+
+# Passwords shipped as defaults by brokers, databases, images and tutorials.
+KNOWN_DEFAULT_SECRETS = frozenset(
+    {
+        "admin", "changeme", "change-me", "changeit", "default", "edgefleet", "guest", "letmein",
+        "mosquitto", "mqtt", "pass", "passw0rd", "password", "postgres", "public", "root", "secret",
+        "test", "token",
+    }
+)  # fmt: skip
+
+
+def _weak_secret(value: str, *, min_len: int) -> str | None:
+    """Why ``value`` is not fit for production, or None."""
+    if value.strip().lower() in KNOWN_DEFAULT_SECRETS:
+        return "is a well-known default"
+    if len(value) < min_len:
+        return f"is shorter than {min_len} characters"
+    if len(set(value)) < 8:
+        return "has too few distinct characters"
+    return None
 
 
 def _parse_mqtt_url(url: str) -> MqttTarget:

@@ -1,7 +1,8 @@
 """Agent configuration: a validated model loaded from YAML that rejects unknown keys.
 
-Secrets: the MQTT password may sit in the URL, but ``EDGEFLEET_MQTT_PASSWORD`` in the environment
-overrides it, so production configs can leave it out of files.
+Secrets: the MQTT password may sit in the URL or in ``mqtt_password_file`` (which wins over the URL);
+``EDGEFLEET_MQTT_PASSWORD`` in the environment overrides both, so production configs can leave it out
+of files.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from fleet_protocol.mqtt_tls import check_tls_files
 from fleet_protocol.signing import SignatureError, load_public_key
 from fleet_protocol.topics import DEFAULT_PREFIX, valid_device_id
 
@@ -47,6 +49,10 @@ class MqttEndpoint(_Strict):
     tls: bool = False
     username: str | None = None
     password: SecretStr | None = None
+    # Not part of the URL: set from the agent's mqtt_ca_file / mqtt_cert_file / mqtt_key_file.
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
 
     @classmethod
     def parse(cls, url: str) -> MqttEndpoint:
@@ -127,6 +133,22 @@ class InferenceConfig(_Strict):
     """Bound on native engines kept; the least recently used go first."""
     trt_workspace_mb: int = Field(default=1024, ge=16)
     trt_calibration_frames: int = Field(default=32, ge=1, le=1024)
+    hang_timeout_s: float = Field(default=30.0, gt=0.0)
+    """Watchdog: an inference call that has not returned after this long is a hang; the stuck call
+    is abandoned, the model reloaded and inference restarted (reported as a ``watchdog_restart``)."""
+    max_restarts: int = Field(default=3, ge=1)
+    restart_window_s: float = Field(default=600.0, gt=0.0)
+    """At most ``max_restarts`` watchdog restarts in this window; past that the pipeline is marked
+    failed (reported, cameras ``failed``) and retried after a backoff instead of restarting in a loop."""
+    restart_backoff_min_s: float = Field(default=10.0, gt=0.0)
+    restart_backoff_max_s: float = Field(default=600.0, gt=0.0)
+    """The wait before retrying a failed pipeline: min, doubling with each failure, capped at max."""
+
+    @model_validator(mode="after")
+    def _restart_backoff_order(self) -> InferenceConfig:
+        if self.restart_backoff_max_s < self.restart_backoff_min_s:
+            raise ValueError("restart_backoff_max_s must be >= restart_backoff_min_s")
+        return self
 
 
 class OutboxConfig(_Strict):
@@ -148,6 +170,16 @@ class ArtifactConfig(_Strict):
 class AgentSettings(_Strict):
     device_id: str
     mqtt_url: MqttEndpoint = Field(default_factory=lambda: MqttEndpoint(host="127.0.0.1"))
+    mqtt_username: str | None = Field(default=None, min_length=1)
+    """The device's broker user (from enrollment: its device id); overrides a user in ``mqtt_url``."""
+    mqtt_password_file: Path | None = None
+    """A file holding the broker password (from enrollment), read at start; trailing newline ignored.
+    ``EDGEFLEET_MQTT_PASSWORD`` overrides it."""
+    mqtt_ca_file: Path | None = None
+    """PEM CA the broker's certificate must chain to (instead of the system's); implies TLS."""
+    mqtt_cert_file: Path | None = None
+    """Client certificate (PEM) for brokers that require one; with ``mqtt_key_file``."""
+    mqtt_key_file: Path | None = None
     mqtt_reconnect_min_s: float = Field(default=1.0, ge=1.0)
     mqtt_reconnect_max_s: float = Field(default=30.0, ge=1.0)
     mqtt_keepalive_s: int = Field(default=15, ge=2, le=3600)
@@ -209,6 +241,34 @@ class AgentSettings(_Strict):
                 "enrollment or GET /api/v1/keys/artifacts"
             ) from None
         return v.strip()
+
+    @model_validator(mode="after")
+    def _mqtt_auth(self) -> AgentSettings:
+        """Fold the credential and TLS keys into ``mqtt_url``, the one thing the link reads."""
+        update: dict[str, Any] = {}
+        if self.mqtt_username is not None:
+            update["username"] = self.mqtt_username
+        if self.mqtt_password_file is not None:
+            try:
+                secret = self.mqtt_password_file.read_text(encoding="utf-8").rstrip("\r\n")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(
+                    f"mqtt_password_file {self.mqtt_password_file}: cannot read: {exc}"
+                ) from None
+            if not secret:
+                raise ValueError(f"mqtt_password_file {self.mqtt_password_file} is empty")
+            update["password"] = SecretStr(secret)
+        if self.mqtt_ca_file or self.mqtt_cert_file or self.mqtt_key_file:
+            check_tls_files(self.mqtt_ca_file, self.mqtt_cert_file, self.mqtt_key_file)
+            update.update(
+                tls=True,
+                ca_file=self.mqtt_ca_file,
+                cert_file=self.mqtt_cert_file,
+                key_file=self.mqtt_key_file,
+            )
+        if update:
+            self.mqtt_url = self.mqtt_url.model_copy(update=update)
+        return self
 
     @model_validator(mode="after")
     def _unique_cameras(self) -> AgentSettings:

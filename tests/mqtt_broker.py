@@ -6,6 +6,11 @@ must be able to stop and start theirs.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -62,6 +67,7 @@ class MosquittoBroker:
             "log_type error\nlog_type warning\nlog_type notice\n" + extra_conf
         )
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tls_port: int | None = None  # set by tls_broker()
 
     @property
     def url(self) -> str:
@@ -93,3 +99,105 @@ class MosquittoBroker:
             self.proc.kill()
             self.proc.wait(timeout=5)
         self.proc = None
+
+
+# --------------------------------------------------------------------------- secured brokers
+
+DYNSEC_PLUGIN_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so",
+    "/usr/lib/aarch64-linux-gnu/mosquitto_dynamic_security.so",
+    "/usr/lib/mosquitto_dynamic_security.so",
+)
+
+
+def _keep_root_conf() -> str:
+    """Started as root, mosquitto drops to the 'mosquitto' user, which cannot read the test's private
+    temporary folder (its dynsec file, certificates); stay root there instead."""
+    return "user root\n" if os.geteuid() == 0 else ""
+
+
+def dynsec_admin_file(path: Path, username: str, password: str) -> None:
+    """A dynamic-security config with one admin client, as ``mosquitto_ctrl dynsec init`` makes it."""
+    salt = secrets.token_bytes(12)
+    iterations = 101
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
+    admin_acls = [
+        ("publishClientSend", "$CONTROL/dynamic-security/#"),
+        ("publishClientReceive", "$CONTROL/dynamic-security/#"),
+        ("subscribePattern", "$CONTROL/dynamic-security/#"),
+        ("publishClientReceive", "$SYS/#"),
+        ("subscribePattern", "$SYS/#"),
+        ("publishClientReceive", "#"),
+        ("subscribePattern", "#"),
+        ("unsubscribePattern", "#"),
+    ]
+    config = {
+        "clients": [
+            {
+                "username": username,
+                "password": base64.b64encode(digest).decode(),
+                "salt": base64.b64encode(salt).decode(),
+                "iterations": iterations,
+                "roles": [{"rolename": "admin"}],
+            }
+        ],
+        "roles": [
+            {
+                "rolename": "admin",
+                "acls": [{"acltype": t, "topic": topic, "allow": True} for t, topic in admin_acls],
+            }
+        ],
+        # Mosquitto's own defaults for a dynsec broker: nothing may be sent or subscribed unless a
+        # role allows it.
+        "defaultACLAccess": {
+            "publishClientSend": False,
+            "publishClientReceive": True,
+            "subscribe": False,
+            "unsubscribe": True,
+        },
+    }
+    path.write_text(json.dumps(config, indent=1))
+    path.chmod(0o600)
+
+
+def dynsec_broker(workdir: Path, admin_username: str, admin_password: str) -> MosquittoBroker:
+    """A mosquitto with the dynamic-security plugin, no anonymous access, and one admin client."""
+    plugin = next((p for p in DYNSEC_PLUGIN_PATHS if Path(p).exists()), None)
+    if plugin is None:
+        raise RuntimeError("mosquitto's dynamic-security plugin is missing (Debian package 'mosquitto')")
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "dynamic-security.json"
+    dynsec_admin_file(config, admin_username, admin_password)
+    return MosquittoBroker(
+        workdir,
+        extra_conf=(
+            f"allow_anonymous false\nplugin {plugin}\nplugin_opt_config_file {config}\n" + _keep_root_conf()
+        ),
+    )
+
+
+class TlsFiles:
+    """Paths of the PEM files of a TLS listener (CA, server certificate and key)."""
+
+    def __init__(self, ca: Path, cert: Path, key: Path) -> None:
+        self.ca = ca
+        self.cert = cert
+        self.key = key
+
+
+def tls_broker(workdir: Path, files: TlsFiles, *, require_certificate: bool) -> MosquittoBroker:
+    """A mosquitto with a second, TLS listener on ``broker.tls_port`` (the plain one stays for
+    readiness checks). ``require_certificate``: clients must present a certificate signed by the CA."""
+    tls_port = free_port()
+    broker = MosquittoBroker(
+        workdir,
+        extra_conf=(
+            f"listener {tls_port} 127.0.0.1\n"
+            f"cafile {files.ca}\n"
+            f"certfile {files.cert}\n"
+            f"keyfile {files.key}\n"
+            f"require_certificate {'true' if require_certificate else 'false'}\n" + _keep_root_conf()
+        ),
+    )
+    broker.tls_port = tls_port
+    return broker

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -14,6 +15,17 @@ import yaml
 
 from tests.mqtt_broker import free_port
 from tests.waiting import wait_for
+
+# The admin API token of in-process controllers (TestClient): high-entropy, made per test session.
+ADMIN_TOKEN = secrets.token_urlsafe(32)
+
+
+def bearer(token: str) -> dict[str, str]:
+    """The ``Authorization`` header for an API token."""
+    return {"Authorization": f"Bearer {token}"}
+
+
+ADMIN_HEADERS = bearer(ADMIN_TOKEN)
 
 
 class ControllerProcess:
@@ -33,8 +45,11 @@ class ControllerProcess:
             "EDGEFLEET_API_PORT": str(self.port),
             # Building variants of the bundled models takes minutes of CPU; tests opt in.
             "EDGEFLEET_BUILD_VARIANTS_ON_START": "false",
+            # Every API call needs a token; tests act as the admin unless they make other tokens.
+            "EDGEFLEET_ADMIN_TOKEN": secrets.token_urlsafe(32),
             **env,
         }
+        self.token = self.env["EDGEFLEET_ADMIN_TOKEN"]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60) -> None:
@@ -53,8 +68,9 @@ class ControllerProcess:
             raise AssertionError(f"controller exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
         return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
 
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=10)
+    def client(self, token: str | None = None) -> httpx.Client:
+        """An API client with the admin token (or ``token``)."""
+        return httpx.Client(base_url=self.url, timeout=10, headers=bearer(token or self.token))
 
     def stop(self) -> None:
         _stop(self.proc)
@@ -67,9 +83,9 @@ class ControllerProcess:
         self.proc = None
 
 
-def artifact_public_key(api_url: str) -> str:
+def artifact_public_key(api_url: str, token: str) -> str:
     """The controller's artifact public key, as an operator gets it (``GET /api/v1/keys/artifacts``)."""
-    r = httpx.get(f"{api_url}/api/v1/keys/artifacts", timeout=10)
+    r = httpx.get(f"{api_url}/api/v1/keys/artifacts", timeout=10, headers=bearer(token))
     r.raise_for_status()
     key: str = r.json()["public_key"]
     return key
@@ -117,7 +133,7 @@ class AgentProcess:
 
     def start(self) -> None:
         if "artifact_public_key" not in self.cfg and self.controller is not None:
-            self.cfg["artifact_public_key"] = artifact_public_key(self.controller.url)
+            self.cfg["artifact_public_key"] = artifact_public_key(self.controller.url, self.controller.token)
             self._write_config()
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(

@@ -2,8 +2,58 @@
 "use strict";
 
 const EF = (() => {
+  // The API token: taken once from the URL fragment (#token=…; browsers never send a fragment to the
+  // server, so it lands in no log), then kept in localStorage and sent with every request.
+  const TOKEN_KEY = "edgefleet.token";
+  let memToken = "";  // when localStorage is not available (private windows of some browsers)
+
+  function setToken(t) {
+    memToken = t;
+    try { if (t) localStorage.setItem(TOKEN_KEY, t); else localStorage.removeItem(TOKEN_KEY); } catch (_) { /* memory only */ }
+  }
+  function token() {
+    try { return localStorage.getItem(TOKEN_KEY) || memToken; } catch (_) { return memToken; }
+  }
+  (function adoptFragmentToken() {
+    const m = /(?:^#|&)token=([^&]*)/.exec(location.hash);
+    if (!m) return;
+    setToken(decodeURIComponent(m[1]));
+    // Out of the address bar, history and bookmarks.
+    history.replaceState(null, "", location.pathname + location.search);
+  })();
+
+  function tokenPrompt(detail) {
+    if (document.getElementById("token-prompt")) return;
+    const had = Boolean(token());
+    const input = el("input", { id: "token-input", type: "password", autocomplete: "off", placeholder: "API token", "aria-label": "API token" });
+    const save = el("button", { id: "token-save", type: "button" }, "Use this token");
+    const forget = had ? el("button", { id: "token-forget", type: "button", class: "secondary" }, "Forget the stored token") : null;
+    const box = el("div", { id: "token-prompt", class: "token-prompt", role: "alert" },
+      el("strong", {}, had ? "The API token of this browser was refused." : "An API token is needed."),
+      el("p", {}, `${had && detail ? detail.replace(/\.?$/, ". ") : ""}Ask an admin for a viewer token `
+        + "(edgefleet tokens create --role viewer --name YOU) and open this page as …/#token=YOUR_TOKEN, or paste it here:"),
+      el("div", { class: "token-row" }, input, save, forget));
+    save.addEventListener("click", () => { if (input.value.trim()) { setToken(input.value.trim()); location.reload(); } });
+    input.addEventListener("keydown", (e) => { if (e.key === "Enter") save.click(); });
+    if (forget) forget.addEventListener("click", () => { setToken(""); location.reload(); });
+    document.body.prepend(box);
+  }
+
+  // fetch with the token; a 401 shows the token prompt (once).
+  async function authFetch(path, opts = {}) {
+    const t = token();
+    const headers = Object.assign({}, opts.headers || {}, t ? { Authorization: `Bearer ${t}` } : {});
+    const r = await fetch(path, Object.assign({}, opts, { headers }));
+    if (r.status === 401) {
+      let detail = "";
+      try { detail = (await r.clone().json()).detail || ""; } catch (_) { /* not JSON */ }
+      tokenPrompt(typeof detail === "string" ? detail : "");
+    }
+    return r;
+  }
+
   async function api(path) {
-    const r = await fetch(path, { headers: { Accept: "application/json" } });
+    const r = await authFetch(path, { headers: { Accept: "application/json" } });
     if (!r.ok) {
       let detail = r.statusText;
       try { detail = (await r.json()).detail || detail; } catch (_) { /* not JSON */ }
@@ -137,7 +187,11 @@ const EF = (() => {
     const proto = location.protocol === "https:" ? "wss:" : "ws:";
     let ws, retry = 1000;
     function open() {
-      ws = new WebSocket(`${proto}//${location.host}/api/v1/detections/live?${qs}`);
+      // Browsers cannot set headers on a WebSocket: the token goes as a second subprotocol (base64url),
+      // next to "edgefleet", the one the controller answers with.
+      const t = token();
+      const protocols = t ? ["edgefleet", `bearer.${b64url(t)}`] : [];
+      ws = new WebSocket(`${proto}//${location.host}/api/v1/detections/live?${qs}`, protocols);
       ws.onopen = () => { retry = 1000; onState("live"); };
       ws.onmessage = (e) => { try { onMessage(JSON.parse(e.data)); } catch (_) { /* ignore */ } };
       ws.onclose = () => { onState("reconnecting"); setTimeout(open, retry); retry = Math.min(retry * 2, 15000); };
@@ -146,5 +200,11 @@ const EF = (() => {
     return () => ws && ws.close();
   }
 
-  return { api, el, num, ago, when, badge, color, barChart, lineChart, legend, liveSocket, notMeasured };
+  function b64url(text) {
+    let bin = "";
+    for (const b of new TextEncoder().encode(text)) bin += String.fromCharCode(b);
+    return btoa(bin).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+  }
+
+  return { api, authFetch, el, num, ago, when, badge, color, barChart, lineChart, legend, liveSocket, notMeasured };
 })();

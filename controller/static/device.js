@@ -26,7 +26,7 @@
     btn.disabled = true;
     box.replaceChildren(el("p", { class: "muted" }, `asking ${id} for ${camera}'s current frame…`));
     try {
-      const r = await fetch(`/api/v1/devices/${enc}/cameras/${encodeURIComponent(camera)}/snapshot?boxes=true`);
+      const r = await EF.authFetch(`/api/v1/devices/${enc}/cameras/${encodeURIComponent(camera)}/snapshot?boxes=true`);
       if (!r.ok) {
         let detail = r.statusText;
         try { detail = (await r.json()).detail; } catch (_) { /* keep status text */ }

@@ -105,7 +105,7 @@ def test_overview_lists_the_device_online_and_live_detections_arrive(
 ) -> None:
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
-        page.goto(f"{fleet.controller.url}/")
+        page.goto(f"{fleet.controller.url}/#token={fleet.controller.token}")
         row = page.locator(f'tr[data-device="{DEVICE}"]')
         row.wait_for(timeout=15_000)
         page.wait_for_selector(f'tr[data-device="{DEVICE}"][data-status="online"]', timeout=15_000)
@@ -125,7 +125,7 @@ def test_device_page_matches_the_api_and_the_snapshot_button_shows_an_image(
 ) -> None:
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
-        page.goto(f"{fleet.controller.url}/devices/{DEVICE}")
+        page.goto(f"{fleet.controller.url}/devices/{DEVICE}#token={fleet.controller.token}")
         page.wait_for_selector('#status[data-status="online"]', timeout=15_000)
         page.wait_for_selector('#cpu[data-hb-ts]:not([data-hb-ts=""])', timeout=15_000)
         # The values shown belong to one heartbeat; the same heartbeat through the API must agree.
@@ -167,7 +167,7 @@ def test_phone_viewport_has_no_horizontal_overflow(
     ctx = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True)
     page = ctx.new_page()
     try:
-        page.goto(f"{fleet.controller.url}{path}")
+        page.goto(f"{fleet.controller.url}{path}#token={fleet.controller.token}")
         if path == "/":
             page.wait_for_selector(f'tr[data-device="{DEVICE}"]', timeout=15_000)
         else:
@@ -179,6 +179,34 @@ def test_phone_viewport_has_no_horizontal_overflow(
         name = "phone-overview.png" if path == "/" else "phone-device.png"
         page.screenshot(path=str(tmp_path / name), full_page=True)
         _keep(tmp_path / name, fleet)
+    finally:
+        ctx.close()
+
+
+def test_without_a_token_the_dashboard_asks_for_one_and_keeps_it_out_of_the_url(
+    fleet: Fleet, browser: Any, tmp_path: Path
+) -> None:
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = ctx.new_page()
+    try:
+        page.goto(f"{fleet.controller.url}/")
+        prompt = page.locator("#token-prompt")
+        prompt.wait_for(timeout=15_000)
+        assert "API token is needed" in prompt.inner_text()
+        assert page.locator(f'tr[data-device="{DEVICE}"]').count() == 0
+        page.screenshot(path=str(tmp_path / "token-prompt.png"), full_page=True)
+        _keep(tmp_path / "token-prompt.png", fleet)
+        # Pasted once, kept in this browser: the page reloads and shows the fleet, live feed included.
+        page.fill("#token-input", fleet.controller.token)
+        page.click("#token-save")
+        page.wait_for_selector(f'tr[data-device="{DEVICE}"][data-status="online"]', timeout=15_000)
+        page.wait_for_selector('#feed li.det[data-label="person"]', timeout=30_000)
+        assert page.locator("#token-prompt").count() == 0
+        # A token given in the fragment replaces it and leaves the address bar at once.
+        page.goto(f"{fleet.controller.url}/devices/{DEVICE}#token=not-a-token")
+        page.locator("#token-prompt").wait_for(timeout=15_000)
+        assert "refused" in page.locator("#token-prompt").inner_text()
+        assert "#" not in page.url and "not-a-token" not in page.url
     finally:
         ctx.close()
 

@@ -20,6 +20,7 @@ from controller.app import create_app
 from controller.settings import ControllerSettings
 from fleet_protocol import TopicKind, Topics, encode
 from tests.mqtt_broker import MosquittoBroker
+from tests.processes import ADMIN_HEADERS, ADMIN_TOKEN
 from tests.waiting import wait_for
 
 MODEL_BYTES = bytes(range(256)) * 1100
@@ -119,10 +120,11 @@ def make_app(tmp_path: Path, models_dir: Path, broker: MosquittoBroker) -> Itera
                     "mqtt_url": broker.url,
                     "heartbeat_timeout_s": 30,
                     "build_variants_on_start": False,
+                    "admin_token": ADMIN_TOKEN,
                     **overrides,
                 }
             )
-            client = TestClient(create_app(settings))
+            client = TestClient(create_app(settings), headers=ADMIN_HEADERS)
             stack.enter_context(client)
             wait_for(lambda: client.get("/healthz").json()["mqtt"], timeout=10, what="controller connected")
             return client

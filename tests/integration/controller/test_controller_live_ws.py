@@ -31,7 +31,7 @@ from fleet_protocol.messages import (
     Heartbeat,
 )
 from tests.mqtt_broker import MosquittoBroker
-from tests.processes import ControllerProcess
+from tests.processes import ControllerProcess, bearer
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -90,9 +90,9 @@ def _send(pub: mqtt.Client, kind: TopicKind, msg: Any, device: str = DEVICE) -> 
 class _Reader(threading.Thread):
     """Reads a WebSocket in the background, recording (arrival time, message)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str) -> None:
         super().__init__(name="ws-reader", daemon=True)
-        self.ws = ws_connect(url, open_timeout=10)
+        self.ws = ws_connect(url, open_timeout=10, additional_headers=bearer(token))
         self.messages: list[tuple[float, dict[str, Any]]] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -118,7 +118,7 @@ class _Reader(threading.Thread):
         self.ws.close()
 
 
-def _stuck_client(url: str, path: str) -> socket.socket:
+def _stuck_client(url: str, path: str, token: str) -> socket.socket:
     """A WebSocket client that completes the handshake and then never reads again (tiny receive buffer)."""
     u = httpx.URL(url)
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -128,7 +128,8 @@ def _stuck_client(url: str, path: str) -> socket.socket:
     s.sendall(
         (
             f"GET {path} HTTP/1.1\r\nHost: {u.host}:{u.port}\r\nUpgrade: websocket\r\n"
-            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            f"Authorization: Bearer {token}\r\n\r\n"
         ).encode()
     )
     head = b""
@@ -145,9 +146,9 @@ def test_person_filter_is_live_and_a_stuck_client_never_slows_ingest(
     controller: ControllerProcess, publisher: mqtt.Client
 ) -> None:
     ws_base = controller.url.replace("http://", "ws://")
-    persons = _Reader(f"{ws_base}/api/v1/detections/live?label=person&device={DEVICE}")
+    persons = _Reader(f"{ws_base}/api/v1/detections/live?label=person&device={DEVICE}", controller.token)
     persons.start()
-    stuck = _stuck_client(controller.url, "/api/v1/detections/live")
+    stuck = _stuck_client(controller.url, "/api/v1/detections/live", controller.token)
     with controller.client() as api:
         wait_for(
             lambda: len(api.get("/api/v1/detections/live/clients").json()) == 2,

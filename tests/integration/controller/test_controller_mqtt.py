@@ -29,6 +29,7 @@ from fleet_protocol.messages import (
 )
 from tests.integration.controller.conftest import MODEL_BYTES, AppFactory, FakeAgent
 from tests.mqtt_broker import MosquittoBroker
+from tests.processes import ADMIN_HEADERS, ADMIN_TOKEN
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -154,9 +155,11 @@ def test_garbage_on_every_topic_is_counted_and_app_keeps_serving(
 def test_restarted_controller_acks_already_stored_seqs(
     make_app: AppFactory, agents: AgentFactory, tmp_path: Path, models_dir: Path, broker: MosquittoBroker
 ) -> None:
-    settings = ControllerSettings(data_dir=tmp_path / "data", models_dir=models_dir, mqtt_url=broker.url)
+    settings = ControllerSettings(
+        data_dir=tmp_path / "data", models_dir=models_dir, mqtt_url=broker.url, admin_token=ADMIN_TOKEN
+    )
     agent = agents("it-dev-restart", will=False)
-    with TestClient(create_app(settings)) as first:
+    with TestClient(create_app(settings), headers=ADMIN_HEADERS) as first:
         wait_for(lambda: first.get("/healthz").json()["mqtt"], timeout=10, what="first connected")
         send_until_acked(agent, [1, 2, 3], lambda a: a.upto == 3)
     n_acks = len(agent.got(TopicKind.ACKS))
@@ -206,8 +209,10 @@ def test_model_assignment_reaches_the_device_and_chunks_are_served(
 def test_desired_state_survives_a_broker_restart(
     tmp_path: Path, models_dir: Path, own_broker: MosquittoBroker, agents: AgentFactory
 ) -> None:
-    settings = ControllerSettings(data_dir=tmp_path / "data", models_dir=models_dir, mqtt_url=own_broker.url)
-    with TestClient(create_app(settings)) as client:
+    settings = ControllerSettings(
+        data_dir=tmp_path / "data", models_dir=models_dir, mqtt_url=own_broker.url, admin_token=ADMIN_TOKEN
+    )
+    with TestClient(create_app(settings), headers=ADMIN_HEADERS) as client:
         wait_for(lambda: client.get("/healthz").json()["mqtt"], timeout=10, what="connected")
         client.post("/api/v1/devices", json={"id": "it-dev-persist"})
         client.put(
@@ -242,16 +247,21 @@ def test_bad_credentials_are_refused_without_retrying(tmp_path: Path, models_dir
     broker.start()
     try:
         url = f"mqtt://edge:wrong@{broker.host}:{broker.port}"
-        settings = ControllerSettings(data_dir=tmp_path / "data", models_dir=models_dir, mqtt_url=url)
-        with TestClient(create_app(settings)) as client:
+        settings = ControllerSettings(
+            data_dir=tmp_path / "data", models_dir=models_dir, mqtt_url=url, admin_token=ADMIN_TOKEN
+        )
+        with TestClient(create_app(settings), headers=ADMIN_HEADERS) as client:
             transport = client.app.state.runtime.bridge.transport  # type: ignore[attr-defined]
             wait_for(lambda: transport.refused, timeout=10, what="refused CONNACK noticed")
             health = client.get("/healthz").json()
             assert health["mqtt"] is False and health["db"] is True
         good = ControllerSettings(
-            data_dir=tmp_path / "data2", models_dir=models_dir, mqtt_url=url.replace("wrong", "right")
+            data_dir=tmp_path / "data2",
+            models_dir=models_dir,
+            mqtt_url=url.replace("wrong", "right"),
+            admin_token=ADMIN_TOKEN,
         )
-        with TestClient(create_app(good)) as client:
+        with TestClient(create_app(good), headers=ADMIN_HEADERS) as client:
             wait_for(
                 lambda: client.get("/healthz").json()["mqtt"],
                 timeout=10,

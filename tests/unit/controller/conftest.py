@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -15,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from controller.app import create_app
@@ -23,9 +20,9 @@ from controller.bridge import ConnectCallback, MessageCallback
 from controller.settings import ControllerSettings
 from fleet_protocol import TopicKind, Topics, decode, encode
 from fleet_protocol.messages import Ack
+from tests.databases import DATABASES, database_url
+from tests.processes import ADMIN_HEADERS, ADMIN_TOKEN
 from tests.waiting import wait_for
-
-PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
 @dataclass
@@ -79,30 +76,11 @@ class FakeTransport:
             return [p for p in self.published if p.topic == topic]
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=DATABASES)
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A fresh database per test: a SQLite file, or a PostgreSQL schema of its own."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'controller.db'}"
-        return
-    base = os.environ.get("EDGEFLEET_TEST_POSTGRES_URL", PG_DEFAULT)
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(base)
-    try:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    except sa.exc.OperationalError as exc:
-        admin.dispose()
-        pytest.skip(
-            f"PostgreSQL at {base} is not reachable ({type(exc).__name__}); set EDGEFLEET_TEST_POSTGRES_URL"
-        )
-    sep = "&" if "?" in base else "?"
-    try:
-        yield f"{base}{sep}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    """A fresh database per test: a SQLite file, or a PostgreSQL schema of its own (tests/databases.py)."""
+    with database_url(request.param, tmp_path) as url:
+        yield url
 
 
 def write_model(
@@ -209,12 +187,16 @@ def make_fleet(db_url: str, models_dir: Path, tmp_path: Path) -> Iterator[FleetF
                 "mqtt_url": "mqtt://127.0.0.1:1",
                 "chunk_size": 256 * 1024,
                 "build_variants_on_start": False,
+                "admin_token": ADMIN_TOKEN,
                 **overrides,
             }
         )
         transport = FakeTransport()
         fleet = Fleet(
-            TestClient(create_app(settings, transport=transport, variant_builder=builder)),
+            # Acts as the admin; tests of roles send their own Authorization header.
+            TestClient(
+                create_app(settings, transport=transport, variant_builder=builder), headers=ADMIN_HEADERS
+            ),
             transport,
             Topics(settings.topic_prefix),
         )

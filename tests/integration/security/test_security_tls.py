@@ -1,0 +1,205 @@
+"""TLS between the fleet and a real Mosquitto with a TLS listener, using a CA, server and client
+certificates made in the test: a real agent's detections reach a real controller; a wrong CA or host
+name fails with a clear error and keeps retrying instead of crashing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge_agent.link import MqttLink
+from edge_agent.settings import MqttEndpoint, SettingsError, parse_settings
+from fleet_protocol import Topics
+from tests.conftest import FOOTAGE
+from tests.integration.security.certs import TestCA
+from tests.mqtt_broker import MosquittoBroker, TlsFiles, tls_broker, wait_port
+from tests.processes import AgentProcess, ControllerProcess
+from tests.waiting import wait_for
+
+
+class Pki:
+    def __init__(self, folder: Path) -> None:
+        self.ca = TestCA(folder / "ca", "ca")
+        # The broker's certificate names 127.0.0.1 only: connecting as "localhost" is a name mismatch.
+        self.server = self.ca.issue("broker", server=True, ips=["127.0.0.1"])
+        self.client = self.ca.issue("fleet-client", server=False)
+        self.other_ca = TestCA(folder / "other", "other-ca")
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki(tmp_path / "pki")
+
+
+@pytest.fixture
+def broker_tls(tmp_path: Path, pki: Pki) -> Iterator[MosquittoBroker]:
+    b = tls_broker(
+        tmp_path / "mosquitto",
+        TlsFiles(pki.ca.cert, pki.server.cert, pki.server.key),
+        require_certificate=True,
+    )
+    b.start()
+    assert b.tls_port is not None
+    wait_port(b.host, b.tls_port)
+    yield b
+    b.kill()
+
+
+def _tls_url(b: MosquittoBroker, host: str = "127.0.0.1") -> str:
+    return f"mqtts://{host}:{b.tls_port}"
+
+
+def test_agent_detections_reach_the_controller_over_tls(
+    tmp_path: Path, pki: Pki, broker_tls: MosquittoBroker
+) -> None:
+    controller = ControllerProcess(
+        tmp_path,
+        _tls_url(broker_tls),
+        EDGEFLEET_MQTT_CA_FILE=str(pki.ca.cert),
+        EDGEFLEET_MQTT_CERT_FILE=str(pki.client.cert),
+        EDGEFLEET_MQTT_KEY_FILE=str(pki.client.key),
+    )
+    controller.start()
+    agent: AgentProcess | None = None
+    try:
+        with controller.client() as api:
+            wait_for(lambda: api.get("/healthz").json()["mqtt"], timeout=20, what="controller on TLS")
+            assert api.post("/api/v1/devices", json={"id": "tls-1"}).status_code == 201
+            r = api.put(
+                "/api/v1/devices/tls-1/cameras/cam1/model", json={"model": "ped_ssdlite", "version": "1"}
+            )
+            assert r.status_code == 200, r.text
+            agent = AgentProcess(
+                tmp_path,
+                "tls-1",
+                _tls_url(broker_tls),
+                cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": True}],
+                controller=controller,
+                mqtt_ca_file=str(pki.ca.cert),
+                mqtt_cert_file=str(pki.client.cert),
+                mqtt_key_file=str(pki.client.key),
+            )
+            agent.start()
+
+            def stored() -> list[dict[str, Any]]:
+                assert agent is not None and agent.alive(), agent.log.read_text()[-3000:] if agent else ""
+                items: list[dict[str, Any]] = api.get(
+                    "/api/v1/detections", params={"device": "tls-1", "label": "person"}
+                ).json()["items"]
+                return items
+
+            wait_for(stored, timeout=90, what="the agent's detections stored, over TLS")
+            assert api.get("/api/v1/devices/tls-1").json()["status"] == "online"
+    finally:
+        if agent is not None:
+            agent.stop()
+        controller.stop()
+
+
+def _link(endpoint: MqttEndpoint, device_id: str) -> MqttLink:
+    return MqttLink(endpoint, device_id=device_id, topics=Topics(), reconnect_min_s=1, reconnect_max_s=2)
+
+
+def _error_of(link: MqttLink) -> Callable[[], str | None]:
+    return lambda: link.last_error
+
+
+def test_a_wrong_ca_or_host_name_fails_clearly_and_keeps_retrying(
+    pki: Pki, broker_tls: MosquittoBroker
+) -> None:
+    assert broker_tls.tls_port is not None
+    cases = [
+        # (host, CA, what the error must say)
+        ("127.0.0.1", pki.other_ca.cert, "certificate verify failed"),
+        ("localhost", pki.ca.cert, "mismatch"),
+    ]
+    for host, ca, expected in cases:
+        endpoint = MqttEndpoint(
+            host=host,
+            port=broker_tls.tls_port,
+            tls=True,
+            ca_file=ca,
+            cert_file=pki.client.cert,
+            key_file=pki.client.key,
+        )
+        link = _link(endpoint, "tls-wrong")
+        link.start()
+        try:
+            error = wait_for(_error_of(link), timeout=15, what=f"a TLS error for {host} with {ca.name}")
+            assert "TLS" in error and expected in error and "mqtt_ca_file" in error, error
+            # Not fatal: the reconnect policy applies (a CA can be fixed on the broker side).
+            assert link.fatal is None and not link.connected
+        finally:
+            link.stop()
+
+    # The same link with the right CA and name connects: the failures above were about trust only.
+    good = _link(
+        MqttEndpoint(
+            host="127.0.0.1",
+            port=broker_tls.tls_port,
+            tls=True,
+            ca_file=pki.ca.cert,
+            cert_file=pki.client.cert,
+            key_file=pki.client.key,
+        ),
+        "tls-right",
+    )
+    good.start()
+    try:
+        assert good.wait_connected(15), good.last_error
+    finally:
+        good.stop()
+
+
+def test_the_controller_reports_a_tls_failure_in_its_health(
+    tmp_path: Path, pki: Pki, broker_tls: MosquittoBroker
+) -> None:
+    controller = ControllerProcess(
+        tmp_path,
+        _tls_url(broker_tls),
+        EDGEFLEET_MQTT_CA_FILE=str(pki.other_ca.cert),
+        EDGEFLEET_MQTT_CERT_FILE=str(pki.client.cert),
+        EDGEFLEET_MQTT_KEY_FILE=str(pki.client.key),
+    )
+    controller.start()
+    try:
+        with controller.client() as api:
+            health = wait_for(
+                lambda: (h := api.get("/healthz").json()).get("mqtt_error") and h,
+                timeout=20,
+                what="the TLS error in /healthz",
+            )
+            assert health["status"] == "degraded" and health["mqtt"] is False
+            assert "certificate verify failed" in health["mqtt_error"]
+            assert controller.proc is not None and controller.proc.poll() is None  # no crash loop
+        assert "certificate" in controller.log.read_text()
+    finally:
+        controller.stop()
+
+
+def test_bad_tls_files_are_refused_at_start(tmp_path: Path, pki: Pki) -> None:
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    base: dict[str, Any] = {
+        "device_id": "tls-cfg",
+        "data_dir": str(tmp_path / "d"),
+        "mqtt_url": "mqtts://h:8883",
+    }
+    with pytest.raises(SettingsError, match="mqtt_ca_file"):
+        parse_settings({**base, "mqtt_ca_file": str(garbage)}, env={})
+    with pytest.raises(SettingsError, match="mqtt_cert_file"):
+        parse_settings({**base, "mqtt_cert_file": str(pki.client.cert)}, env={})  # no key
+    ok = parse_settings(
+        {
+            **base,
+            "mqtt_url": "mqtt://h:8883",
+            "mqtt_ca_file": str(pki.ca.cert),
+            "mqtt_cert_file": str(pki.client.cert),
+            "mqtt_key_file": str(pki.client.key),
+        },
+        env={},
+    )
+    assert ok.mqtt_url.tls and ok.mqtt_url.ca_file == pki.ca.cert
