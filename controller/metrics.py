@@ -96,7 +96,15 @@ class _RuntimeCollector(Collector):
         )
         up = GaugeMetricFamily("edgefleet_camera_up", "1 when the camera is up", labels=["device", "camera"])
         infer = GaugeMetricFamily(
-            "edgefleet_inference_latency_ms", "Inference latency (ms)", labels=["device", "camera"]
+            "edgefleet_inference_latency_ms",
+            "Inference latency (ms), median of the last 50 inferences of the model running now",
+            labels=["device", "camera"],
+        )
+        infer_p99 = GaugeMetricFamily(
+            "edgefleet_inference_latency_p99_ms",
+            "Inference latency (ms), p99 of the last 200 inferences of the model running now "
+            "(absent: the agent does not report it)",
+            labels=["device", "camera"],
         )
         gtemp = GaugeMetricFamily(
             "edgefleet_gpu_temperature_celsius", "GPU temperature", labels=["device", "gpu"]
@@ -127,6 +135,7 @@ class _RuntimeCollector(Collector):
                 _add(dropped, lbl, c.get("dropped"))
                 up.add_metric(lbl, 1.0 if c.get("state") == "up" else 0.0)
                 _add(infer, lbl, c.get("inference_ms"))
+                _add(infer_p99, lbl, c.get("inference_p99_ms"))
             for g in health.get("gpus") or []:
                 if not isinstance(g, dict):
                     continue
@@ -140,7 +149,7 @@ class _RuntimeCollector(Collector):
             _add(mem, [dev_id], m_pct / 100.0 if isinstance(m_pct, int | float) else None)
         for dev_id, e in latest_per_device(rt.engine, online_ids).items():
             _add(jpf, [dev_id], e.joules_per_frame)
-        yield from (fps, frames, dropped, up, infer, gtemp, gpow, gutil, cpu, mem, jpf)
+        yield from (fps, frames, dropped, up, infer, infer_p99, gtemp, gpow, gutil, cpu, mem, jpf)
 
 
 def _add(metric: GaugeMetricFamily | CounterMetricFamily, labels: list[str], value: Any) -> None:

@@ -7,6 +7,7 @@ Threads (all named, all stopped by ONE event, joined with timeouts):
   twin              applies desired states (LatestSlot: a newer desired replaces a pending one)
   commands          runs commands (bounded queue; when full the command is refused with "busy")
   heartbeat         health every heartbeat_interval_s (QoS 0)
+  watchdog          abandons an inference that hangs, restarts it (rate-limited), reports each step
   + paho's network thread inside MqttLink.
 """
 
@@ -51,6 +52,7 @@ from edge_agent.publisher import Publisher
 from edge_agent.queues import LatestSlot
 from edge_agent.settings import AgentSettings
 from edge_agent.trt import TrtRuntime
+from edge_agent.watchdog import RestartLimiter, WatchdogAction, WatchdogNote
 from fleet_protocol.codec import ProtocolError, decode_as, encode
 from fleet_protocol.messages import (
     Ack,
@@ -152,7 +154,16 @@ class Agent:
             max_batch=settings.inference.max_batch,
             preprocessor_factory=preprocessor_factory,
             decode_fn=decode_fn,
+            hang_timeout_s=settings.inference.hang_timeout_s,
+            restart_limiter=RestartLimiter(
+                max_restarts=settings.inference.max_restarts,
+                window_s=settings.inference.restart_window_s,
+                backoff_min_s=settings.inference.restart_backoff_min_s,
+                backoff_max_s=settings.inference.restart_backoff_max_s,
+            ),
+            on_watchdog=self._on_watchdog,
         )
+        self._watchdog_failed: set[str] = set()  # cameras reported failed by the watchdog
         self.transport: Transport = transport or MqttLink(
             settings.mqtt_url,
             device_id=self.device_id,
@@ -287,12 +298,70 @@ class Agent:
         return self.transport.publish(TopicKind.ARTIFACT_REQUEST, encode(req))
 
     def _on_camera_state(self, camera: str, state: CameraState, reason: str) -> None:
+        # Called on the camera's capture thread, which has set these before the transition.
+        worker = self.pipeline.cameras.get(camera)
+        data: dict[str, Any] = {"reason": reason}
         if state == CameraState.UP:
-            self.publisher.emit_event(EventKind.CAMERA_UP, camera=camera, message=reason)
+            if worker is not None and worker.down_since is not None:
+                data["down_s"] = round(time.monotonic() - worker.down_since, 3)
+                data["attempts"] = worker.failures
+            self.publisher.emit_event(EventKind.CAMERA_UP, camera=camera, message=reason, data=data)
         elif state == CameraState.DOWN or (state == CameraState.STOPPED and not self.stop_event.is_set()):
+            if state == CameraState.DOWN and worker is not None and worker.next_retry_s is not None:
+                data["retry_in_s"] = round(worker.next_retry_s, 3)
             self.publisher.emit_event(
-                EventKind.CAMERA_DOWN, camera=camera, severity=Severity.WARNING, message=reason
+                EventKind.CAMERA_DOWN, camera=camera, severity=Severity.WARNING, message=reason, data=data
             )
+
+    def _on_watchdog(self, note: WatchdogNote) -> None:
+        """Report a watchdog step: an event, and cameras marked failed (or running again)."""
+        severity = {
+            WatchdogAction.RESTARTED: Severity.WARNING,
+            WatchdogAction.FAILED: Severity.ERROR,
+        }.get(note.action, Severity.INFO)
+        data: dict[str, Any] = {
+            "action": note.action.value,
+            "reason": note.reason[:1000],
+            "model": note.model,
+            "cameras": list(note.cameras),
+            "restarts_in_window": note.restarts_in_window,
+            "max_restarts": note.max_restarts,
+            "window_s": note.window_s,
+            "hang_timeout_s": self.settings.inference.hang_timeout_s,
+        }
+        if note.stuck_s is not None:
+            data["stuck_s"] = note.stuck_s
+        if note.retry_in_s is not None:
+            data["retry_in_s"] = round(note.retry_in_s, 3)
+        message = f"{note.action.value}: {note.reason}"
+        if note.retry_in_s is not None:
+            message += f"; next try in {note.retry_in_s:g} s"
+        self.publisher.emit_event(
+            EventKind.WATCHDOG_RESTART, severity=severity, message=message[:4096], data=data
+        )
+        if note.action == WatchdogAction.FAILED:
+            for cam in note.cameras:
+                model = self.pipeline.model_of(cam)
+                self._watchdog_failed.add(cam)
+                self._set_reported(
+                    cam,
+                    CameraReported(
+                        model=model.key if model else None,
+                        sha256=model.sha256 if model else None,
+                        state="failed",
+                        error=message[:1000],
+                    ),
+                    publish=False,
+                )
+            self._report()
+        elif note.action == WatchdogAction.RECOVERED:
+            for cam in sorted(self._watchdog_failed):
+                model = self.pipeline.model_of(cam)
+                if model is not None:
+                    rep = CameraReported(model=model.key, sha256=model.sha256, state="running")
+                    self._set_reported(cam, rep, publish=False)
+            self._watchdog_failed.clear()
+            self._report()
 
     # ------------------------------------------------------------------ twin
 
@@ -644,7 +713,11 @@ class Agent:
             return CommandResult(id=cmd.id, ok=True, result=self.diagnostics())
         if cmd.name == CommandName.RESTART_PIPELINE:
             self.pipeline.restart()
-            self.publisher.emit_event(EventKind.WATCHDOG_RESTART, message="pipeline restarted by command")
+            self.publisher.emit_event(
+                EventKind.WATCHDOG_RESTART,
+                message="pipeline restarted by command",
+                data={"action": "command", "reason": "restart_pipeline command"},
+            )
             return CommandResult(id=cmd.id, ok=True, result={"restarted": list(self.pipeline.cameras)})
         if cmd.name == CommandName.SNAPSHOT:
             camera = cmd.args.get("camera")
@@ -672,6 +745,7 @@ class Agent:
             },
             "queue_dropped": self.pipeline.out.dropped,
             "inference_errors": self.pipeline.inference_errors,
+            "watchdog": self.pipeline.watchdog_status(),
             "protocol_errors": dict(link_errors),
             "bad_chunks": self.fetcher.bad_chunks,
             "system": {k: v for k, v in self.health.system().items() if k != "gpus"},
@@ -728,6 +802,7 @@ class Agent:
         sysinfo = self.health.system()
         cams = self.pipeline.stats()
         ms = [c.inference_ms for c in cams if c.inference_ms is not None]
+        p99 = [c.inference_p99_ms for c in cams if c.inference_p99_ms is not None]
         return Heartbeat(
             ts=time.time(),
             uptime_s=sysinfo.get("uptime_s", 0.0),
@@ -743,6 +818,7 @@ class Agent:
             outbox_pending=self.outbox.pending(),
             outbox_dropped=self.outbox.dropped,
             queue_dropped=self.pipeline.out.dropped,
+            inference_p99_ms=round(max(p99), 2) if p99 else None,
         )
 
     def _heartbeat_loop(self) -> None:

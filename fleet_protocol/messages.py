@@ -151,8 +151,12 @@ class CameraStats(Strict):
     fps: float = 0.0
     frames: int = 0
     dropped: int = 0
+    # Median of the last 50 inference times of the model running now (fresh window at every swap).
     inference_ms: float | None = None
     model: str | None = None
+    # p99 of the last 200 inference times of the model running now (same fresh window). Optional and
+    # last: agents before it send none, and a receiver falls back to ``inference_ms``.
+    inference_p99_ms: float | None = None
 
 
 class Heartbeat(Msg):
@@ -166,12 +170,13 @@ class Heartbeat(Msg):
     disk_pct: float | None = None
     gpus: list[GpuStats] = Field(default_factory=list)
     cameras: list[CameraStats] = Field(default_factory=list)
-    inference_ms: float | None = None
+    inference_ms: float | None = None  # the highest per-camera median
     # CPU package energy from RAPL, cumulative joules since the agent started (None: not measured).
     cpu_energy_j: float | None = None
     outbox_pending: int = 0
     outbox_dropped: int = 0
     queue_dropped: int = 0
+    inference_p99_ms: float | None = None  # the highest per-camera p99 (None: none reported)
 
 
 Coord = Annotated[float, Field(allow_inf_nan=False)]

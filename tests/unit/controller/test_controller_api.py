@@ -129,6 +129,7 @@ def test_heartbeat_shows_cameras_and_health_history(fleet: Fleet) -> None:
             "dropped": 4,
             "inference_ms": 8.5,
             "model": "tiny:1",
+            "inference_p99_ms": None,  # an agent that reports no p99
         }
     ]
     assert dev["last_health"]["cpu_pct"] == 33.0 and dev["last_seen"] is not None

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.capture import CameraWorker, SourceError, VideoSource
+from edge_agent.capture import CameraWorker, SourceError, VideoSource, redact_source
 from edge_agent.settings import CameraConfig
 from fleet_protocol.messages import CameraState
 
@@ -153,3 +153,40 @@ def test_recorded_footage_is_not_paced_and_loses_no_frame(stop: threading.Event,
             time.sleep(0.001)
     assert seen == list(range(50))
     assert cam.dropped == 0
+
+
+def test_a_file_removed_while_playing_goes_down_and_comes_back_with_capped_backoff(
+    stop: threading.Event, tmp_path: Path
+) -> None:
+    """The open handle would keep reading a removed file to its end; the camera notices it is gone."""
+    clip = tmp_path / "clip.avi"
+    clip.write_bytes(b"footage")
+    events: list[tuple[CameraState, str]] = []
+
+    def opener(cfg: CameraConfig) -> VideoSource:
+        if not clip.exists():
+            raise SourceError(f"file not found: {clip}")
+        s = FakeSource()  # endless: only the removal can stop it
+        s.fps = 200.0
+        return s
+
+    cfg = CameraConfig(id="f3", source=str(clip), loop=True, reconnect_min_s=0.01, reconnect_max_s=0.04)
+    cam = CameraWorker(cfg, stop=stop, opener=opener, on_state=lambda c, s, why: events.append((s, why)))
+    cam.start()
+    wait_for(lambda: cam.state == CameraState.UP)
+    clip.rename(tmp_path / "moved.avi")
+    wait_for(lambda: cam.state == CameraState.DOWN)
+    assert events[-1] == (CameraState.DOWN, f"file gone: {clip}")
+    wait_for(lambda: len(cam.retries) >= 5)
+    (tmp_path / "moved.avi").rename(clip)
+    wait_for(lambda: cam.state == CameraState.UP)
+    delays = [r.delay_s for r in cam.retries]
+    assert delays[:5] == [0.01, 0.02, 0.04, 0.04, 0.04]
+    assert all("file not found" in r.reason for r in list(cam.retries)[1:])
+    assert [s for s, _ in events] == [CameraState.UP, CameraState.DOWN, CameraState.UP]
+
+
+def test_source_credentials_never_reach_reasons() -> None:
+    assert redact_source("rtsp://admin:s3cret@10.0.0.9:554/live") == "rtsp://***@10.0.0.9:554/live"
+    assert redact_source("http://cam.local/mjpg") == "http://cam.local/mjpg"
+    assert redact_source("/videos/a.avi") == "/videos/a.avi"

@@ -11,6 +11,7 @@ import pytest
 from edge_agent.capture import CameraWorker
 from edge_agent.pipeline import CameraParams, ModelLoadError, Pipeline
 from edge_agent.settings import CameraConfig
+from edge_agent.watchdog import WatchdogAction, WatchdogNote
 from fleet_protocol.messages import FrameDetections, InputSpec, ModelManifest
 
 SHA_A = "a" * 64
@@ -208,3 +209,60 @@ def test_a_fixed_batch_model_runs_one_frame_at_a_time(stop: threading.Event) -> 
         p.activate(cam, model, CameraParams(threshold=0.5))
     results(p, 6)
     assert set(be.batches) == {1}
+
+
+def test_a_hung_run_is_abandoned_its_backend_replaced_and_its_late_result_dropped(
+    stop: threading.Event,
+) -> None:
+    """The watchdog seam without MQTT: a hang is noted, a fresh backend serves, the stuck one's result
+    (class car) never comes out, and the hung backend is never closed under its stuck call."""
+    release = threading.Event()
+    hang = threading.Event()
+
+    class Hanging(FakeBackend):
+        def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+            if hang.is_set() and self is made[0]:
+                release.wait()
+                self.cls = 2  # car: what the abandoned run returns late
+            return super().run(batch)
+
+    made: list[Hanging] = []
+
+    def factory(path: Path, m: ModelManifest) -> Hanging:
+        made.append(Hanging())
+        return made[-1]
+
+    notes: list[WatchdogNote] = []
+    wake = threading.Event()
+    cam = CameraWorker(
+        CameraConfig(id="c0", source="rtsp://fake/0"), stop=stop, opener=lambda c: Frames(), wake=wake
+    )
+    p = Pipeline(
+        [cam],
+        stop=stop,
+        wake=wake,
+        backend_factory=factory,
+        hang_timeout_s=0.3,
+        on_watchdog=notes.append,
+    )
+    p.start()
+    try:
+        p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
+        results(p, 2)
+        hang.set()
+        wait_for(lambda: notes)
+        note = notes[0]
+        assert note.action == WatchdogAction.RESTARTED and note.cameras == ("c0",) and note.model == "a:1"
+        assert note.stuck_s is not None and note.stuck_s >= 0.3
+        assert len(made) == 2 and p.model_of("c0").backend is made[1]  # type: ignore[union-attr]
+        fresh = results(p, 3)
+        release.set()
+        wait_for(lambda: p.late_results == 1)
+        later = results(p, 3)
+        assert all(d.label == "person" for r in fresh + later for d in r.detections)
+        assert p.watchdog_status()["restarts"] == 1
+    finally:
+        release.set()
+        stop.set()
+        p.join(5)
+    assert made[1].closed and made[0].closed, "both closed at the end, the hung one once it returned"
