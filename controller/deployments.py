@@ -144,7 +144,8 @@ def admitted_for(s: Session, device_id: str) -> dict[int, str]:
 
 def get_deployment(s: Session, ref: str | int) -> Deployment | None:
     """By id or by name."""
-    if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+    # The id column is a 32-bit INTEGER: a longer number is a name (or nothing), never a query error.
+    if (isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit())) and 0 < int(ref) < 2**31:
         dep = s.get(Deployment, int(ref))
         if dep is not None:
             return dep

@@ -41,6 +41,9 @@ class GateConfig(BaseModel):
     max_failure_ratio: float = Field(default=0.0, ge=0, le=1)
     min_fps_ratio: float = Field(default=0.5, ge=0)
     max_latency_ms: float | None = Field(default=None, gt=0)
+    # Inference latency after / before on the same device, at most: "far slower than its predecessor"
+    # holds on any hardware, where an absolute bound needs to know the device.
+    max_latency_ratio: float | None = Field(default=None, gt=0)
     step_timeout_s: float = Field(default=300.0, gt=0)
     offline_timeout_s: float = Field(default=60.0, ge=0)
 
@@ -100,7 +103,9 @@ class DeviceView:
     reported_version: int | None = None
     reported: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # camera → CameraReported
     fps: Mapping[str, float] = field(default_factory=dict)  # camera → fps, latest heartbeat
-    latency_ms: Mapping[str, float] = field(default_factory=dict)  # camera → inference ms
+    # camera → the inference latency the gate judges: p99 where the agent reports it, else the median
+    latency_ms: Mapping[str, float] = field(default_factory=dict)
+    latency_stat: str = "median"  # "p99" when every latency above is a p99
     restarts: tuple[float, ...] = ()  # when the agent came back up with a fresh uptime
 
 
@@ -115,6 +120,7 @@ class MemberView:
     baseline_fps: float | None = None
     settled_at: float | None = None
     reason: str | None = None
+    baseline_latency_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,8 @@ def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: Rollo
     failed = [m.device_id for m in wave if m.state == "failed"]
     ratios: dict[str, float] = {}
     latencies: dict[str, float] = {}
+    latency_stats: dict[str, str] = {}
+    latency_ratios: dict[str, float] = {}
     for m in wave:
         dev = devices.get(m.device_id)
         if m.state != "active" or dev is None or not m.cameras:
@@ -242,6 +250,9 @@ def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: Rollo
         lat = [dev.latency_ms[c] for c in m.cameras if c in dev.latency_ms]
         if lat:
             latencies[m.device_id] = round(max(lat), 2)
+            latency_stats[m.device_id] = dev.latency_stat
+            if m.baseline_latency_ms:
+                latency_ratios[m.device_id] = round(max(lat) / m.baseline_latency_ms, 3)
     return {
         "devices": [m.device_id for m in wave],
         "size": len(wave),
@@ -255,7 +266,11 @@ def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: Rollo
         "min_fps_ratio": r.gate.min_fps_ratio,
         "latency_ms": latencies,
         "latency_ms_max": max(latencies.values()) if latencies else None,
+        "latency_stat": latency_stats,  # device → "p99" or "median" (an agent that reports no p99)
         "max_latency_ms": r.gate.max_latency_ms,
+        "latency_ratio": latency_ratios,
+        "latency_ratio_max": max(latency_ratios.values()) if latency_ratios else None,
+        "max_latency_ratio": r.gate.max_latency_ratio,
     }
 
 
@@ -269,11 +284,25 @@ def _verdict(fig: dict[str, Any], r: RolloutView) -> str | None:
         return "FPS fell below {:g} of the FPS before: {}".format(
             r.gate.min_fps_ratio, ", ".join(f"{d} {v:.2f}" for d, v in sorted(low.items()))
         )
+    # Each figure names its statistic ("p99" unless the agent reports only a median) so the reason
+    # says what was judged.
+    stat: dict[str, str] = fig.get("latency_stat") or {}
+
+    def ms(d: str) -> str:
+        return f"{fig['latency_ms'][d]:.1f} ms" + (" p99" if stat.get(d) == "p99" else "")
+
     if r.gate.max_latency_ms is not None:
         slow = {d: v for d, v in fig["latency_ms"].items() if v > r.gate.max_latency_ms}
         if slow:
             return "inference latency over {:g} ms: {}".format(
-                r.gate.max_latency_ms, ", ".join(f"{d} {v:.1f} ms" for d, v in sorted(slow.items()))
+                r.gate.max_latency_ms, ", ".join(f"{d} {ms(d)}" for d in sorted(slow))
+            )
+    if r.gate.max_latency_ratio is not None:
+        slower = {d: v for d, v in fig["latency_ratio"].items() if v > r.gate.max_latency_ratio}
+        if slower:
+            return "inference latency rose above {:g}x the latency before: {}".format(
+                r.gate.max_latency_ratio,
+                ", ".join(f"{d} {v:.1f}x ({ms(d)})" for d, v in sorted(slower.items())),
             )
     return None
 
@@ -379,18 +408,30 @@ def restarts_since(s: Session, device_id: str, since: datetime) -> tuple[float, 
     return tuple(out)
 
 
+def camera_latency(cam: Mapping[str, Any]) -> tuple[float, str] | None:
+    """The latency a gate judges for one camera of a heartbeat, and which statistic it is: the p99
+    where the agent reports it, else the median (agents before p99). None: nothing usable."""
+    for key, stat in (("inference_p99_ms", "p99"), ("inference_ms", "median")):
+        v = cam.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            return float(v), stat
+    return None
+
+
 def device_view(dev: Device, dep: Deployment, restarts: tuple[float, ...] = ()) -> DeviceView:
     from controller.deployments import matches
 
     health = dev.last_health or {}
     fps: dict[str, float] = {}
     lat: dict[str, float] = {}
+    stats: set[str] = set()
     for c in health.get("cameras") or []:
         cam = str(c.get("camera"))
         if c.get("fps") is not None:
             fps[cam] = float(c["fps"])
-        if c.get("inference_ms") is not None:
-            lat[cam] = float(c["inference_ms"])
+        if (found := camera_latency(c)) is not None:
+            lat[cam], stat = found
+            stats.add(stat)
     return DeviceView(
         id=dev.id,
         matches=matches(dep, dev.labels or {}),
@@ -400,6 +441,7 @@ def device_view(dev: Device, dep: Deployment, restarts: tuple[float, ...] = ()) 
         reported=dict((dev.reported or {}).get("cameras") or {}),
         fps=fps,
         latency_ms=lat,
+        latency_stat="p99" if stats == {"p99"} else "median",
         restarts=restarts,
     )
 
@@ -415,6 +457,7 @@ def member_view(m: RolloutDevice) -> MemberView:
         baseline_fps=m.baseline_fps,
         settled_at=_ts(m.settled_at),
         reason=m.reason,
+        baseline_latency_ms=m.baseline_latency_ms,
     )
 
 
@@ -571,11 +614,9 @@ class RolloutService:
                 )
                 health = {str(c.get("camera")): c for c in (dev.last_health or {}).get("cameras") or []}
                 fps = [float(health[c]["fps"]) for c in m.cameras if c in health and health[c].get("fps")]
-                lat = [
-                    float(health[c]["inference_ms"])
-                    for c in m.cameras
-                    if c in health and health[c].get("inference_ms") is not None
-                ]
+                # The same statistic as the gate will judge after the swap (p99, else median), so the
+                # ratio compares like with like.
+                lat = [found[0] for c in m.cameras if c in health and (found := camera_latency(health[c]))]
                 m.baseline_fps = min(fps) if fps else None
                 m.baseline_latency_ms = max(lat) if lat else None
                 s.add(m)
@@ -707,3 +748,46 @@ class RolloutService:
             return touched
 
         return self._operate(ref, fn)
+
+    # ------------------------------------------------------------------ delete
+
+    def delete(self, ref: str | int) -> set[str]:
+        """Remove the deployment's layer; returns the devices whose desired state was derived again.
+
+        Every device it applied to falls back to its next layer (a lower-priority deployment, else
+        its direct assignment, else nothing on that camera) and is sent the new desired state. A
+        rollout still running or paused is stopped first, as a cancel would (one call, never a 409:
+        deleting means none of its devices keep it, which needs no cancel beforehand). The row stays
+        as history under a tombstone name that no request can spell (``~ID~name``), so the name is
+        free for a new deployment; the deleted one is gone from the API, and a second delete, by name
+        or id, is a NotFoundError.
+        """
+        reason = "the deployment was deleted"
+        with self._lock:
+            with Session(self._engine) as s:
+                dep = get_deployment(s, ref)
+                if dep is None or dep.id is None or dep.state == "deleted":
+                    raise NotFoundError(f"deployment {ref!r} is not known")
+                touched = {d.id for d in matching_devices(s, dep)}
+                # Also devices that no longer match but still carry its layer (belt and braces).
+                touched |= {
+                    d.id
+                    for d in crud.devices_with_desired(s)
+                    if any(a.get("deployment") == dep.name for a in (d.assignments or {}).values())
+                }
+                ro = rollout_of(s, dep.id)
+                if ro is not None:
+                    assert ro.id is not None
+                    if ro.state in (RUNNING, PAUSED):
+                        ro.state, ro.reason, ro.finished_at = "cancelled", reason, utcnow()
+                    touched |= self._revert(s, ro.id, reason, states=("pending", "applying"))
+                    touched |= {m.device_id for m in rollout_devices(s, ro.id)}
+                    ro.updated_at = utcnow()
+                    s.add(ro)
+                log.info("deployment %s (#%d) deleted; %d devices follow", dep.name, dep.id, len(touched))
+                dep.state = "deleted"
+                dep.name = f"~{dep.id}~{dep.name}"[:64]
+                s.add(dep)
+                s.commit()
+            self._twin.recompute_many(touched)
+        return touched

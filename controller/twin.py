@@ -5,19 +5,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from controller import crud
 from controller.bridge import MqttBridge
 from controller.db import session_scope
 from controller.keys import ArtifactSigner
-from controller.models import Device, ModelVariant, ModelVersion
+from controller.models import Device, Event, ModelVariant, ModelVersion, utcnow
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import ArtifactRef, CameraDesired, Capabilities, DesiredState, ModelManifest
 
@@ -291,6 +292,48 @@ class TwinService:
                     log.exception("could not republish desired state of %s", dev.id)
             return len(devices)
 
+    def resend(self, device_id: str, *, why: str, attempt: int, next_after_s: float) -> int | None:
+        """Publish the device's stored desired state again, under a new version, and record why.
+
+        A new version, not the same message again: the agent ignores a desired version it already
+        received, so a device that applied v7 and runs something else only acts on v8 with the same
+        content. Above the version the device reports, too, in case it applied more than we know.
+        Returns the new version, or None when the device has nothing to re-send or is in sync.
+        """
+        with self._lock, session_scope(self._engine) as s:
+            dev = crud.get_device(s, device_id=device_id)
+            if dev is None or dev.desired is None or device_sync(dev)[0] == "in_sync":
+                return None  # in sync since the caller looked: nothing to fix
+            old = self.current(dev.desired)
+            version = max(old.version, dev.desired_version, dev.reported_version or 0) + 1
+            new = self._signed(DesiredState(version=version, issued_at=time.time(), cameras=old.cameras))
+            dev.desired = new.model_dump(mode="json")
+            dev.desired_version = new.version
+            s.add(dev)
+            s.add(
+                Event(
+                    device_id=device_id,
+                    ts=utcnow(),
+                    kind=EVENT_RESEND,
+                    severity="warning",
+                    message=(
+                        f"desired state v{old.version} re-sent as v{version}: {why} "
+                        f"(re-send {attempt}; the next one no sooner than {next_after_s:g}s)"
+                    ),
+                    data={
+                        "previous_version": old.version,
+                        "version": version,
+                        "reason": why,
+                        "attempt": attempt,
+                        "next_after_s": next_after_s,
+                    },
+                )
+            )
+            s.commit()
+            self._bridge.publish_message(device_id, TopicKind.TWIN_DESIRED, new)
+        log.warning("desired state of %s re-sent as v%d: %s", device_id, version, why)
+        return version
+
 
 def _assignment(mv: ModelVersion, pin: str, choice: Choice) -> dict[str, Any]:
     return {
@@ -311,3 +354,188 @@ def uses(dev: Device) -> set[tuple[str, str]]:
         if m.get("name") and m.get("version"):
             out.add((str(m["name"]), str(m["version"])))
     return out
+
+
+# --------------------------------------------------------------------------- convergence
+
+EVENT_RESEND = "twin_resend"
+EVENT_CONVERGED = "twin_converged"
+
+
+@dataclass(frozen=True)
+class ResendPolicy:
+    """When the controller sends a device its desired state again.
+
+    ``pending_after_s``: how long an online device may report an older desired version than the
+    current one (counted from the publish, or from the device coming online, whichever is later)
+    before it is treated as having missed it. A device busy applying (fetching, verifying, loading)
+    is never hurried. ``backoff_s`` doubles after each re-send up to ``backoff_max_s``, so a device
+    that keeps drifting gets at most one re-send (and one event) per ``backoff_max_s``.
+    """
+
+    pending_after_s: float = 60.0
+    backoff_s: float = 10.0
+    backoff_max_s: float = 600.0
+
+    def delay(self, resends: int) -> float:
+        """Seconds to wait after the ``resends``-th re-send (0 before the first)."""
+        if resends <= 0:
+            return 0.0
+        return min(self.backoff_max_s, self.backoff_s * 2.0 ** min(resends - 1, 60))
+
+    @property
+    def check_every_s(self) -> float:
+        return max(0.1, min(5.0, self.backoff_s / 2, self.pending_after_s / 4))
+
+
+def resend_reason(
+    sync: str,
+    reason: str | None,
+    *,
+    online: bool,
+    published_at: float,
+    online_since: float | None,
+    now: float,
+    policy: ResendPolicy,
+) -> str | None:
+    """Why a device must get its desired state again, or None. Pure.
+
+    Drifted (it applied the current version but runs something else): at once. Pending (it reports an
+    older version) only after ``policy.pending_after_s``. Never for failed (sending the same state
+    again fails the same way; the failure and its reason are shown and a rollout acts on them),
+    applying, or an offline device (the retained message is waiting for it on the broker).
+    """
+    if not online:
+        return None
+    if sync == "drifted":
+        return f"drifted: {reason or 'runs something else'}"
+    if sync == "pending":
+        waited = now - max(published_at, online_since or 0.0)
+        if waited >= policy.pending_after_s:
+            return f"still on an older version {waited:.0f}s after the publish ({reason or 'pending'})"
+    return None
+
+
+def device_sync(dev: Device) -> tuple[str, str | None]:
+    """The device's twin status as the API shows it (in_sync, pending, applying, failed, drifted)."""
+    from controller.schemas import twin_sync
+    from fleet_protocol.messages import CameraReported
+
+    reported: dict[str, CameraReported] = {}
+    for cam, rep in ((dev.reported or {}).get("cameras") or {}).items():
+        try:
+            reported[cam] = CameraReported.model_validate(rep)
+        except ValueError:
+            continue
+    return twin_sync(dev.desired, dev.desired_version, reported, dev.reported_version)
+
+
+@dataclass
+class _Resends:
+    count: int
+    last_at: float
+
+
+def _epoch(dt: datetime | None) -> float | None:
+    return dt.timestamp() if dt is not None else None
+
+
+class TwinConverger:
+    """Watches every online device with a desired state and re-sends it to the ones that do not
+    converge on it (``resend_reason``), with a capped exponential backoff per device. Each re-send,
+    and the return to in-sync after re-sends, is recorded as an event.
+
+    The backoff lives in memory: after a controller restart a still-drifting device gets one re-send
+    at once and the doubling starts again, which is at most one extra message per device.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        twin: TwinService,
+        *,
+        policy: ResendPolicy,
+        stop: threading.Event,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._engine = engine
+        self._twin = twin
+        self.policy = policy
+        self._stop = stop
+        self._clock = clock
+        self._resends: dict[str, _Resends] = {}
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="edgefleet-twin-converge", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.policy.check_every_s):
+            try:
+                self.check()
+            except Exception:
+                log.exception("twin convergence check failed")
+
+    def check(self, now: float | None = None) -> list[str]:
+        """One pass over the fleet; returns the devices whose desired state was re-sent."""
+        now = self._clock() if now is None else now
+        due: list[tuple[str, str]] = []
+        converged: list[tuple[str, int, int]] = []
+        with Session(self._engine) as s:
+            q = select(Device).where(col(Device.desired).is_not(None), col(Device.status) == "online")
+            for dev in s.exec(q.order_by(col(Device.id))).all():
+                sync, reason = device_sync(dev)
+                if sync == "in_sync":
+                    done = self._resends.pop(dev.id, None)
+                    if done is not None:
+                        converged.append((dev.id, dev.desired_version, done.count))
+                    continue
+                why = resend_reason(
+                    sync,
+                    reason,
+                    online=True,
+                    published_at=float((dev.desired or {}).get("issued_at") or 0.0),
+                    online_since=_epoch(dev.online_since),
+                    now=now,
+                    policy=self.policy,
+                )
+                if why is None:
+                    continue
+                prev = self._resends.get(dev.id)
+                if prev is not None and now - prev.last_at < self.policy.delay(prev.count):
+                    continue
+                due.append((dev.id, why))
+            if converged:
+                for device_id, at_version, count in converged:
+                    s.add(
+                        Event(
+                            device_id=device_id,
+                            ts=utcnow(),
+                            kind=EVENT_CONVERGED,
+                            message=f"in sync again at v{at_version} after {count} re-send(s)",
+                            data={"version": at_version, "resends": count},
+                        )
+                    )
+                    log.info("%s in sync again at v%d after %d re-send(s)", device_id, at_version, count)
+                s.commit()
+        sent: list[str] = []
+        for device_id, why in due:
+            prev = self._resends.get(device_id)
+            count = (prev.count if prev else 0) + 1
+            version: int | None = None
+            try:
+                version = self._twin.resend(
+                    device_id, why=why, attempt=count, next_after_s=self.policy.delay(count)
+                )
+            except Exception:
+                log.exception("re-sending the desired state of %s failed", device_id)
+            # Counted even when the publish failed: a broken device must not turn into a tight loop.
+            self._resends[device_id] = _Resends(count, now)
+            if version is not None:
+                sent.append(device_id)
+        return sent

@@ -82,3 +82,51 @@ def tf_od_nan(size: int = 300) -> bytes:
     model.ir_version = 8
     onnx.checker.check_model(model)
     return bytes(model.SerializeToString())
+
+
+def tf_od_slow(base: bytes, *, steps: int = 64, rows: int = 256, width: int = 1024) -> bytes:
+    """``base`` (a TF-OD model such as ped_ssdlite) with a heavy branch added: the same outputs, the same
+    detections, but every frame also runs ``steps`` matrix products of ``[rows, width] x [width, width]``
+    whose result only enters ``detection_scores:0`` multiplied by zero.
+
+    The branch starts from the frame itself (``0 * max(image)``), so onnxruntime can neither fold it
+    into a constant nor prune it; ``Tanh`` keeps it finite, so ``0 * x`` stays exactly 0.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = onnx.load_from_string(base)
+    g = model.graph
+    image = g.input[0].name
+    scores = "detection_scores:0"
+    inner = "detection_scores_base"
+    for node in g.node:
+        node.output[:] = [inner if o == scores else o for o in node.output]
+        node.input[:] = [inner if i == scores else i for i in node.input]
+    rng = np.random.default_rng(0)
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(rng.standard_normal((rows, width)).astype(np.float32), "slow_a"),
+            numpy_helper.from_array(
+                (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), "slow_w"
+            ),
+            numpy_helper.from_array(np.array(0.0, np.float32), "slow_zero"),
+        ]
+    )
+    nodes = [
+        helper.make_node("Cast", [image], ["slow_img"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceMax", ["slow_img"], ["slow_mx"], keepdims=0),
+        helper.make_node("Mul", ["slow_mx", "slow_zero"], ["slow_seed"]),
+        helper.make_node("Add", ["slow_a", "slow_seed"], ["slow_x0"]),
+    ]
+    for i in range(steps):
+        nodes.append(helper.make_node("MatMul", [f"slow_x{i}", "slow_w"], [f"slow_m{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"slow_m{i}"], [f"slow_x{i + 1}"]))
+    nodes += [
+        helper.make_node("ReduceMax", [f"slow_x{steps}"], ["slow_out"], keepdims=0),
+        helper.make_node("Mul", ["slow_out", "slow_zero"], ["slow_nothing"]),
+        helper.make_node("Add", [inner, "slow_nothing"], [scores]),
+    ]
+    g.node.extend(nodes)
+    onnx.checker.check_model(model)
+    return bytes(model.SerializeToString())

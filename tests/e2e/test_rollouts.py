@@ -1,7 +1,8 @@
 """Rollouts end to end: a real Mosquitto, a controller process and several agent processes (FPS capped
 low so that they fit on two cores). A good model goes out wave by wave with every gate visible, and
-keeps going after a kill -9 of the controller; a model that fails to activate stops at the canary,
-which goes back to its previous model while the other devices are never touched."""
+keeps going after a kill -9 of the controller; a model that fails to activate, and one that activates
+but runs far slower than its predecessor, stop at the canary, which goes back to its previous model
+while the other devices are never touched."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 from tests.conftest import FOOTAGE, MODELS
 from tests.mqtt_broker import MosquittoBroker
-from tests.onnx_models import tf_od_nan
+from tests.onnx_models import tf_od_nan, tf_od_slow
 from tests.processes import AgentProcess, ControllerProcess
 from tests.waiting import wait_for
 
@@ -120,6 +121,19 @@ def _upload(api: httpx.Client, name: str, version: str, data: bytes) -> None:
         files={"file": ("model.onnx", data, "application/octet-stream")},
     )
     assert r.status_code in (200, 201), r.text
+
+
+def _cli(site: Site, *args: str) -> str:
+    """``edgefleet ARGS --api URL`` as an operator runs it; must succeed."""
+    out = subprocess.run(
+        [sys.executable, "-m", "controller", *args, "--api", site.controller.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200", "EDGEFLEET_TOKEN": site.controller.token},
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def _deployment(api: httpx.Client, name: str) -> dict[str, Any]:
@@ -241,16 +255,7 @@ def test_model_that_fails_to_activate_stops_at_the_canary_and_rolls_it_back(site
         site.alive()
 
     # The operator's view through the CLI, and operations on a finished rollout are harmless.
-    def cli(*args: str) -> str:
-        out = subprocess.run(
-            [sys.executable, "-m", "controller", *args, "--api", site.controller.url],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "COLUMNS": "200"},
-        )
-        assert out.returncode == 0, out.stderr
-        return out.stdout
+    cli = partial(_cli, site)
 
     shown = cli("rollouts", "show", "nan")
     assert "FAIL" in shown and "rolled_back" in shown and site.devices[0] in shown
@@ -261,6 +266,76 @@ def test_model_that_fails_to_activate_stops_at_the_canary_and_rolls_it_back(site
     listed = cli("devices", "ls", "--select", "zone=b")
     assert site.devices[1] in listed and site.devices[2] not in listed
     assert "ped_ssdlite:1" in cli("devices", "show", site.devices[1])
+
+
+@pytest.mark.parametrize("site", [3], indirect=True)
+def test_model_that_activates_but_runs_far_slower_fails_the_canary_gate_and_rolls_it_back(
+    site: Site,
+) -> None:
+    # ped_ssdlite with a heavy branch whose result is multiplied by zero: same outputs, same
+    # detections, about 10x the compute per frame (~0.3 s instead of ~30 ms on one idle core). The gate
+    # judges latency against the device's own latency before, so a busy machine slows both alike.
+    slow = tf_od_slow((MODELS / "ped_ssdlite" / "model.onnx").read_bytes())
+    with site.api() as api:
+        untouched = {d: api.get(f"/api/v1/devices/{d}").json()["desired_version"] for d in site.devices[1:]}
+        _upload(api, "slowmodel", "1", slow)
+        r = api.post(
+            "/api/v1/deployments",
+            json={
+                "name": "slow",
+                "model": "slowmodel",
+                "version": "1",
+                "variant": "fp32",
+                "selector": "site=e2e",
+                "cameras": [{"camera": "cam1", **CAP}],
+                # The agent reports the median of its last 50 inference times, which a swap does not
+                # reset: the soak lets well over 25 frames of the new model in (2 FPS cap), even when
+                # a loaded machine makes each take ~1 s.
+                "gate": {
+                    "soak_s": 45,
+                    "min_fps_ratio": 0.25,
+                    "max_latency_ratio": 2.5,
+                    "step_timeout_s": 120,
+                    "offline_timeout_s": 60,
+                },
+            },
+        )
+        assert r.status_code == 201, r.text
+        canary = site.devices[0]
+        # It really activates: the canary runs it, by its own report, before the gate says no.
+        wait_for(
+            partial(site.runs, api, canary, "slowmodel:1"), timeout=120, what="canary runs the slow model"
+        )
+        body = wait_for(
+            _until(api, "slow", lambda b: b["rollout"]["state"] == "failed"),
+            timeout=180,
+            what="canary gate fails",
+        )
+        ro = body["rollout"]
+        assert body["state"] == "rolled_back"
+        assert "wave 1 gate failed" in ro["reason"] and canary in ro["reason"], ro["reason"]
+        assert "latency" in ro["reason"] or "FPS" in ro["reason"], ro["reason"]
+        (gate,) = ro["gates"]
+        assert gate["passed"] is False and gate["failed"] == [] and gate["active"] == 1
+        assert gate["latency_ratio_max"] > 2.5 or gate["fps_ratio_min"] < 0.25, gate
+        assert [(d["device_id"], d["state"]) for d in ro["devices"]] == [(canary, "rolled_back")]
+        wait_for(partial(site.runs, api, canary, OLD), timeout=60, what="canary back on the old model")
+        assert api.get(f"/api/v1/devices/{canary}").json()["assignments"]["cam1"]["source"] == "direct"
+        assert {
+            d: api.get(f"/api/v1/devices/{d}").json()["desired_version"] for d in site.devices[1:]
+        } == untouched
+        for d in site.devices[1:]:
+            assert site.runs(api, d, OLD)
+        site.alive()
+
+    # The operator removes the failed deployment: gone from the API, nothing on a device changes.
+    assert "slow" in _cli(site, "deployments", "ls")
+    assert "deleted" in _cli(site, "deployments", "delete", "slow", "--yes")
+    with site.api() as api:
+        assert api.get("/api/v1/deployments/slow").status_code == 404
+        assert api.delete("/api/v1/deployments/slow").status_code == 404
+        for d in site.devices:
+            assert site.runs(api, d, OLD)
 
 
 @pytest.mark.parametrize("site", [3], indirect=True)
