@@ -2,7 +2,13 @@
 
 Store layout under ``data_dir/models``: ``<sha256>.onnx`` once verified; while fetching,
 ``<sha256>.part`` (pre-sized, chunks written in place) and ``<sha256>.bitmap`` (which chunks are on
-disk), so a restarted agent asks only for what it still lacks.
+disk, made durable by fsync), so a restarted agent asks only for what it still lacks.
+
+Who does what: paho's network thread only parses a chunk frame and hands the bytes over (no hashing,
+no disk). The fetch thread asks for more first, then checks each chunk's sha256, writes it and feeds
+the whole-file sha256 in file order (so the final check does not read the file back). A sync thread
+per transfer fsyncs in batches of a few MiB, then records the chunks in the bitmap: each fsync waits
+milliseconds on the disk (tens while other programs write), which on the fetch thread set the pace.
 """
 
 from __future__ import annotations
@@ -14,13 +20,17 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING
 
-from fleet_protocol.codec import ProtocolError, decode_chunk
+from fleet_protocol.codec import ChunkHeader, ProtocolError, check_chunk, split_chunk
 from fleet_protocol.messages import ArtifactRef, ArtifactRequest
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +38,13 @@ RequestFn = Callable[[ArtifactRequest], bool]
 ProgressFn = Callable[[int, float], None]
 
 DISK_MARGIN_BYTES = 16 * 2**20
+# Written chunks are fsynced (and then recorded in the bitmap) once this many bytes are pending, or
+# after SYNC_INTERVAL_S, whichever comes first. Default per transfer: a sixteenth of the file within
+# these bounds, so a kill -9 at any point leaves most of what arrived resumable. The fsyncs run on a
+# thread of their own and coalesce while one is in progress, so a slow disk means fewer, not slower.
+SYNC_MIN_BYTES = 1 * 2**20
+SYNC_MAX_BYTES = 16 * 2**20
+SYNC_INTERVAL_S = 1.0
 
 
 class FetchError(Exception):
@@ -43,14 +60,19 @@ class _Transfer:
     ref: ArtifactRef
     part: Path
     bitmap: Path
-    have: bytearray
+    have: bytearray  # chunks checked and written to the part file (durable or not yet)
+    durable: bytearray  # chunks fsynced: what the bitmap on disk says
     outstanding: dict[int, float] = field(default_factory=dict)
-    # Chunks checked and handed over by the link thread, not yet written: the fetch thread writes
-    # them in batches, so the network thread never waits on the disk.
-    arrived: dict[int, bytes] = field(default_factory=dict)
+    # Frames parsed by the link thread, not yet checked or written: the fetch thread does both, so
+    # the network thread never waits on hashing or the disk.
+    arrived: dict[int, tuple[ChunkHeader, memoryview]] = field(default_factory=dict)
     bad_chunks: int = 0
     reask: bool = False
-    received: int = 0
+    received: int = 0  # chunks that passed their checksum
+    hasher: _Hash = field(default_factory=hashlib.sha256)
+    hashed: int = 0  # chunks 0..hashed-1 are in ``hasher``
+    unsynced_bytes: int = 0
+    last_sync: float = field(default_factory=time.monotonic)
 
     @property
     def total(self) -> int:
@@ -63,9 +85,13 @@ class _Transfer:
     def bytes_have(self) -> int:
         return sum(self.chunk_len(i) for i, h in enumerate(self.have) if h)
 
-    def missing(self) -> list[int]:
-        """Chunks neither on disk nor waiting to be written."""
-        return [i for i, h in enumerate(self.have) if not h and i not in self.arrived]
+    def missing(self, pending: dict[int, tuple[ChunkHeader, memoryview]]) -> Iterator[int]:
+        """Chunks neither written, nor waiting to be written, nor asked for."""
+        return (
+            i
+            for i, h in enumerate(self.have)
+            if not h and i not in self.arrived and i not in pending and i not in self.outstanding
+        )
 
 
 def file_sha256(path: Path) -> str:
@@ -87,6 +113,8 @@ class ArtifactFetcher:
         request_timeout_s: float = 5.0,
         max_retries: int = 6,
         disk_free: Callable[[Path], int] | None = None,
+        sync_bytes: int | None = None,
+        sync_interval_s: float = SYNC_INTERVAL_S,
     ) -> None:
         self.store = store_dir
         self.store.mkdir(parents=True, exist_ok=True)
@@ -98,9 +126,12 @@ class ArtifactFetcher:
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self._disk_free = disk_free or (lambda p: shutil.disk_usage(p).free)
+        self.sync_bytes = sync_bytes
+        self.sync_interval_s = sync_interval_s
         self._cond = threading.Condition()
         self._transfers: dict[str, _Transfer] = {}
         self.bad_chunks = 0
+        self.syncs = 0  # fsyncs of part files, for tests and benches
 
     def path_for(self, sha256: str) -> Path:
         return self.store / f"{sha256}.onnx"
@@ -156,9 +187,9 @@ class ArtifactFetcher:
         if not any(have):
             with part.open("wb") as f:
                 f.truncate(ref.manifest.size)
-        tr = _Transfer(ref=ref, part=part, bitmap=bitmap, have=have)
-        self._save_bitmap(tr)
-        return tr
+            # A stale bitmap must not vouch for the fresh, empty part file; the first sync writes one.
+            bitmap.unlink(missing_ok=True)
+        return _Transfer(ref=ref, part=part, bitmap=bitmap, have=have, durable=bytearray(have))
 
     def _save_bitmap(self, tr: _Transfer) -> None:
         tmp = tr.bitmap.with_suffix(".bitmap.tmp")
@@ -167,42 +198,106 @@ class ArtifactFetcher:
                 {
                     "chunk_size": tr.ref.chunk_size,
                     "total": tr.total,
-                    "have": "".join("1" if h else "0" for h in tr.have),
+                    "have": "".join("1" if h else "0" for h in tr.durable),
                 }
             )
         )
         os.replace(tmp, tr.bitmap)
 
-    def _flush(self, tr: _Transfer, part: BinaryIO) -> bool:
-        """Write the chunks that arrived, make them durable, then record them in the bitmap."""
+    def _sync_threshold(self, tr: _Transfer) -> int:
+        if self.sync_bytes is not None:
+            return self.sync_bytes
+        return min(SYNC_MAX_BYTES, max(SYNC_MIN_BYTES, tr.ref.manifest.size // 16))
+
+    def _store(self, tr: _Transfer, fd: int, batch: dict[int, tuple[ChunkHeader, memoryview]]) -> int:
+        """Check and write the chunks of ``batch``, feed the whole-file hash; returns how many were good."""
+        good: dict[int, memoryview] = {}
+        for index, (header, data) in sorted(batch.items()):
+            if tr.have[index]:
+                continue  # a duplicate (QoS 1 redelivery, or an answer to a re-ask)
+            try:
+                check_chunk(header, data)
+            except ProtocolError as exc:
+                log.warning("discarding bad chunk: %s", exc)
+                with self._cond:
+                    self.bad_chunks += 1
+                    tr.bad_chunks += 1
+                    tr.reask = True  # asked again below, with a retry spent
+                continue
+            _pwrite_all(fd, data, index * tr.ref.chunk_size)
+            good[index] = data
+            tr.unsynced_bytes += len(data)
+        if good:
+            with self._cond:
+                for index in good:
+                    tr.have[index] = 1  # only once written: a sync that sees it covers it
+                tr.received += len(good)
+        self._advance_hash(tr, fd, good)
+        return len(good)
+
+    def _advance_hash(self, tr: _Transfer, fd: int, fresh: dict[int, memoryview]) -> None:
+        """Feed the whole-file sha256 with every chunk now contiguous from the start of the file.
+
+        A chunk that just arrived is hashed from memory (the bytes just written); one written out of
+        order or by an earlier run (resume) is read back from the part file.
+        """
+        while tr.hashed < tr.total and tr.have[tr.hashed]:
+            i = tr.hashed
+            data: bytes | memoryview | None = fresh.get(i)
+            if data is None:
+                data = os.pread(fd, tr.chunk_len(i), i * tr.ref.chunk_size)
+                if len(data) != tr.chunk_len(i):
+                    raise FetchError(f"part file of {tr.ref.manifest.name} is shorter than expected")
+            tr.hasher.update(data)
+            tr.hashed += 1
+
+    def _sync(self, tr: _Transfer, fd: int, *, record: bool = True) -> None:
+        """Make the written chunks durable, then record them in the bitmap: a chunk marked is on disk.
+
+        Runs on the transfer's sync thread, and once more on the fetch thread after that one stopped
+        (then without ``record`` when the file is complete: it is renamed and its bitmap deleted next).
+        """
         with self._cond:
-            batch, tr.arrived = tr.arrived, {}
-        if not batch:
-            return False
-        for index, data in sorted(batch.items()):
-            part.seek(index * tr.ref.chunk_size)
-            part.write(data)
-        part.flush()
-        # One fsync per batch, and the bitmap only after it: a chunk marked on disk is on disk.
-        os.fsync(part.fileno())
+            written = bytearray(tr.have)  # every chunk in it was written before the fsync starts
+        if written == tr.durable:
+            return
+        os.fsync(fd)
         with self._cond:
-            for index in batch:
-                tr.have[index] = 1
-        self._save_bitmap(tr)
-        return True
+            self.syncs += 1
+        tr.durable[:] = written
+        if record:
+            self._save_bitmap(tr)
 
     def _loop(self, tr: _Transfer, stop: threading.Event, progress: ProgressFn | None) -> None:
-        with tr.part.open("r+b") as part:
+        fd = os.open(tr.part, os.O_RDWR)
+        syncer = _Syncer(lambda: self._sync(tr, fd), name=f"artifact-sync-{tr.ref.manifest.sha256[:8]}")
+        try:
+            syncer.start()
             try:
-                self._fetch_chunks(tr, part, stop, progress)
+                self._fetch_chunks(tr, fd, stop, progress, syncer)
             finally:
-                self._flush(tr, part)  # a stop keeps what arrived: the restart asks only for the rest
+                # A stop keeps what arrived: the restart asks only for the rest.
+                with self._cond:
+                    batch, tr.arrived = tr.arrived, {}
+                try:
+                    self._store(tr, fd, batch)
+                finally:
+                    syncer.close()
+                self._sync(tr, fd, record=tr.hashed < tr.total)
+        finally:
+            os.close(fd)
 
     def _fetch_chunks(
-        self, tr: _Transfer, part: BinaryIO, stop: threading.Event, progress: ProgressFn | None
+        self,
+        tr: _Transfer,
+        fd: int,
+        stop: threading.Event,
+        progress: ProgressFn | None,
+        syncer: _Syncer,
     ) -> None:
         size = tr.ref.manifest.size
         window = max(1, min(64, max(self.window, self.window_bytes // tr.ref.chunk_size)))
+        sync_bytes = self._sync_threshold(tr)
         retries = 0
         last_received = tr.received
         if progress is not None:
@@ -210,12 +305,11 @@ class ArtifactFetcher:
         while True:
             if stop.is_set():
                 raise FetchCancelled("stopped")
-            if self._flush(tr, part) and progress is not None:
-                progress(tr.bytes_have(), 100.0 * tr.bytes_have() / size)
+            if syncer.error is not None:
+                raise syncer.error
             with self._cond:
+                batch, tr.arrived = tr.arrived, {}
                 seen = tr.received
-                if all(tr.have):
-                    return
                 now = time.monotonic()
                 if seen != last_received:
                     retries = 0  # progress was made: the controller is answering
@@ -232,10 +326,12 @@ class ArtifactFetcher:
                     # Ask again for everything outstanding: a lost or bad chunk is re-requested.
                     tr.outstanding.clear()
                     tr.reask = False
-                missing = tr.missing()
-                ask = [i for i in missing if i not in tr.outstanding][: window - len(tr.outstanding)]
+                room = window - len(tr.outstanding)
+                ask = list(islice(tr.missing(batch), room)) if room > 0 else []
                 for i in ask:
                     tr.outstanding[i] = now
+            # Ask before writing what arrived: the next chunks are on their way while this thread
+            # hashes and writes.
             if ask:
                 req = ArtifactRequest(sha256=tr.ref.manifest.sha256, chunks=ask, chunk_size=tr.ref.chunk_size)
                 if not self._request(req):
@@ -243,15 +339,29 @@ class ArtifactFetcher:
                     with self._cond:
                         for i in ask:
                             tr.outstanding.pop(i, None)
+                        tr.arrived.update(batch)  # not lost: written next round
                     stop.wait(0.5)
                     continue
+            stored = self._store(tr, fd, batch) if batch else 0
+            if tr.hashed < tr.total and not batch:
+                self._advance_hash(tr, fd, {})  # chunks an earlier run left on disk
+            if stored and progress is not None:
+                progress(tr.bytes_have(), 100.0 * tr.bytes_have() / size)
+            if tr.hashed == tr.total:
+                return  # the final sync happens in _loop, on this thread
+            if tr.unsynced_bytes >= sync_bytes or (
+                tr.unsynced_bytes and time.monotonic() - tr.last_sync >= self.sync_interval_s
+            ):
+                syncer.request()
+                tr.unsynced_bytes = 0
+                tr.last_sync = time.monotonic()
             with self._cond:
-                if tr.received == seen and not tr.reask and not tr.arrived and not all(tr.have):
+                if not tr.reask and not tr.arrived:
                     self._cond.wait(min(0.5, self.request_timeout_s))
 
     def _finish(self, tr: _Transfer) -> Path:
         sha = tr.ref.manifest.sha256
-        actual = file_sha256(tr.part)
+        actual = tr.hasher.hexdigest() if tr.hashed == tr.total else file_sha256(tr.part)
         if actual != sha:
             # Start from scratch next time: a chunk on disk is bad and we cannot tell which.
             tr.part.unlink(missing_ok=True)
@@ -269,11 +379,11 @@ class ArtifactFetcher:
 
     def on_chunk(self, payload: bytes) -> None:
         try:
-            header, data = decode_chunk(payload)
+            header, data = split_chunk(payload)
         except ProtocolError as exc:
-            self.bad_chunks += 1
             log.warning("discarding bad chunk: %s", exc)
             with self._cond:
+                self.bad_chunks += 1
                 for pending in self._transfers.values():
                     pending.bad_chunks += 1
                     pending.reask = True
@@ -298,7 +408,53 @@ class ArtifactFetcher:
                 return
             if tr.have[header.index] or header.index in tr.arrived:
                 return
-            tr.arrived[header.index] = data
+            tr.arrived[header.index] = (header, data)
             tr.outstanding.pop(header.index, None)
-            tr.received += 1
             self._cond.notify_all()
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+class _Syncer:
+    """Runs a transfer's fsyncs on a thread of their own.
+
+    An fsync waits on the disk (milliseconds each, tens while other programs write); meanwhile the
+    fetch thread goes on checking, hashing and writing the next chunks. ``request`` is coalescing: a
+    request made during an fsync gets one more fsync after it.
+    """
+
+    def __init__(self, sync: Callable[[], None], *, name: str) -> None:
+        self._sync = sync
+        self._wanted = threading.Event()
+        self._closing = False
+        self.error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request(self) -> None:
+        self._wanted.set()
+
+    def close(self, timeout: float = 60.0) -> None:
+        self._closing = True
+        self._wanted.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("%s did not stop within %.0f s", self._thread.name, timeout)
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self._closing:
+                return
+            try:
+                self._sync()
+            except OSError as exc:
+                self.error = exc
+                return

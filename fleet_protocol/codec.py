@@ -1,17 +1,20 @@
 """Encoding and decoding of wire messages, and the binary framing of artifact chunks.
 
-Everything that comes off the wire goes through :func:`decode` or :func:`decode_chunk`; both raise
-:class:`ProtocolError` with a message that says what is wrong, never anything else.
+Everything that comes off the wire goes through :func:`decode` or :func:`decode_chunk` (or its two
+halves, :func:`split_chunk` and :func:`check_chunk`); all raise :class:`ProtocolError` with a message
+that says what is wrong, never anything else.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from typing import TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from fleet_protocol.messages import (
     Ack,
@@ -55,6 +58,23 @@ class ProtocolError(ValueError):
     """A payload that does not follow the contract. The message says what is wrong."""
 
 
+# A JSON escape of a UTF-16 surrogate. Paired ones (an escaped emoji) are fine; a lone one parses into a
+# str that no UTF-8 database, log or JSON response can hold, so it must be refused here, at the edge.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _unicode_checked(msg: M, payload: bytes) -> M:
+    # Senders write UTF-8, not escapes: the search is cheap and almost never finds anything to check.
+    if _SURROGATE_ESCAPE.search(payload):
+        try:
+            msg.model_dump_json()
+        except PydanticSerializationError:
+            raise ProtocolError(
+                "payload has a string with a lone UTF-16 surrogate (not valid Unicode)"
+            ) from None
+    return msg
+
+
 def encode(msg: BaseModel) -> bytes:
     data = msg.model_dump_json(exclude_none=False).encode()
     if len(data) > MAX_JSON_BYTES:
@@ -81,7 +101,7 @@ def decode_as(cls: type[M], payload: bytes) -> M:
     # Fast path (pydantic parses the JSON itself); a payload it refuses goes the slow way below, which
     # says precisely what is wrong.
     try:
-        return cls.model_validate_json(bytes(payload))
+        return _unicode_checked(cls.model_validate_json(bytes(payload)), bytes(payload))
     except (ValidationError, RecursionError, ValueError):
         pass
     try:
@@ -97,7 +117,7 @@ def decode_as(cls: type[M], payload: bytes) -> M:
     if expected is not None and got != expected:
         raise ProtocolError(f"expected message type {expected!r}, got {got!r}")
     try:
-        return cls.model_validate(obj)
+        return _unicode_checked(cls.model_validate(obj), bytes(payload))
     except ValidationError as exc:
         raise ProtocolError(f"invalid {expected or cls.__name__}: {_first_error(exc)}") from None
     except RecursionError:
@@ -135,24 +155,42 @@ def encode_chunk(artifact_sha256: str, index: int, total: int, data: bytes) -> b
     return CHUNK_MAGIC + _HDR_LEN.pack(len(header)) + header + data
 
 
-def decode_chunk(payload: bytes) -> tuple[ChunkHeader, bytes]:
-    """Parse a chunk frame and check the chunk's own checksum."""
-    payload = bytes(payload)
-    if len(payload) < len(CHUNK_MAGIC) + _HDR_LEN.size or not payload.startswith(CHUNK_MAGIC):
+def split_chunk(payload: bytes | bytearray | memoryview) -> tuple[ChunkHeader, memoryview]:
+    """Parse a chunk frame WITHOUT checking the chunk's checksum; :func:`check_chunk` does that.
+
+    The data comes back as a view into ``payload`` (no copy): the agent's network thread only parses,
+    and the fetch thread checks and writes the bytes (a 256 KiB copy and hash per chunk off the thread
+    that reads the socket).
+    """
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise ProtocolError(f"payload must be bytes, got {type(payload).__name__}")
+    view = memoryview(payload).cast("B")
+    if len(view) < len(CHUNK_MAGIC) + _HDR_LEN.size or view[: len(CHUNK_MAGIC)] != CHUNK_MAGIC:
         raise ProtocolError("not an artifact chunk frame (bad magic)")
-    (hlen,) = _HDR_LEN.unpack_from(payload, len(CHUNK_MAGIC))
+    (hlen,) = _HDR_LEN.unpack_from(view, len(CHUNK_MAGIC))
     start = len(CHUNK_MAGIC) + _HDR_LEN.size
-    if hlen > 4096 or start + hlen > len(payload):
+    if hlen > 4096 or start + hlen > len(view):
         raise ProtocolError("chunk frame header length is out of bounds")
-    header = decode_as(_HeaderProbe, payload[start : start + hlen]).to_header()
-    data = payload[start + hlen :]
+    header = decode_as(_HeaderProbe, bytes(view[start : start + hlen])).to_header()
+    data = view[start + hlen :]
     if len(data) > MAX_CHUNK_BYTES:
         raise ProtocolError(f"chunk is {len(data)} bytes, over the {MAX_CHUNK_BYTES} byte limit")
     if header.index >= header.total:
         raise ProtocolError(f"chunk index {header.index} is not below total {header.total}")
+    return header, data
+
+
+def check_chunk(header: ChunkHeader, data: bytes | memoryview) -> None:
+    """Raise ProtocolError unless ``data`` matches the chunk sha256 its frame carries."""
     if hashlib.sha256(data).hexdigest() != header.chunk_sha256:
         raise ProtocolError(f"chunk {header.index} of {header.sha256[:12]} fails its checksum")
-    return header, data
+
+
+def decode_chunk(payload: bytes | bytearray | memoryview) -> tuple[ChunkHeader, bytes]:
+    """Parse a chunk frame and check the chunk's own checksum."""
+    header, data = split_chunk(payload)
+    check_chunk(header, data)
+    return header, bytes(data)
 
 
 class _HeaderProbe(ChunkHeader):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -132,3 +133,42 @@ def test_small_chunks_get_a_wider_window_up_to_the_byte_budget(tmp_path: Path) -
     assert f.fetch(ref_for(DATA), threading.Event()).read_bytes() == DATA
     assert max(len(r.chunks) for r in link.requests) > 2
     assert all(len(r.chunks) <= 6 for r in link.requests)
+
+
+def test_written_chunks_are_made_durable_in_batches_not_one_fsync_per_chunk(tmp_path: Path) -> None:
+    link = FakeLink(DATA)
+    f = fetcher_with(tmp_path, link, sync_bytes=4 * CHUNK)
+    assert f.fetch(ref_for(DATA), threading.Event()).read_bytes() == DATA
+    assert 1 <= f.syncs < 11  # 11 chunks; the last fsync makes the file durable before it is renamed
+
+
+def test_a_stopped_fetch_keeps_what_arrived_in_the_bitmap(tmp_path: Path) -> None:
+    stop = threading.Event()
+
+    def serve(i: int, n: int) -> bytes | None:
+        if i == 6:
+            stop.set()  # the agent stops (a new desired state, shutdown) in the middle of the transfer
+        return b"ok" if i < 6 else None
+
+    ref = ref_for(DATA)
+    with pytest.raises(FetchError):
+        fetcher_with(tmp_path, FakeLink(DATA, serve=serve), window=4, window_bytes=0).fetch(ref, stop)
+    bitmap = json.loads((tmp_path / "models" / f"{ref.manifest.sha256}.bitmap").read_text())
+    assert bitmap["have"] == "1" * 6 + "0" * 5
+
+
+def test_a_chunk_damaged_on_disk_since_an_earlier_run_fails_the_whole_file_check(tmp_path: Path) -> None:
+    """Chunks left by an earlier run are read back from the part file into the whole-file sha256."""
+    ref = ref_for(DATA)
+    first = FakeLink(DATA, serve=lambda i, n: b"ok" if i < 5 else None)
+    with pytest.raises(FetchError):
+        fetcher_with(tmp_path, first, request_timeout_s=0.05, max_retries=0).fetch(ref, threading.Event())
+    part = tmp_path / "models" / f"{ref.manifest.sha256}.part"
+    damaged = bytearray(part.read_bytes())
+    damaged[2 * CHUNK + 7] ^= 0xFF  # chunk 2, recorded as on disk by the first run
+    part.write_bytes(bytes(damaged))
+    second = FakeLink(DATA)
+    with pytest.raises(FetchError, match="sha256 mismatch"):
+        fetcher_with(tmp_path, second).fetch(ref, threading.Event())
+    assert sorted(second.asked) == list(range(5, 11))
+    assert not part.exists()  # the next attempt starts over
