@@ -1,21 +1,35 @@
 """Ingest benchmark: N simulated devices publish detection batches at QoS 1 to a real mosquitto.
 
 In the same run, two observers see the same traffic:
-  (a) a bare paho subscriber on ``devices/+/detections``: the rate the broker delivers (the raw limit);
+  (a) a bare paho subscriber on ``devices/+/detections``: the rate the broker delivers (the raw limit).
+      It does nothing per message, so in this burst it measures how fast the bench's own publishers
+      (paho clients in this one Python process, on the same machine) get the batches through the
+      broker; the controller cannot see them any sooner.
   (b) the controller (a real process, SQLite by default): the rate of batches decoded, validated and
       stored, taken from its end-to-end acks (an ack is published only after the commit, so an acked seq
       is queryable through the API).
 It prints both rates, their ratio (target >= 0.8) and the p50/p99 lag from publish to stored (ack).
-At the end the stored count is checked through the API.
+At the end the stored count is checked through the API. It also prints the CPU time the controller
+used per batch and the machine's load: on a shared machine the rates move with the load, the CPU per
+batch much less.
 
-Usage: ``python bench/ingest.py [--devices 20] [--batches 200] [--frames 5] [--detections 4] [--json]``
+Both rates share the machine: the CPU the controller takes during the burst is taken from the
+publishers, so the raw rate moves with the controller under test too; compare the controller's rate
+and its CPU per batch as well as the ratio.
+
+Usage: ``python bench/ingest.py [--devices 20] [--batches 200] [--frames 5] [--detections 4] [--json]
+[--database-url URL] [--profile FILE [--gil]]`` (``--profile`` records the controller with py-spy).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -77,13 +91,40 @@ def _client(broker: MosquittoBroker, name: str) -> mqtt.Client:
     return c
 
 
-def run(devices: int, batches: int, frames: int, dets: int) -> dict[str, Any]:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far: a figure the machine's load barely moves."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _profile(pid: int, out: Path, gil: bool) -> subprocess.Popen[bytes]:
+    # py-spy samples the controller from outside; --gil keeps only the thread holding the GIL, which is
+    # what bounds a GIL-bound process.
+    cmd = [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--rate", "200"]
+    cmd += ["--format", "raw", "--threads", "--output", str(out)]
+    if gil:
+        cmd.append("--gil")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def run(
+    devices: int,
+    batches: int,
+    frames: int,
+    dets: int,
+    profile: Path | None = None,
+    gil: bool = False,
+    database_url: str | None = None,
+) -> dict[str, Any]:
     total = devices * batches
     with tempfile.TemporaryDirectory(prefix="edgefleet-bench-ingest-") as tmp:
         work = Path(tmp)
         broker = MosquittoBroker(work / "mosquitto")
         broker.start()
-        controller = ControllerProcess(work, broker.url, EDGEFLEET_LOG_LEVEL="WARNING")
+        env = {"EDGEFLEET_LOG_LEVEL": "WARNING"}
+        if database_url:
+            env["EDGEFLEET_DATABASE_URL"] = database_url
+        controller = ControllerProcess(work, broker.url, **env)
         controller.start()
         try:
             lock = threading.Lock()
@@ -96,24 +137,40 @@ def run(devices: int, batches: int, frames: int, dets: int) -> dict[str, Any]:
             raw.subscribe(TOPICS.all_devices(TopicKind.DETECTIONS), qos=1)
 
             acks = _client(broker, "bench-acks")
+            # Per device, the seqs no ack has covered yet (ascending): an ack costs the bench what it
+            # newly covers, not a scan of every seq (the bench shares the machine it measures).
+            uncovered: dict[str, list[int]] = {}
 
             def on_ack(_c: mqtt.Client, _u: Any, m: mqtt.MQTTMessage) -> None:
                 now = time.monotonic()
                 parsed = TOPICS.parse(m.topic)
                 if parsed is None:
                     return
-                ack = decode(TopicKind.ACKS, m.payload)
+                ack = decode(TopicKind.ACKS, bytes(m.payload))
                 assert isinstance(ack, Ack)
+                dev = parsed.device_id
                 with lock:
-                    for seq in range(1, batches + 1):
-                        key = (parsed.device_id, seq)
-                        if key not in stored and ack.covers(seq):
-                            stored[key] = now
+                    left = uncovered.setdefault(dev, list(range(1, batches + 1)))
+                    i = bisect.bisect_right(left, ack.upto)
+                    for seq in left[:i]:
+                        stored[(dev, seq)] = now
+                    rest = left[i:]
+                    if ack.ranges:
+                        for seq in rest:
+                            if ack.covers(seq):
+                                stored[(dev, seq)] = now
+                        rest = [seq for seq in rest if (dev, seq) not in stored]
+                    uncovered[dev] = rest
 
             acks.on_message = on_ack
             acks.subscribe(TOPICS.all_devices(TopicKind.ACKS), qos=1)
             time.sleep(1.0)  # subscriptions settle (SUBACK) before the first publish
 
+            spy = None
+            if profile is not None:
+                assert controller.proc is not None
+                spy = _profile(controller.proc.pid, profile, gil)
+                time.sleep(1.0)  # py-spy attaches
             payloads = {seq: _batch(seq, frames, dets) for seq in range(1, batches + 1)}
             pubs = [_client(broker, f"bench-dev-{i}") for i in range(devices)]
 
@@ -128,6 +185,8 @@ def run(devices: int, batches: int, frames: int, dets: int) -> dict[str, Any]:
                 for info in infos:
                     info.wait_for_publish(120)
 
+            assert controller.proc is not None
+            cpu0 = _cpu_s(controller.proc.pid)
             t0 = time.monotonic()
             threads = [threading.Thread(target=publish, args=(i,)) for i in range(devices)]
             for t in threads:
@@ -138,6 +197,10 @@ def run(devices: int, batches: int, frames: int, dets: int) -> dict[str, Any]:
             wait_for(
                 lambda: len(stored) >= total, timeout=600, what="controller acked every batch", interval=0.1
             )
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+                spy.wait(30)
+            ctl_cpu = _cpu_s(controller.proc.pid) - cpu0
             raw_s = max(raw_times) - t0
             ctl_s = max(stored.values()) - t0
             lags = sorted(stored[k] - published[k] for k in stored)
@@ -165,6 +228,9 @@ def run(devices: int, batches: int, frames: int, dets: int) -> dict[str, Any]:
         "lag_p50_ms": round(1000 * statistics.median(lags), 1),
         "lag_p99_ms": round(1000 * lags[min(len(lags) - 1, int(0.99 * len(lags)))], 1),
         "stored_via_api": stored_api,
+        "controller_cpu_s": round(ctl_cpu, 2),
+        "controller_cpu_us_per_batch": round(1e6 * ctl_cpu / total, 1),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -175,8 +241,15 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=5, help="frames per batch")
     ap.add_argument("--detections", type=int, default=4, help="detections per frame")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--profile", type=Path, help="record the controller with py-spy (raw format) to this file"
+    )
+    ap.add_argument("--gil", action="store_true", help="with --profile: only samples holding the GIL")
+    ap.add_argument(
+        "--database-url", help="the controller's database (default: SQLite in a temporary folder)"
+    )
     a = ap.parse_args()
-    r = run(a.devices, a.batches, a.frames, a.detections)
+    r = run(a.devices, a.batches, a.frames, a.detections, a.profile, a.gil, a.database_url)
     if a.json:
         print(json.dumps(r))
         return
@@ -189,6 +262,10 @@ def main() -> None:
     print(f"  ratio                : {r['ratio']:>9.3f}  (target >= 0.8)")
     print(f"  publish -> stored lag: p50 {r['lag_p50_ms']} ms, p99 {r['lag_p99_ms']} ms")
     print(f"  stored per the API   : {r['stored_via_api']} of {r['batches']}")
+    print(
+        f"  controller CPU       : {r['controller_cpu_s']:.2f} s ({r['controller_cpu_us_per_batch']:.0f} us/batch),"
+        f" machine load {r['load_avg_1m']}"
+    )
 
 
 if __name__ == "__main__":
