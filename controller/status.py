@@ -18,14 +18,23 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from controller import crud
-from controller.bridge import DROPPED_QUEUE_FULL, INVALID, OK, MqttBridge
+from controller.bridge import DROPPED_QUEUE_FULL, INVALID, OK, STORE_FAILED, MqttBridge
 from controller.db import session_scope
+from controller.ingest import _json_safe, _text
 from controller.models import Device, Event, HealthSample, utcnow
+from fleet_protocol import TopicKind
 from fleet_protocol.messages import Availability, CommandResult, Heartbeat, Message, ReportedState
 
 log = logging.getLogger(__name__)
 
 StatusMsg = Availability | Heartbeat | ReportedState | CommandResult
+MAX_VERSION = 2**31 - 1  # device.reported_version is a 32-bit INTEGER
+_KIND: dict[type, str] = {
+    Availability: TopicKind.AVAILABILITY.value,
+    Heartbeat: TopicKind.HEARTBEAT.value,
+    ReportedState: TopicKind.TWIN_REPORTED.value,
+    CommandResult: TopicKind.COMMAND_RESULT.value,
+}
 
 
 @dataclass
@@ -81,6 +90,9 @@ class StatusService:
     def submit(self, device_id: str, msg: Message) -> str | None:
         if not isinstance(msg, Availability | Heartbeat | ReportedState | CommandResult):
             return INVALID
+        if isinstance(msg, ReportedState) and msg.desired_version > MAX_VERSION:
+            # Never a version we issued, and more than the column holds: it would fail its whole batch.
+            return INVALID
         try:
             self._queue.put_nowait(_Item(device_id, msg, utcnow()))
         except queue.Full:
@@ -128,6 +140,27 @@ class StatusService:
                 log.exception("status worker step failed")
 
     def _apply(self, batch: list[_Item]) -> None:
+        try:
+            changed = self._apply_batch(batch)
+        except Exception as exc:
+            # One message the database refuses must not cost the others in its batch (births of
+            # other devices, their reported state): apply them one by one.
+            log.warning("status batch of %d failed (%s); applying one by one", len(batch), exc)
+            changed = set()
+            for item in batch:
+                try:
+                    changed |= self._apply_batch([item])
+                except Exception:
+                    self._bridge.counters.add(_KIND[type(item.msg)], STORE_FAILED)
+                    log.exception("could not apply %s from %s", type(item.msg).__name__, item.device_id)
+        if self._on_capabilities is not None:
+            for device_id in sorted(changed):
+                try:
+                    self._on_capabilities(device_id)
+                except Exception:
+                    log.exception("reacting to new capabilities of %s failed", device_id)
+
+    def _apply_batch(self, batch: list[_Item]) -> set[str]:
         changed: set[str] = set()
         with session_scope(self._engine) as s:
             crud.ensure_devices(s, device_ids={i.device_id for i in batch})
@@ -138,12 +171,7 @@ class StatusService:
                 if self._apply_one(s, dev, item):
                     changed.add(dev.id)
                 s.add(dev)
-        if self._on_capabilities is not None:
-            for device_id in sorted(changed):
-                try:
-                    self._on_capabilities(device_id)
-                except Exception:
-                    log.exception("reacting to new capabilities of %s failed", device_id)
+        return changed
 
     def _apply_one(self, s: Session, dev: Device, item: _Item) -> bool:
         """Apply one message; True when the device's capabilities changed."""
@@ -156,16 +184,17 @@ class StatusService:
                     log.info("device %s online", dev.id)
                 dev.last_seen = now
                 if msg.capabilities is not None:
-                    caps = msg.capabilities.model_dump(mode="json")
+                    caps = _json_safe(msg.capabilities.model_dump(mode="json"))
                     caps_changed = caps != dev.capabilities
                     dev.capabilities = caps
                 if msg.agent_version is not None:
-                    dev.agent_version = msg.agent_version
+                    dev.agent_version = _text(msg.agent_version)
             elif dev.status != "offline":
                 dev.status, dev.offline_since = "offline", now
                 log.info("device %s offline (availability)", dev.id)
         elif isinstance(msg, Heartbeat):
-            payload = msg.model_dump(mode="json")
+            # NaN/Infinity are valid floats on the wire but not JSON: PostgreSQL refuses them.
+            payload = _json_safe(msg.model_dump(mode="json"))
             if dev.status != "online":
                 # Alive is alive: a heartbeat after a timeout sweep (or a lost birth) means online.
                 dev.status, dev.online_since = "online", now
@@ -173,11 +202,11 @@ class StatusService:
             dev.last_seen, dev.last_health = now, payload
             s.add(HealthSample(device_id=dev.id, ts=now, payload=payload))
         elif isinstance(msg, ReportedState):
-            dev.reported = msg.model_dump(mode="json")
+            dev.reported = _json_safe(msg.model_dump(mode="json"))
             dev.reported_version = msg.desired_version
             dev.last_seen = now
             if msg.agent_version is not None:
-                dev.agent_version = msg.agent_version
+                dev.agent_version = _text(msg.agent_version)
         else:
             s.add(
                 Event(
@@ -186,7 +215,7 @@ class StatusService:
                     kind="command_result",
                     severity="info" if msg.ok else "error",
                     message=(msg.error or "").replace("\x00", "\ufffd"),
-                    data=msg.model_dump(mode="json"),
+                    data=_json_safe(msg.model_dump(mode="json")),
                 )
             )
         return caps_changed

@@ -190,9 +190,15 @@ class Outbox:
             cur = self._db.cursor()
             cur.execute("BEGIN IMMEDIATE")
             try:
-                deleted = cur.execute("DELETE FROM outbox WHERE seq <= ?", (msg.upto,)).rowcount
+                # SQLite integers stop at 2**63 - 1, and so do seqs: a larger bound (a garbled or hostile
+                # ack) means the same as that one, instead of an OverflowError.
+                top = 2**63 - 1
+                deleted = cur.execute("DELETE FROM outbox WHERE seq <= ?", (min(msg.upto, top),)).rowcount
                 for a, b in msg.ranges:
-                    deleted += cur.execute("DELETE FROM outbox WHERE seq BETWEEN ? AND ?", (a, b)).rowcount
+                    if a <= top:
+                        deleted += cur.execute(
+                            "DELETE FROM outbox WHERE seq BETWEEN ? AND ?", (a, min(b, top))
+                        ).rowcount
                 cur.execute("DELETE FROM drop_reports WHERE seq NOT IN (SELECT seq FROM outbox)")
                 cur.execute("COMMIT")
             except BaseException:

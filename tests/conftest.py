@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.databases import database_url
 from tests.mqtt_broker import MosquittoBroker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,3 +29,14 @@ def own_broker(tmp_path: Path) -> Iterator[MosquittoBroker]:
     b.start()
     yield b
     b.kill()
+
+
+@pytest.fixture
+def controller_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str | None]:
+    """The controller's database: its default SQLite file, unless a test parametrizes this (indirect)."""
+    kind = getattr(request, "param", "sqlite")
+    if kind == "sqlite":
+        yield None
+        return
+    with database_url(kind, tmp_path / "db") as url:
+        yield url

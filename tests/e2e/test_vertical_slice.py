@@ -16,6 +16,7 @@ import pytest
 
 from fleet_protocol import TopicKind, Topics
 from tests.conftest import FOOTAGE, MODELS
+from tests.databases import DATABASES
 from tests.mqtt_broker import MosquittoBroker
 from tests.processes import AgentProcess, ControllerProcess
 from tests.waiting import wait_for
@@ -26,8 +27,11 @@ DEVICE = "e2e-site-1"
 
 
 @pytest.fixture
-def controller(tmp_path: Path, broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(tmp_path, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="30")
+def controller(
+    tmp_path: Path, broker: MosquittoBroker, controller_db: str | None
+) -> Iterator[ControllerProcess]:
+    db = {"EDGEFLEET_DATABASE_URL": controller_db} if controller_db else {}
+    c = ControllerProcess(tmp_path, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="30", **db)
     c.start()
     yield c
     c.stop()
@@ -83,6 +87,7 @@ def _iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     return inter / union if union > 0 else 0.0
 
 
+@pytest.mark.parametrize("controller_db", DATABASES, indirect=True)
 def test_detections_match_the_model_and_device_status_follows_the_agent(
     controller: ControllerProcess, agent: AgentProcess
 ) -> None:

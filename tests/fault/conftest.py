@@ -15,6 +15,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
+import sqlalchemy as sa
 from paho.mqtt.enums import CallbackAPIVersion
 
 from fleet_protocol.topics import Topics
@@ -102,12 +103,19 @@ class Figures:
 
 
 class Rig:
-    def __init__(self, tmp_path: Path, broker: MosquittoBroker) -> None:
+    def __init__(self, tmp_path: Path, broker: MosquittoBroker, db_url: str | None = None) -> None:
+        """``db_url``: the controller's database (None: its default SQLite file in its data folder)."""
         self.tmp = tmp_path
         self.broker = broker
         self.controller = ControllerProcess(
-            tmp_path, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S)
+            tmp_path,
+            broker.url,
+            EDGEFLEET_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S),
+            **({"EDGEFLEET_DATABASE_URL": db_url} if db_url else {}),
         )
+        sqlite_file = Path(self.controller.env["EDGEFLEET_DATA_DIR"]) / "edgefleet.db"
+        # The test reads what the controller stored straight from its database, whichever it is.
+        self._engine = sa.create_engine(db_url or f"sqlite:///{sqlite_file}")
         self.agents: list[AgentProcess] = []
         self.tap = WireTap(broker)
 
@@ -163,41 +171,33 @@ class Rig:
         return outbox_state(agent)["next_seq"] - 1
 
     def stored_detection_batches(self, device: str) -> int:
-        return int(self._db_one("SELECT COUNT(DISTINCT seq) FROM detection WHERE device_id = ?", device) or 0)
+        return int(
+            self._db_one("SELECT COUNT(DISTINCT seq) FROM detection WHERE device_id = :d", device) or 0
+        )
 
-    def _db(self) -> sqlite3.Connection:
-        path = Path(self.controller.env["EDGEFLEET_DATA_DIR"]) / "edgefleet.db"
-        return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
-
-    def _db_one(self, sql: str, *args: Any) -> Any:
-        db = self._db()
-        try:
-            row = db.execute(sql, args).fetchone()
-        finally:
-            db.close()
+    def _db_one(self, sql: str, device: str, **params: Any) -> Any:
+        with self._engine.connect() as db:
+            row = db.execute(sa.text(sql), {"d": device, **params}).first()
         return row[0] if row else None
 
     def stored_twice(self, device: str) -> int:
         """(device, seq) stored more than once: an event row twice, or one box of one frame twice."""
-        db = self._db()
-        try:
-            (events,) = db.execute(
-                "SELECT COUNT(*) FROM (SELECT seq FROM event WHERE device_id = ? AND seq IS NOT NULL "
-                "GROUP BY seq HAVING COUNT(*) > 1)",
-                (device,),
-            ).fetchone()
-            (boxes,) = db.execute(
-                "SELECT COUNT(*) FROM (SELECT seq FROM detection WHERE device_id = ? "
-                "GROUP BY seq, camera, frame, class_id, score, x0, y0, x1, y1 HAVING COUNT(*) > 1)",
-                (device,),
-            ).fetchone()
-            (seq_rows,) = db.execute(
-                "SELECT COUNT(*) FROM (SELECT seq FROM ingested_seq WHERE device_id = ? "
-                "GROUP BY seq HAVING COUNT(*) > 1)",
-                (device,),
-            ).fetchone()
-        finally:
-            db.close()
+        # PostgreSQL wants an alias on every subquery in FROM; SQLite accepts one.
+        events = self._db_one(
+            "SELECT COUNT(*) FROM (SELECT seq FROM event WHERE device_id = :d AND seq IS NOT NULL "
+            "GROUP BY seq HAVING COUNT(*) > 1) AS twice",
+            device,
+        )
+        boxes = self._db_one(
+            "SELECT COUNT(*) FROM (SELECT seq FROM detection WHERE device_id = :d "
+            "GROUP BY seq, camera, frame, class_id, score, x0, y0, x1, y1 HAVING COUNT(*) > 1) AS twice",
+            device,
+        )
+        seq_rows = self._db_one(
+            "SELECT COUNT(*) FROM (SELECT seq FROM ingested_seq WHERE device_id = :d "
+            "GROUP BY seq HAVING COUNT(*) > 1) AS twice",
+            device,
+        )
         return int(events) + int(boxes) + int(seq_rows)
 
     def converge(self, agent: AgentProcess, fault: str, timeout: float = 60) -> Figures:
@@ -248,6 +248,7 @@ class Rig:
             a.stop()
         self.tap.close()
         self.controller.stop()
+        self._engine.dispose()
 
 
 @pytest.fixture
@@ -259,8 +260,8 @@ def fault_broker(tmp_path: Path) -> Iterator[MosquittoBroker]:
 
 
 @pytest.fixture
-def rig(tmp_path: Path, fault_broker: MosquittoBroker) -> Iterator[Rig]:
-    r = Rig(tmp_path, fault_broker)
+def rig(tmp_path: Path, fault_broker: MosquittoBroker, controller_db: str | None) -> Iterator[Rig]:
+    r = Rig(tmp_path, fault_broker, controller_db)
     r.controller.start()
     yield r
     r.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.databases import DATABASES
 from tests.fault.conftest import Figures, Rig, outbox_state
 from tests.fault.tcp_proxy import TcpProxy
 from tests.waiting import wait_for
@@ -43,6 +44,8 @@ def test_broker_stopped_30s_mid_stream(rig: Rig) -> None:
     _zero_loss(rig.converge(agent, "a broker stopped 30s"))
 
 
+# On both databases: a controller killed mid-transaction must lose nothing on PostgreSQL either.
+@pytest.mark.parametrize("controller_db", DATABASES, indirect=True)
 def test_controller_kill9_mid_stream(rig: Rig) -> None:
     rig.deploy("fault-b")
     agent = rig.agent("fault-b")
@@ -119,7 +122,9 @@ def test_outbox_bound_drops_oldest_counted_and_reported(rig: Rig) -> None:
     assert fig.lost == 0, fig
     assert fig.stored_twice == 0, fig
     assert fig.outbox_dropped_agent >= 10, fig
-    assert fig.outbox_dropped_controller == fig.outbox_dropped_agent, fig
+    # A batch stored whose ack was lost (the broker link was down) can later be dropped and declared
+    # by the agent: the controller keeps it as stored, so its drop count may be the smaller one.
+    assert fig.outbox_dropped_controller <= fig.outbox_dropped_agent, fig
     assert fig.stored + fig.outbox_dropped_controller == fig.published, fig
 
 
@@ -143,10 +148,10 @@ def test_agent_restarted_offline_runs_from_disk_and_catches_up(rig: Rig, tmp_pat
     fig = rig.converge(agent, "offline restart (broker down)")
     _zero_loss(fig)
     offline_batches = rig._db_one(
-        "SELECT COUNT(*) FROM ingested_seq WHERE device_id = ? AND kind = 'detections' "
-        "AND NOT dropped AND seq BETWEEN ? AND ?",
+        "SELECT COUNT(*) FROM ingested_seq WHERE device_id = :d AND kind = 'detections' "
+        "AND NOT dropped AND seq BETWEEN :first AND :last",
         "fault-offline",
-        restarted_at,
-        offline_last,
+        first=restarted_at,
+        last=offline_last,
     )
     assert offline_batches >= 5, "the detections made offline arrived"
