@@ -577,10 +577,11 @@ def _build_int8(
         region_first = select_nodes_to_quantize(graph, first_layer=True)
         input_name = _input_name(base)
         candidates: list[tuple[str, Literal["qdq", "qoperator"], list[str] | None]] = [
-            ("QOperator, every supported node", "qoperator", None),
-            (f"QDQ, {len(region_first)} conv-region nodes incl. the first layer", "qdq", region_first),
-            (f"QDQ, {len(region)} conv-region nodes, first layer in float", "qdq", region),
-            (f"QOperator, {len(region)} conv-region nodes, first layer in float", "qoperator", region),
+            # No commas in a label: the method's first comma-separated part names the candidate.
+            ("QOperator on every supported node", "qoperator", None),
+            (f"QDQ on {len(region_first)} conv-region nodes incl. the first layer", "qdq", region_first),
+            (f"QDQ on {len(region)} conv-region nodes (first layer in float)", "qdq", region),
+            (f"QOperator on {len(region)} conv-region nodes (first layer in float)", "qoperator", region),
         ]
         attempts: list[tuple[VariantReport, Path]] = []
         for i, (label, fmt, nodes) in enumerate(candidates):
