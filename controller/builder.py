@@ -250,6 +250,8 @@ class VariantWorker:
             reason=r.reason,
             target=str(r.target),
             build_s=float(r.build_s or 0.0),
+            int8_isa=getattr(r, "int8_isa", None),  # an injected test builder may not know these
+            reduce_range=bool(getattr(r, "reduce_range", False)),
         )
 
     def _record(

@@ -246,6 +246,10 @@ class ModelVariantBase(SQLModel):
     reason: str | None = None
     target: str = Field(default="any", max_length=8)
     build_s: float = Field(default=0.0)
+    # int8: the controller CPU's ISA it was judged on ("vnni" / "no-vnni", None when unknown) and
+    # whether its weights are 7-bit (same results on any CPU); the per-device choice reads both.
+    int8_isa: str | None = Field(default=None, max_length=8)
+    reduce_range: bool = Field(default=False)
 
 
 class ModelVariant(ModelVariantBase, table=True):

@@ -66,6 +66,8 @@ def _reports(rows: list[ModelVariant]) -> list[Any]:
                 reason=r.reason,
                 target=r.target if r.target in ("cpu", "gpu", "any") else "any",  # type: ignore[arg-type]
                 build_s=r.build_s,
+                int8_isa=r.int8_isa if r.int8_isa in ("vnni", "no-vnni") else None,  # type: ignore[arg-type]
+                reduce_range=r.reduce_range,
             )
         )
     return out

@@ -36,11 +36,15 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from controller.fidelity import Det, Fidelity, Geometry, decode, match, preprocess, read_footage_frames
-from fleet_protocol.messages import Capabilities, ModelManifest
+from fleet_protocol.messages import VNNI_FLAGS, Capabilities, ModelManifest, cpu_flags_from_cpuinfo
 
 log = logging.getLogger(__name__)
 
 VariantName = Literal["fp32", "fp16", "int8"]
+# The integer instructions INT8 fidelity was judged with: onnxruntime's u8s8 kernels are exact with VNNI
+# and can saturate on AVX2 without it (measured: a ped_ssdlite candidate F1 0.968 -> 0.893), so a figure
+# from one kind of CPU does not vouch for the other. None: not x86 with AVX2, or not recorded.
+Int8Isa = Literal["vnni", "no-vnni"]
 Progress = Callable[[str, float], None]
 
 TRT_EP = "TensorrtExecutionProvider"
@@ -94,6 +98,10 @@ class VariantReport(BaseModel):
     target: Literal["cpu", "gpu", "any"] = "any"  # fp32 runs anywhere; fp16 is for GPUs, int8 for CPUs
     method: str = ""
     build_s: float = 0.0
+    # int8 only: the controller CPU it was judged on, and whether its weights are 7-bit (reduce_range),
+    # which gives the same results with and without VNNI, so its figures hold on any CPU.
+    int8_isa: Int8Isa | None = None
+    reduce_range: bool = False
 
 
 # --------------------------------------------------------------------------- public API
@@ -113,6 +121,7 @@ def build_variants(
     fp16_timeout_s: float = 120.0,
     latency_rounds: int = 5,
     latency_runs: int = 5,
+    cpuinfo: Path = Path("/proc/cpuinfo"),
 ) -> list[VariantReport]:
     """Build, measure and judge the fp32, fp16 and int8 variants of ``model_path``.
 
@@ -191,6 +200,7 @@ def build_variants(
     int8 = _build_int8(
         model_path, manifest, out_dir / "int8.onnx", calib_inputs, judge, calib_progress, speed
     )
+    int8.int8_isa = cpu_isa(cpuinfo)
 
     report("latency", 80.0)
     reports = [fp32, fp16, int8]
@@ -226,11 +236,30 @@ def build_variants(
     return reports
 
 
+def cpu_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> Int8Isa | None:
+    """This machine's :data:`Int8Isa`, from ``cpuinfo`` (a seam for tests); None when unknown."""
+    try:
+        flags = cpu_flags_from_cpuinfo(cpuinfo.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return None
+    return isa_of(flags)
+
+
+def isa_of(flags: Sequence[str] | None) -> Int8Isa | None:
+    """ "vnni", "no-vnni" (x86 with AVX2 but no VNNI: the saturating kernels), or None (unknown/other)."""
+    if flags is None:
+        return None
+    if VNNI_FLAGS.intersection(flags):
+        return "vnni"
+    return "no-vnni" if "avx2" in flags else None
+
+
 def choose_variant(reports: Sequence[VariantReport], capabilities: Capabilities) -> tuple[str, str]:
     """The variant a device should run, and a sentence saying why (shown in the API).
 
     TensorRT-capable -> fp16 (the device builds its engine from it), CUDA only -> fp16, CPU -> int8;
-    each only when fit, otherwise fp32, which always runs.
+    each only when fit, otherwise fp32, which always runs. A CPU device that reports flags without VNNI
+    gets int8 only when its figures hold there (see :func:`_int8_on_this_cpu`).
     """
     by_name = {r.variant: r for r in reports}
     providers = capabilities.execution_providers
@@ -258,8 +287,39 @@ def choose_variant(reports: Sequence[VariantReport], capabilities: Capabilities)
     head = f"CPU-only device (providers: {shown})"
     int8 = by_name.get("int8")
     if int8 is not None and int8.fit:
-        return "int8", f"{head}; int8 fit: {_figures(int8, by_name.get('fp32'), speed=True)}"
+        figures = _figures(int8, by_name.get("fp32"), speed=True)
+        refusal, note = _int8_on_this_cpu(int8, capabilities)
+        if refusal is not None:
+            return "fp32", f"{head}; int8 fit ({figures}) but {refusal}, so fp32"
+        return "int8", f"{head}; int8 fit: {figures}{note}"
     return "fp32", f"{head}; int8 {_unfit(int8)}, so fp32"
+
+
+def _int8_on_this_cpu(int8: VariantReport, capabilities: Capabilities) -> tuple[str | None, str]:
+    """(why a fit int8 must not go to this CPU, or None; a note for the reason when it may).
+
+    Any CPU that is not known to lack VNNI keeps today's choice: VNNI devices compute what a VNNI
+    controller judged, and a device that reports no flags (an agent older than ``cpu_flags``) is given
+    the benefit of the doubt, with the doubt said. A device known to lack VNNI (AVX2, also ARM: never
+    measured) gets int8 only when its figures hold without VNNI: 7-bit weights, or judged on such a CPU.
+    """
+    judged = int8.int8_isa
+    device_flags = capabilities.cpu_flags
+    if int8.reduce_range:
+        return None, "; portable (7-bit weights: same results with and without VNNI)"
+    if device_flags is None:
+        if judged is None:
+            return None, ""  # neither side recorded: nothing new to say (variants built before the ISA was)
+        shown = "a VNNI CPU" if judged == "vnni" else "a CPU without VNNI"
+        return None, f"; judged on {shown}, this device's ISA is unknown (it reports no CPU flags)"
+    if capabilities.has_vnni:
+        if judged == "vnni":
+            return None, "; judged on a VNNI CPU, as this device has"
+        return None, ""
+    if judged == "no-vnni":
+        return None, "; judged on a CPU without VNNI, as this device is"
+    shown = "a VNNI CPU" if judged == "vnni" else "a CPU whose ISA was not recorded"
+    return f"it was judged on {shown}; this device reports no VNNI, fidelity unverified", ""
 
 
 def fidelity_problem(fid: Fidelity, *, bar_f1: float, bar_iou: float, frames: int) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from fleet_protocol.messages import Capabilities, GpuInfo, GpuStats
+from fleet_protocol.messages import Capabilities, GpuInfo, GpuStats, cpu_flags_from_cpuinfo
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +154,22 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str] | None:
+    """The CPU's INT8-relevant instruction-set flags; None when cpuinfo cannot be read (not Linux).
+
+    None rather than []: the controller then says "ISA unknown" instead of "no VNNI".
+    """
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return cpu_flags_from_cpuinfo(text)
+
+
 class Health:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, cpuinfo: Path = Path("/proc/cpuinfo")) -> None:
         self.data_dir = data_dir
+        self.cpuinfo = cpuinfo  # a seam: tests pass a fake cpuinfo file
         self.started = time.monotonic()
         self.nvml = Nvml()
         self.rapl = Rapl()
@@ -207,4 +220,5 @@ class Health:
             onnxruntime_version=ort_version,
             tensorrt_version=trt_version,
             cameras=cameras,
+            cpu_flags=cpu_flags(self.cpuinfo),
         )

@@ -104,6 +104,45 @@ class GpuInfo(Strict):
     memory_total_mb: float | None = None
 
 
+# CPU instruction-set flags that decide how a CPU runs INT8 models, in /proc/cpuinfo's spelling (x86
+# ``flags``; ARM ``Features`` mapped: asimd -> neon, asimddp -> dotprod). onnxruntime's u8s8 kernels are
+# exact with avx512_vnni / avx_vnni and can saturate on AVX2 without them, so an INT8 variant judged on
+# one kind of CPU may score lower on the other.
+KNOWN_CPU_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_int8",
+    "neon",
+    "dotprod",
+    "i8mm",
+)
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni"})
+_ARM_FEATURES = {"asimd": "neon", "neon": "neon", "asimddp": "dotprod", "i8mm": "i8mm"}
+
+
+def cpu_flags_from_cpuinfo(text: str) -> list[str] | None:
+    """The :data:`KNOWN_CPU_FLAGS` a ``/proc/cpuinfo`` text names, in that order (pure, for tests).
+
+    Only the first processor's line is read: the cores of one machine share an instruction set. None
+    when the text has no flags/Features line at all: unknown, which is not the same as "none of them".
+    """
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip().lower()
+        if not sep or key not in ("flags", "features"):
+            continue
+        words = set(value.split())
+        found = {w for w in words if w in KNOWN_CPU_FLAGS}
+        found |= {_ARM_FEATURES[w] for w in words if w in _ARM_FEATURES}
+        return [f for f in KNOWN_CPU_FLAGS if f in found]
+    return None
+
+
+CpuFlag = Annotated[str, Field(max_length=32)]
+
+
 class Capabilities(Strict):
     hostname: str = ""
     os: str = ""
@@ -116,6 +155,25 @@ class Capabilities(Strict):
     onnxruntime_version: str | None = None
     tensorrt_version: str | None = None
     cameras: list[CameraId] = Field(default_factory=list)
+    # Instruction-set flags from KNOWN_CPU_FLAGS; None = not reported (an agent older than the field),
+    # which the controller treats as "ISA unknown", unlike [] (reported: none of the known flags).
+    cpu_flags: list[CpuFlag] | None = Field(default=None, max_length=64)
+
+    @field_validator("cpu_flags")
+    @classmethod
+    def _known_flags(cls, v: list[str] | None) -> list[str] | None:
+        # Names outside the known set are dropped, not refused: a newer agent that reports one more flag
+        # must not make its whole birth message undecodable for an older controller.
+        if v is None:
+            return None
+        return [f for f in KNOWN_CPU_FLAGS if f in v]
+
+    @property
+    def has_vnni(self) -> bool | None:
+        """True/False from the reported flags; None when the agent did not report any."""
+        if self.cpu_flags is None:
+            return None
+        return bool(VNNI_FLAGS.intersection(self.cpu_flags))
 
 
 class Availability(Msg):
