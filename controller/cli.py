@@ -518,10 +518,16 @@ def deploy(
     soak: Annotated[float, typer.Option(help="seconds each wave must stay healthy")] = 30.0,
     max_failure_ratio: Annotated[float, typer.Option(help="allowed failed share of a wave")] = 0.0,
     min_fps_ratio: Annotated[float, typer.Option(help="FPS after / FPS before, at least")] = 0.5,
-    max_latency_ms: Annotated[float | None, typer.Option(help="inference latency bound")] = None,
+    max_latency_ms: Annotated[
+        float | None,
+        typer.Option(help="bound on p99 inference latency, ms (the median for agents that report no p99)"),
+    ] = None,
     max_latency_ratio: Annotated[
         float | None, typer.Option(help="inference latency after / before, at most")
     ] = None,
+    max_watchdog_restarts: Annotated[
+        int, typer.Option(min=0, help="inference watchdog restarts a device may have in its soak")
+    ] = 0,
     step_timeout: Annotated[float, typer.Option(help="seconds a device may take to activate")] = 300.0,
     offline_timeout: Annotated[float, typer.Option(help="seconds offline before it counts as failed")] = 60.0,
     follow: Annotated[bool, typer.Option(help="show live progress until the rollout finishes")] = True,
@@ -547,6 +553,7 @@ def deploy(
             "min_fps_ratio": min_fps_ratio,
             "max_latency_ms": max_latency_ms,
             "max_latency_ratio": max_latency_ratio,
+            "max_watchdog_restarts": max_watchdog_restarts,
             "step_timeout_s": step_timeout,
             "offline_timeout_s": offline_timeout,
         },

@@ -23,9 +23,10 @@ from sqlmodel import Session, col, select
 
 from controller import crud
 from controller.deployments import get_deployment, matching_devices, rollout_devices, rollout_of
-from controller.models import Deployment, Device, HealthSample, Rollout, RolloutDevice, utcnow
+from controller.models import Deployment, Device, Event, HealthSample, Rollout, RolloutDevice, utcnow
 from controller.selectors import SelectorError, parse_selector
 from controller.twin import AUTO, ConflictError, NotFoundError, TwinService, choose
+from fleet_protocol.messages import EventKind
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ TICK_S = 1.0
 RUNNING, PAUSED = "running", "paused"
 CRASH_LOOP_RESTARTS = 3  # more restarts than this since admission is a crash loop
 FINISHED = ("succeeded", "failed", "cancelled", "rolled_back")
+# The agent's watchdog actions (edge_agent/watchdog.py WatchdogAction) the gate counts; "retry",
+# "recovered" and "command" (an operator's restart) are not signs of a bad model.
+WATCHDOG_RESTARTED, WATCHDOG_FAILED = "restarted", "failed"
+_IN_CHUNK = 500  # device ids per IN (...) list: far below every driver's parameter limit
 
 
 class GateConfig(BaseModel):
@@ -44,6 +49,12 @@ class GateConfig(BaseModel):
     # Inference latency after / before on the same device, at most: "far slower than its predecessor"
     # holds on any hardware, where an absolute bound needs to know the device.
     max_latency_ratio: float | None = Field(default=None, gt=0)
+    # Inference watchdog restarts (a hung run abandoned, the model reloaded) of the new model on one
+    # device, at most, counted from its admission. 0 by default: a brand-new model whose inference
+    # hangs even once during its soak is not promoted, since a hang on the canary is a bad sign
+    # whatever the FPS and latency figures say (a hung run reports neither). A watchdog "failed"
+    # step (the agent ran out of restarts) fails the gate whatever this says.
+    max_watchdog_restarts: int = Field(default=0, ge=0)
     step_timeout_s: float = Field(default=300.0, gt=0)
     offline_timeout_s: float = Field(default=60.0, ge=0)
 
@@ -95,6 +106,18 @@ def plan_waves(waves: Sequence[int | str], n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class WatchdogStep:
+    """One ``watchdog_restart`` event of a device, as the gate judges it."""
+
+    # When the controller stored it: its own clock, like admission and activation (an agent's
+    # clock may be off by any amount).
+    at: float
+    action: str  # restarted | failed | retry | recovered | command
+    reason: str = ""
+    model: str | None = None  # "name:version" of the model whose run hung; None: not known
+
+
+@dataclass(frozen=True)
 class DeviceView:
     id: str
     matches: bool = True
@@ -107,6 +130,7 @@ class DeviceView:
     latency_ms: Mapping[str, float] = field(default_factory=dict)
     latency_stat: str = "median"  # "p99" when every latency above is a p99
     restarts: tuple[float, ...] = ()  # when the agent came back up with a fresh uptime
+    watchdog: tuple[WatchdogStep, ...] = ()  # the inference watchdog's steps, oldest first
 
 
 @dataclass(frozen=True)
@@ -234,16 +258,64 @@ def _settle_active(m: MemberView, dev: DeviceView | None, r: RolloutView, now: f
     return None
 
 
+def _watchdog_steps(m: MemberView, dev: DeviceView, model: str) -> list[WatchdogStep]:
+    """The watchdog steps that are the new model's doing on this device.
+
+    A step naming the rollout's model counts from admission: this rollout put it there (steps of an
+    earlier rollout of the same version are older), and a hang between the agent's activation and
+    the tick that notices it is still its hang. A step naming no model counts from activation only (before it, the old model was running).
+    Steps of other models (other deployments on other cameras) are not this rollout's.
+    """
+    since_activation = m.settled_at if m.settled_at is not None else m.admitted_at
+    return [
+        s
+        for s in dev.watchdog
+        if (s.model == model and s.at >= m.admitted_at) or (s.model is None and s.at >= since_activation)
+    ]
+
+
+def _watchdog_figures(m: MemberView, dev: DeviceView, model: str) -> dict[str, Any] | None:
+    steps = _watchdog_steps(m, dev, model)
+    restarts = [s for s in steps if s.action == WATCHDOG_RESTARTED]
+    failures = [s for s in steps if s.action == WATCHDOG_FAILED]
+    if not restarts and not failures:
+        return None
+    # The latest failure says most (it includes the restarts that led to it), else the latest restart.
+    last = (failures or restarts)[-1]
+    return {"restarts": len(restarts), "failures": len(failures), "reason": last.reason}
+
+
+def _watchdog_verdict(fig: dict[str, Any], r: RolloutView) -> str | None:
+    """Why the watchdog figures fail the gate, or None. Conclusive as soon as it is true: counts since
+    admission only grow, so the gate need not wait for the soak to end."""
+    limit = r.gate.max_watchdog_restarts
+    bad: list[str] = []
+    for d, wd in sorted((fig.get("watchdog") or {}).items()):
+        reason = str(wd.get("reason") or "no reason")[:300]
+        n = wd["restarts"]
+        restarts = f"{n} restart" + ("" if n == 1 else "s")
+        if wd["failures"]:
+            bad.append(f"{d} failed after {restarts}: {reason}")
+        elif n > limit:
+            bad.append(f"{d} {restarts}: {reason}")
+    if not bad:
+        return None
+    return f"inference watchdog (at most {limit} restarts, no failure): " + "; ".join(bad)
+
+
 def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: RolloutView) -> dict[str, Any]:
     failed = [m.device_id for m in wave if m.state == "failed"]
     ratios: dict[str, float] = {}
     latencies: dict[str, float] = {}
     latency_stats: dict[str, str] = {}
     latency_ratios: dict[str, float] = {}
+    watchdog: dict[str, dict[str, Any]] = {}
     for m in wave:
         dev = devices.get(m.device_id)
         if m.state != "active" or dev is None or not m.cameras:
             continue
+        if (wd := _watchdog_figures(m, dev, r.model)) is not None:
+            watchdog[m.device_id] = wd
         fps = [dev.fps[c] for c in m.cameras if c in dev.fps]
         if fps and m.baseline_fps:
             ratios[m.device_id] = round(min(fps) / m.baseline_fps, 3)
@@ -271,6 +343,9 @@ def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: Rollo
         "latency_ratio": latency_ratios,
         "latency_ratio_max": max(latency_ratios.values()) if latency_ratios else None,
         "max_latency_ratio": r.gate.max_latency_ratio,
+        # device → {"restarts", "failures", "reason"}: only devices whose new model the watchdog touched
+        "watchdog": watchdog,
+        "max_watchdog_restarts": r.gate.max_watchdog_restarts,
     }
 
 
@@ -279,6 +354,8 @@ def _verdict(fig: dict[str, Any], r: RolloutView) -> str | None:
     if fig["failure_ratio"] > r.gate.max_failure_ratio:
         why = "; ".join(f"{d}: {reason or 'failed'}" for d, reason in sorted(fig["failures"].items()))
         return f"{len(fig['failed'])} of {fig['size']} devices failed ({why})"
+    if (hung := _watchdog_verdict(fig, r)) is not None:
+        return hung
     low = {d: v for d, v in fig["fps_ratio"].items() if v < r.gate.min_fps_ratio}
     if low:
         return "FPS fell below {:g} of the FPS before: {}".format(
@@ -347,7 +424,8 @@ def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[
     if w in r.gated_waves:
         return actions
     fig = _figures(wave, devices, r)
-    if fig["failure_ratio"] > r.gate.max_failure_ratio:
+    # Both are final once true (failures and watchdog counts only grow): fail now, not after the soak.
+    if fig["failure_ratio"] > r.gate.max_failure_ratio or _watchdog_verdict(fig, r) is not None:
         bad = _verdict(fig, r) or "too many failures"
         return [
             *actions,
@@ -408,6 +486,38 @@ def restarts_since(s: Session, device_id: str, since: datetime) -> tuple[float, 
     return tuple(out)
 
 
+def watchdog_steps_since(s: Session, since: Mapping[str, datetime]) -> dict[str, tuple[WatchdogStep, ...]]:
+    """Per device, the inference watchdog's steps stored since the given time, oldest first."""
+    out: dict[str, list[WatchdogStep]] = {d: [] for d in since}
+    ids = sorted(since)
+    for i in range(0, len(ids), _IN_CHUNK):
+        chunk = ids[i : i + _IN_CHUNK]
+        rows = s.exec(
+            select(Event.device_id, Event.stored_at, Event.data)
+            .where(
+                col(Event.kind) == EventKind.WATCHDOG_RESTART.value,
+                col(Event.device_id).in_(chunk),
+                col(Event.stored_at) >= min(since[d] for d in chunk),
+            )
+            .order_by(col(Event.stored_at), col(Event.id))
+        ).all()
+        for device_id, stored_at, data in rows:
+            if stored_at < since[device_id]:
+                continue
+            # The data is the agent's: take only well-typed values.
+            d = data if isinstance(data, dict) else {}
+            action, reason, model = d.get("action"), d.get("reason"), d.get("model")
+            out[device_id].append(
+                WatchdogStep(
+                    at=stored_at.timestamp(),
+                    action=action if isinstance(action, str) else "",
+                    reason=reason if isinstance(reason, str) else "",
+                    model=model if isinstance(model, str) and model else None,
+                )
+            )
+    return {d: tuple(v) for d, v in out.items()}
+
+
 def camera_latency(cam: Mapping[str, Any]) -> tuple[float, str] | None:
     """The latency a gate judges for one camera of a heartbeat, and which statistic it is: the p99
     where the agent reports it, else the median (agents before p99). None: nothing usable."""
@@ -418,7 +528,12 @@ def camera_latency(cam: Mapping[str, Any]) -> tuple[float, str] | None:
     return None
 
 
-def device_view(dev: Device, dep: Deployment, restarts: tuple[float, ...] = ()) -> DeviceView:
+def device_view(
+    dev: Device,
+    dep: Deployment,
+    restarts: tuple[float, ...] = (),
+    watchdog: tuple[WatchdogStep, ...] = (),
+) -> DeviceView:
     from controller.deployments import matches
 
     health = dev.last_health or {}
@@ -443,6 +558,7 @@ def device_view(dev: Device, dep: Deployment, restarts: tuple[float, ...] = ()) 
         latency_ms=lat,
         latency_stat="p99" if stats == {"p99"} else "median",
         restarts=restarts,
+        watchdog=watchdog,
     )
 
 
@@ -534,8 +650,14 @@ class RolloutService:
                 if m.admitted_at is not None
                 and (m.state == "applying" or (m.state == "active" and m.wave == ro.current_wave))
             }
+            steps = watchdog_steps_since(s, watched)
             devices = {
-                d.id: device_view(d, dep, restarts_since(s, d.id, watched[d.id]) if d.id in watched else ())
+                d.id: device_view(
+                    d,
+                    dep,
+                    restarts_since(s, d.id, watched[d.id]) if d.id in watched else (),
+                    steps.get(d.id, ()),
+                )
                 for d in crud.list_devices(s)
             }
             actions = step(rollout_view(ro, dep, list(members.values())), devices, now)

@@ -14,6 +14,14 @@
     node.dataset.hbTs = hbTs === undefined ? "" : String(hbTs);
   }
 
+  // The p99 beside the median: a slow tail (what the rollout gate judges) hides under a fine median.
+  // "—", not "not measured": agents from before p99 do not report it at all.
+  function p99Cell(v, hbTs) {
+    const absent = v === null || v === undefined || Number.isNaN(v);
+    return el("td", { class: "num", dataset: { field: "p99", value: absent ? "" : String(v), hbTs: hbTs === undefined ? "" : String(hbTs) } },
+      absent ? "—" : `${Number(v).toFixed(1)} ms`);
+  }
+
   function duration(s) {
     if (s === null || s === undefined) return EF.notMeasured();
     if (s < 120) return `${s.toFixed(0)} s`;
@@ -87,11 +95,12 @@
         el("td", { class: "num", dataset: { field: "fps" } }, num(c.fps, 1)),
         el("td", { class: "num" }, c.dropped === undefined ? "–" : String(c.dropped)),
         el("td", { class: "num hide-sm" }, c.frames === undefined ? "–" : String(c.frames)),
-        el("td", { class: "num" }, num(c.inference_ms, 1, "ms")),
+        el("td", { class: "num", dataset: { field: "median" } }, num(c.inference_ms, 1, "ms")),
+        p99Cell(c.inference_p99_ms, hb),
         el("td", {}, rep.model || c.model || "none", rep.state ? " " : "", rep.state ? badge(rep.state) : "",
           rep.error ? el("div", { class: "err" }, rep.error) : ""),
         el("td", {}, btn));
-    }) : [el("tr", {}, el("td", { colspan: 8, class: "muted" }, "no cameras reported yet"))]));
+    }) : [el("tr", {}, el("td", { colspan: 9, class: "muted" }, "no cameras reported yet"))]));
   }
 
   function renderEvents(events) {

@@ -144,6 +144,20 @@ def test_device_page_matches_the_api_and_the_snapshot_button_shows_an_image(
             assert text == f"{payload[field]:.1f} %"
         cam = page.locator('#cameras tr[data-camera="cam1"]')
         assert "up" in cam.inner_text() and "ped_ssdlite" in cam.inner_text()
+        # The p99 beside the median: the agent reports one once it has run inferences; the cell says
+        # which heartbeat it shows, and that heartbeat through the API must agree.
+        p99_cell = '#cameras tr[data-camera="cam1"] td[data-field="p99"]'
+        page.wait_for_selector(f'{p99_cell}[data-value]:not([data-value=""])', timeout=15_000)
+        value, ts, text = page.evaluate(
+            f"""() => {{ const c = document.querySelector('{p99_cell}');
+                 return [c.dataset.value, c.dataset.hbTs, c.innerText]; }}"""
+        )
+        samples = fleet.api.get(f"/api/v1/devices/{DEVICE}/health", params={"limit": 200}).json()
+        (payload,) = [s["payload"] for s in samples if s["payload"]["ts"] == float(ts)]
+        (stats,) = [c for c in payload["cameras"] if c["camera"] == "cam1"]
+        assert stats["inference_p99_ms"] is not None and float(value) == stats["inference_p99_ms"]
+        # Compared as numbers: JS and Python round an exact tie (41.25) differently.
+        assert text.endswith(" ms") and abs(float(text[:-3]) - stats["inference_p99_ms"]) <= 0.05 + 1e-9
         assert "not measured" in page.locator("#gpus").inner_text()  # no GPU here: said, not invented
         page.wait_for_selector("#events tr[data-kind]", timeout=15_000)
 
