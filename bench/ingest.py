@@ -18,7 +18,7 @@ publishers, so the raw rate moves with the controller under test too; compare th
 and its CPU per batch as well as the ratio.
 
 Usage: ``python bench/ingest.py [--devices 20] [--batches 200] [--frames 5] [--detections 4] [--json]
-[--database-url URL] [--profile FILE [--gil]]`` (``--profile`` records the controller with py-spy).
+[--database-url URL] [--profile FILE [--gil]]`` (``--profile`` records the controller with py-spy, which is not a dependency: ``pip install py-spy``).
 """
 
 from __future__ import annotations
@@ -242,7 +242,9 @@ def main() -> None:
     ap.add_argument("--detections", type=int, default=4, help="detections per frame")
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
-        "--profile", type=Path, help="record the controller with py-spy (raw format) to this file"
+        "--profile",
+        type=Path,
+        help="record the controller with py-spy (raw format) to this file; needs `pip install py-spy`",
     )
     ap.add_argument("--gil", action="store_true", help="with --profile: only samples holding the GIL")
     ap.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -88,3 +89,15 @@ def session_scope(engine: Engine) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+
+
+def db_text(s: str | None) -> str | None:
+    """A device's string as the database can hold it: PostgreSQL text cannot hold NUL, and the rest of
+    the string is still worth keeping."""
+    return s.replace("\x00", "\ufffd") if s is not None else None
+
+
+def db_json(obj: Any) -> Any:
+    """A device's JSON as the database can hold it: NaN/Infinity are valid floats on the wire but not
+    JSON, and PostgreSQL would refuse the whole batch over one of them (they become null)."""
+    return json.loads(json.dumps(obj, allow_nan=True), parse_constant=lambda _c: None)

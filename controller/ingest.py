@@ -11,7 +11,6 @@ the agent keeps every message in its outbox until an ``Ack`` covers it, and send
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import math
 import queue
@@ -31,7 +30,7 @@ from sqlmodel import Session
 
 from controller import crud
 from controller.bridge import DROPPED_QUEUE_FULL, DUPLICATE, INVALID, OK, STORE_FAILED, MqttBridge
-from controller.db import session_scope
+from controller.db import db_json, db_text, session_scope
 from controller.models import Detection, Event, utcnow
 from controller.seqtrack import SeqStats, SeqTracker
 from fleet_protocol import TopicKind
@@ -116,16 +115,6 @@ def sane(msg: IngestMsg) -> str | None:
                 if not math.isfinite(d.score + box.x0 + box.y0 + box.x1 + box.y1):
                     return "non-finite score or box"
     return None
-
-
-def _text(s: str | None) -> str | None:
-    # PostgreSQL text cannot hold NUL; the rest of the string is still worth keeping.
-    return s.replace("\x00", "\ufffd") if s is not None else None
-
-
-def _json_safe(obj: Any) -> Any:
-    # NaN/Infinity are not JSON; PostgreSQL would refuse the whole batch over one of them.
-    return json.loads(json.dumps(obj, allow_nan=True), parse_constant=lambda _c: None)
 
 
 def _ts(epoch: float, fallback: float) -> datetime:
@@ -477,7 +466,7 @@ class IngestService:
                 seq = msg.seq
                 for fr in msg.frames:
                     captured = captured_to_db(_ts(fr.captured_at, item.received_at))
-                    camera, model, frame = _text(fr.camera), _text(fr.model), fr.frame
+                    camera, model, frame = db_text(fr.camera), db_text(fr.model), fr.frame
                     for d in fr.detections:
                         box = d.box
                         append(
@@ -489,7 +478,7 @@ class IngestService:
                                 captured,
                                 stored_db,
                                 model,
-                                _text(d.label),
+                                db_text(d.label),
                                 d.class_id,
                                 d.score,
                                 box.x0,
@@ -506,9 +495,9 @@ class IngestService:
                         ts=_ts(msg.ts, item.received_at),
                         kind=msg.kind.value,
                         severity=msg.severity.value,
-                        camera=_text(msg.camera),
-                        message=_text(msg.message) or "",
-                        data=_json_safe(msg.data),
+                        camera=db_text(msg.camera),
+                        message=db_text(msg.message) or "",
+                        data=db_json(msg.data),
                         stored_at=now,
                     )
                 )

@@ -19,22 +19,16 @@ from sqlmodel import Session, col, select
 
 from controller import crud
 from controller.bridge import DROPPED_QUEUE_FULL, INVALID, OK, STORE_FAILED, MqttBridge
-from controller.db import session_scope
-from controller.ingest import _json_safe, _text
+from controller.db import db_json, db_text, session_scope
 from controller.models import Device, Event, HealthSample, utcnow
-from fleet_protocol import TopicKind
+from fleet_protocol.codec import MESSAGE_FOR_TOPIC
 from fleet_protocol.messages import Availability, CommandResult, Heartbeat, Message, ReportedState
 
 log = logging.getLogger(__name__)
 
 StatusMsg = Availability | Heartbeat | ReportedState | CommandResult
 MAX_VERSION = 2**31 - 1  # device.reported_version is a 32-bit INTEGER
-_KIND: dict[type, str] = {
-    Availability: TopicKind.AVAILABILITY.value,
-    Heartbeat: TopicKind.HEARTBEAT.value,
-    ReportedState: TopicKind.TWIN_REPORTED.value,
-    CommandResult: TopicKind.COMMAND_RESULT.value,
-}
+_KIND: dict[type, str] = {cls: kind.value for kind, cls in MESSAGE_FOR_TOPIC.items()}
 
 
 @dataclass
@@ -184,17 +178,17 @@ class StatusService:
                     log.info("device %s online", dev.id)
                 dev.last_seen = now
                 if msg.capabilities is not None:
-                    caps = _json_safe(msg.capabilities.model_dump(mode="json"))
+                    caps = db_json(msg.capabilities.model_dump(mode="json"))
                     caps_changed = caps != dev.capabilities
                     dev.capabilities = caps
                 if msg.agent_version is not None:
-                    dev.agent_version = _text(msg.agent_version)
+                    dev.agent_version = db_text(msg.agent_version)
             elif dev.status != "offline":
                 dev.status, dev.offline_since = "offline", now
                 log.info("device %s offline (availability)", dev.id)
         elif isinstance(msg, Heartbeat):
             # NaN/Infinity are valid floats on the wire but not JSON: PostgreSQL refuses them.
-            payload = _json_safe(msg.model_dump(mode="json"))
+            payload = db_json(msg.model_dump(mode="json"))
             if dev.status != "online":
                 # Alive is alive: a heartbeat after a timeout sweep (or a lost birth) means online.
                 dev.status, dev.online_since = "online", now
@@ -202,11 +196,11 @@ class StatusService:
             dev.last_seen, dev.last_health = now, payload
             s.add(HealthSample(device_id=dev.id, ts=now, payload=payload))
         elif isinstance(msg, ReportedState):
-            dev.reported = _json_safe(msg.model_dump(mode="json"))
+            dev.reported = db_json(msg.model_dump(mode="json"))
             dev.reported_version = msg.desired_version
             dev.last_seen = now
             if msg.agent_version is not None:
-                dev.agent_version = _text(msg.agent_version)
+                dev.agent_version = db_text(msg.agent_version)
         else:
             s.add(
                 Event(
@@ -214,8 +208,8 @@ class StatusService:
                     ts=now,
                     kind="command_result",
                     severity="info" if msg.ok else "error",
-                    message=(msg.error or "").replace("\x00", "\ufffd"),
-                    data=_json_safe(msg.model_dump(mode="json")),
+                    message=db_text(msg.error) or "",
+                    data=db_json(msg.model_dump(mode="json")),
                 )
             )
         return caps_changed

@@ -343,16 +343,7 @@ class Agent:
             for cam in note.cameras:
                 model = self.pipeline.model_of(cam)
                 self._watchdog_failed.add(cam)
-                self._set_reported(
-                    cam,
-                    CameraReported(
-                        model=model.key if model else None,
-                        sha256=model.sha256 if model else None,
-                        state="failed",
-                        error=message[:1000],
-                    ),
-                    publish=False,
-                )
+                self._report_failed(cam, model, message, publish=False)
             self._report()
         elif note.action == WatchdogAction.RECOVERED:
             for cam in sorted(self._watchdog_failed):
@@ -431,6 +422,18 @@ class Agent:
                     )
             self.applied_version = max(self.applied_version, desired.version)
         self._report()
+
+    def _report_failed(
+        self, camera: str, model: LoadedModel | None, reason: str, *, publish: bool = True
+    ) -> None:
+        """The camera is failed, still naming the model it has (None: none)."""
+        rep = CameraReported(
+            model=model.key if model else None,
+            sha256=model.sha256 if model else None,
+            state="failed",
+            error=reason[:1000],
+        )
+        self._set_reported(camera, rep, publish=publish)
 
     def _set_reported(self, camera: str, rep: CameraReported, *, publish: bool = True) -> None:
         with self._twin_lock:
@@ -614,15 +617,7 @@ class Agent:
         self.publisher.emit_event(
             EventKind.MODEL_FAILED, camera=cam, severity=Severity.ERROR, message=reason, data=data
         )
-        self._set_reported(
-            cam,
-            CameraReported(
-                model=current.key if current else None,
-                sha256=current.sha256 if current else None,
-                state="failed",
-                error=reason[:1000],
-            ),
-        )
+        self._report_failed(cam, current, reason)
 
     def _obtain(self, cam: str, ref: ArtifactRef) -> Path:
         """The verified model file: from the store, or fetched over the link."""
