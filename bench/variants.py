@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 import onnxruntime as ort  # noqa: E402
 
-from controller.variants import VariantReport, build_variants  # noqa: E402
+from controller.registry.variants import VariantReport, build_variants  # noqa: E402
 from fleet_protocol.messages import ModelManifest  # noqa: E402
 
 MODELS = ("ped_ssdlite", "nanodet_coco")

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from controller.embedded_broker import EmbeddedBroker
+from controller.link.embedded_broker import EmbeddedBroker
 
 log = logging.getLogger(__name__)
 

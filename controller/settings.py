@@ -15,9 +15,8 @@ from fleet_protocol.mqtt_tls import check_tls_files
 
 
 def _default_models_dir() -> Path:
-    import controller
-
-    return Path(controller.__file__).resolve().parents[1] / "models"
+    # The repository's models/ beside the package (this file is controller/settings.py).
+    return Path(__file__).resolve().parents[1] / "models"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import yaml
@@ -23,14 +23,13 @@ from pydantic import (
     model_validator,
 )
 
+from fleet_protocol.ids import CameraId
 from fleet_protocol.mqtt_tls import check_tls_files
 from fleet_protocol.signing import SignatureError, load_public_key
 from fleet_protocol.topics import DEFAULT_PREFIX, valid_device_id
 
 PASSWORD_ENV = "EDGEFLEET_MQTT_PASSWORD"
 PUBLIC_KEY_ENV = "EDGEFLEET_ARTIFACT_PUBLIC_KEY"
-
-CameraId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
 
 class SettingsError(Exception):

@@ -12,11 +12,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fleet_protocol.ids import CameraId, Name
+
 SCHEMA_VERSION = 1
 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
-CameraId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
 
 class Strict(BaseModel):

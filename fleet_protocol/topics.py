@@ -5,13 +5,12 @@ Nothing else in the code base writes a topic string by hand.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-DEFAULT_PREFIX = "edgefleet/v1"
+from fleet_protocol.ids import valid_id
 
-_DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DEFAULT_PREFIX = "edgefleet/v1"
 
 
 class TopicKind(StrEnum):
@@ -51,7 +50,7 @@ SPECS: dict[TopicKind, TopicSpec] = {
 
 
 def valid_device_id(device_id: str) -> bool:
-    return bool(_DEVICE_ID.match(device_id))
+    return valid_id(device_id)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 from pydantic import ValidationError
 
-from controller.broker_auth import device_acls, verify_password
+from controller.link.broker_auth import device_acls, verify_password
 from controller.settings import ControllerSettings
 from edge_agent.agent import EXIT_FATAL_LINK
 from fleet_protocol import TopicKind, Topics, encode

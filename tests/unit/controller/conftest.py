@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from controller.app import create_app
-from controller.bridge import ConnectCallback, MessageCallback
+from controller.link.bridge import ConnectCallback, MessageCallback
 from controller.settings import ControllerSettings
 from fleet_protocol import TopicKind, Topics, decode, encode
 from fleet_protocol.messages import Ack

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from controller.artifacts import FrameCache
+from controller.link.artifacts import FrameCache
 
 
 def test_frames_are_evicted_least_recently_used_past_the_byte_budget() -> None:

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from starlette.testclient import WebSocketDenialResponse
 from typer.testing import CliRunner
 
-from controller.auth import RedactTokens, Role, hash_token, install_log_redaction, required_role
 from controller.cli import app as cli_app
+from controller.security.tokens import RedactTokens, Role, hash_token, install_log_redaction, required_role
 from controller.settings import ControllerSettings
 from tests.processes import ADMIN_TOKEN, bearer
 from tests.unit.controller.conftest import Fleet, FleetFactory

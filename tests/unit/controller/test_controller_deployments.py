@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from controller.deployments import Layer, layers
-from controller.models import Deployment, Device
+from controller.db.tables import Deployment, Device
+from controller.fleet.deployments import Layer, layers
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import (
     Availability,

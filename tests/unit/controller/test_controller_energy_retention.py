@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from controller.commands import CommandError, CommandService
-from controller.db import make_engine, migrate
-from controller.energy import device_energy, fleet_summary, interval
-from controller.ingest import StoredBatch
-from controller.live import LiveFilter, LiveHub
-from controller.models import Detection, Event, HealthSample
-from controller.retention import RetentionPolicy, RetentionService
+from controller.db.engine import make_engine, migrate
+from controller.db.tables import Detection, Event, HealthSample
+from controller.link.commands import CommandError, CommandService
+from controller.link.ingest import StoredBatch
+from controller.observe.energy import device_energy, fleet_summary, interval
+from controller.observe.live import LiveFilter, LiveHub
+from controller.observe.retention import RetentionPolicy, RetentionService
 from fleet_protocol.messages import Box, CommandName, CommandResult, DetectionBatch, FrameDetections
 from fleet_protocol.messages import Detection as Det
 

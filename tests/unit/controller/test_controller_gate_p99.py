@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.models import Deployment, Device
-from controller.rollouts import GateConfig, GateResult, camera_latency, device_view, step
+from controller.db.tables import Deployment, Device
+from controller.fleet.gate import GateConfig, GateResult, step
+from controller.fleet.rollouts import camera_latency, device_view
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import CameraState, CameraStats, Heartbeat
 from tests.unit.controller.conftest import MODEL_BYTES, Fleet, write_model

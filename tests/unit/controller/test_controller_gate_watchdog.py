@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from controller.rollouts import Finish, GateConfig, GateResult, WatchdogStep, step
+from controller.fleet.gate import Finish, GateConfig, GateResult, WatchdogStep, step
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Event, EventKind
 from tests.unit.controller.conftest import MODEL_BYTES, Fleet, write_model

@@ -11,7 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from controller.models import Detection as DetectionRow
+from controller.db.tables import Detection as DetectionRow
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import (
     Box,

@@ -14,12 +14,12 @@ from alembic.migration import MigrationContext
 from pydantic import ValidationError
 from sqlmodel import Session, SQLModel
 
-from controller import crud
-from controller.bridge import MqttBridge
-from controller.db import make_engine, migrate
-from controller.ingest import IngestService
-from controller.registry import register_bundled_models
-from controller.seqtrack import IntervalSet, SeqTracker
+from controller.db import crud
+from controller.db.engine import make_engine, migrate
+from controller.link.bridge import MqttBridge
+from controller.link.ingest import IngestService
+from controller.link.seqtrack import IntervalSet, SeqTracker
+from controller.registry.bundled import register_bundled_models
 from controller.settings import ControllerSettings
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import DetectionBatch, FrameDetections
@@ -82,7 +82,7 @@ def test_registry_refuses_a_model_whose_hash_does_not_match(
     migrate(url)
     engine = make_engine(url)
     try:
-        with caplog.at_level(logging.ERROR, logger="controller.registry"):
+        with caplog.at_level(logging.ERROR, logger="controller.registry.bundled"):
             assert register_bundled_models(engine, models) == ["good:1"]
         assert "does not match" in caplog.text and "bad" in caplog.text
         # Registering again is an upsert, not a duplicate.

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from controller.variants import VariantReport
+from controller.registry.variants import VariantReport
 from fleet_protocol import TopicKind, decode, decode_chunk
 from fleet_protocol.messages import (
     ArtifactRequest,

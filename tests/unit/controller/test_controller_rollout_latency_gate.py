@@ -3,7 +3,7 @@ the wave, whatever the hardware, and the verdict says by how much."""
 
 from __future__ import annotations
 
-from controller.rollouts import Advance, Finish, GateConfig, GateResult, step
+from controller.fleet.gate import Advance, Finish, GateConfig, GateResult, step
 from tests.unit.controller.test_controller_rollouts import T0, dev, member, ro, running
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from controller.rollouts import (
+from controller.fleet.gate import (
     Admit,
     Advance,
     DeviceView,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.selectors import SelectorError, parse_selector
+from controller.fleet.selectors import SelectorError, parse_selector
 
 LOBBY_T4 = {"site": "lobby", "gpu": "t4"}
 DOCK_ORIN_CANARY = {"site": "dock", "gpu": "orin", "canary": "true"}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.keys import KEY_FILE
+from controller.security.keys import KEY_FILE
 from fleet_protocol import TopicKind, decode
 from fleet_protocol.messages import DesiredState
 from fleet_protocol.signing import KeyFileError, SignatureError, load_public_key, verify

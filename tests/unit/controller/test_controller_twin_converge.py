@@ -14,13 +14,10 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from controller import crud
-from controller.bridge import MqttBridge
-from controller.db import make_engine, migrate
-from controller.keys import load_or_create_signer
-from controller.models import Device, Event, utcnow
-from controller.registry import register_bundled_models
-from controller.twin import (
+from controller.db import crud
+from controller.db.engine import make_engine, migrate
+from controller.db.tables import Device, Event, utcnow
+from controller.fleet.twin import (
     EVENT_CONVERGED,
     EVENT_RESEND,
     ResendPolicy,
@@ -28,6 +25,9 @@ from controller.twin import (
     TwinService,
     resend_reason,
 )
+from controller.link.bridge import MqttBridge
+from controller.registry.bundled import register_bundled_models
+from controller.security.keys import load_or_create_signer
 from fleet_protocol import TopicKind, Topics, decode
 from fleet_protocol.messages import (
     Availability,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from controller.schemas import twin_sync
+from controller.fleet.sync import twin_sync
 from fleet_protocol.messages import CameraReported
 
 SHA_A = "a" * 64

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session
 
-from controller import crud
-from controller.builder import VariantWorker
-from controller.db import make_engine, migrate
-from controller.models import ModelVariant, ModelVersion
-from controller.twin import _reports, choose
-from controller.variants import Int8Isa, VariantReport, choose_variant, cpu_isa, isa_of
+from controller.db import crud
+from controller.db.engine import make_engine, migrate
+from controller.db.tables import ModelVariant, ModelVersion
+from controller.fleet.twin import _reports, choose
+from controller.registry.builder import VariantWorker
+from controller.registry.variants import Int8Isa, VariantReport, choose_variant, cpu_isa, isa_of
 from fleet_protocol.messages import Capabilities
 
 PROVIDERS = ["CPUExecutionProvider"]

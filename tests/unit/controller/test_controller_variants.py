@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.fidelity import Det, Fidelity, iou_matrix, match, preprocess, read_footage_frames
-from controller.variants import (
+from controller.registry.fidelity import Det, Fidelity, iou_matrix, match, preprocess, read_footage_frames
+from controller.registry.variants import (
     VariantReport,
     _build_fp16,
     build_variants,

@@ -1,0 +1,1 @@
+"""The HTTP API: routers per resource, request/response shapes, dependencies."""

@@ -1,0 +1,329 @@
+"""Response and request shapes of the REST API that are not plain table views."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from controller.db.tables import Device
+from controller.fleet.gate import GateConfig
+from controller.fleet.sync import SyncState, twin_sync
+from controller.link.seqtrack import SeqStats
+from controller.types import CAMERA_OR_ANY_PATTERN, ID_MAX, ID_PATTERN, NO_NUL_PATTERN, check_labels
+from fleet_protocol.messages import CameraReported, CameraStats, Name
+
+
+class DeviceStats(BaseModel):
+    stored: int = Field(description="detection batches and events stored")
+    duplicates: int = Field(description="messages received again after they were stored (dropped)")
+    lost: int = Field(description="seqs below the highest seen that are neither stored nor declared dropped")
+    dropped: int = Field(description="seqs the agent declared dropped from its full outbox")
+    acked_upto: int = Field(description="every seq up to this one is stored or declared dropped")
+    max_seq: int
+
+
+VariantChoice = Literal["auto", "fp32", "fp16", "int8"]
+
+
+class CameraAssignment(BaseModel):
+    model: str
+    version: str
+    variant: str = Field(description="the variant this device is sent: fp32, fp16 or int8")
+    pin: str = Field(default="auto", description="auto, or the variant the assignment pinned")
+    sha256: str | None = None
+    reason: str = Field(default="", description="why this variant was chosen")
+    source: str = Field(default="direct", description="the layer that won: direct or deployment")
+    deployment: str | None = Field(default=None, description="the deployment that won, if one did")
+
+
+class DevicePublic(BaseModel):
+    id: str
+    name: str | None
+    labels: dict[str, str]
+    enrolled: bool
+    status: Literal["online", "offline"]
+    online_since: datetime | None
+    offline_since: datetime | None
+    last_seen: datetime | None
+    agent_version: str | None
+    capabilities: dict[str, Any] | None
+    cameras: list[CameraStats] = Field(
+        description="per camera, from the last heartbeat: FPS and the model's inference latency, median "
+        "(inference_ms) and p99 (inference_p99_ms; null from agents that do not report it), both over the "
+        "model running now only"
+    )
+    models: dict[str, CameraReported] = Field(description="what each camera runs, from the reported state")
+    assignments: dict[str, CameraAssignment] = Field(
+        default_factory=dict,
+        description="per camera: the model version assigned, the variant chosen for this device and why",
+    )
+    last_health: dict[str, Any] | None
+    desired_version: int
+    reported_version: int | None
+    sync: SyncState = Field(description="does the device run its desired state (twin comparison)")
+    sync_reason: str | None = Field(default=None, description="why it is not in sync")
+    stats: DeviceStats
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, dev: Device, stats: SeqStats) -> DevicePublic:
+        health = dev.last_health or {}
+        cameras: list[CameraStats] = []
+        for c in health.get("cameras", []) or []:
+            try:
+                cameras.append(CameraStats.model_validate(c))
+            except ValueError:
+                continue  # stored by an older agent/schema; skip rather than fail the listing
+        models: dict[str, CameraReported] = {}
+        for cam, rep in ((dev.reported or {}).get("cameras") or {}).items():
+            try:
+                models[cam] = CameraReported.model_validate(rep)
+            except ValueError:
+                continue
+        assignments: dict[str, CameraAssignment] = {}
+        for cam, a in (dev.assignments or {}).items():
+            try:
+                assignments[cam] = CameraAssignment.model_validate(a)
+            except ValueError:
+                continue
+        sync, sync_reason = twin_sync(dev.desired, dev.desired_version, models, dev.reported_version)
+        return cls(
+            id=dev.id,
+            assignments=assignments,
+            name=dev.name,
+            labels=dev.labels or {},
+            enrolled=dev.enrolled,
+            status="online" if dev.status == "online" else "offline",
+            online_since=dev.online_since,
+            offline_since=dev.offline_since,
+            last_seen=dev.last_seen,
+            agent_version=dev.agent_version,
+            capabilities=dev.capabilities,
+            cameras=cameras,
+            models=models,
+            last_health=dev.last_health,
+            desired_version=dev.desired_version,
+            reported_version=dev.reported_version,
+            sync=sync,
+            sync_reason=sync_reason,
+            stats=DeviceStats(
+                stored=stats.stored,
+                duplicates=stats.duplicates,
+                lost=stats.lost,
+                dropped=stats.dropped,
+                acked_upto=stats.acked_upto,
+                max_seq=stats.max_seq,
+            ),
+            created_at=dev.created_at,
+        )
+
+
+class EnrolledDevice(DevicePublic):
+    """The enrollment answer: the device, and the key its agent must trust for artifacts."""
+
+    artifact_public_key: str = Field(
+        description="the controller's Ed25519 artifact key, base64 of 32 raw bytes: set it as the agent's "
+        "artifact_public_key (or EDGEFLEET_ARTIFACT_PUBLIC_KEY)"
+    )
+    artifact_key_id: str = Field(description="first 16 hex digits of the sha256 of the public key")
+    mqtt_username: str | None = Field(
+        default=None,
+        description="the device's own broker user (= its id); null when the controller does not manage "
+        "broker credentials (EDGEFLEET_MQTT_BROKER_AUTH=none)",
+    )
+    mqtt_password: str | None = Field(
+        default=None,
+        description="the device's broker password, shown in this answer only (the controller keeps a hash); "
+        "enrolling again issues a new one and disconnects the old",
+    )
+
+
+class RevokedDevice(BaseModel):
+    """The answer to revoking a device's broker credentials."""
+
+    id: str
+    mqtt_username: str
+    revoked_at: datetime
+
+
+class ArtifactKey(BaseModel):
+    public_key: str = Field(description="Ed25519 public key, base64 of its 32 raw bytes")
+    key_id: str = Field(description="first 16 hex digits of the sha256 of the raw public key")
+    algorithm: Literal["ed25519"] = "ed25519"
+
+
+class BoxOut(BaseModel):
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+
+class DetectionOut(BaseModel):
+    device: str
+    camera: str
+    seq: int
+    frame: int
+    captured_at: datetime
+    stored_at: datetime
+    model: str
+    label: str
+    class_id: int
+    score: float
+    box: BoxOut
+
+
+class DetectionPage(BaseModel):
+    items: list[DetectionOut]
+    next_cursor: str | None = Field(description="pass as ?cursor= for the next (older) page; null at the end")
+
+
+class AssignModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Name = Field(description="registered model name")
+    version: Name = Field(description="registered model version")
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    max_fps: float | None = Field(default=None, gt=0.0)
+    labels: list[str] | None = Field(default=None, description="keep only these labels; null keeps all")
+    variant: VariantChoice = Field(
+        default="auto",
+        description="auto: chosen from the device's capabilities; or pin fp32, fp16 or int8 (must be fit)",
+    )
+
+
+class IngestStats(BaseModel):
+    counters: dict[str, dict[str, int]] = Field(description="topic kind → outcome → count")
+    queue_depth: int
+    queue_max: int
+    status_queue_depth: int
+    mqtt_connected: bool
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    db: bool
+    mqtt: bool
+    mqtt_error: str | None = Field(
+        default=None, description="why the broker link is down or partial (TLS, refused, ACL), if known"
+    )
+
+
+# --------------------------------------------------------------------------- deployments / rollouts
+
+
+class LabelsBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    labels: dict[str, str]
+
+    @field_validator("labels")
+    @classmethod
+    def _valid(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_labels(v)
+
+
+class DeploymentCamera(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    camera: str = Field(
+        default="*", pattern=CAMERA_OR_ANY_PATTERN, description='camera id, or "*" for every camera'
+    )
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    max_fps: float | None = Field(default=None, gt=0.0)
+    labels: list[str] | None = None
+
+
+class DeploymentCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(default=None, max_length=ID_MAX, pattern=ID_PATTERN)
+    # Names as the registry has them: no path separators or NUL (they reach queries and file paths).
+    model: Name = Field(description="registered model name")
+    version: Name = Field(description="registered model version")
+    variant: VariantChoice = "auto"
+    selector: str = Field(
+        default="", max_length=2000, pattern=NO_NUL_PATTERN, description="label selector; empty matches all"
+    )
+    cameras: list[DeploymentCamera] = Field(default_factory=lambda: [DeploymentCamera()])
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    waves: list[int | str] | None = Field(default=None, description="default [1, '10%', '50%', '100%']")
+    gate: GateConfig | None = None
+
+
+class RolloutDevicePublic(BaseModel):
+    device_id: str
+    wave: int = Field(description="1-based")
+    state: str
+    cameras: list[str]
+    target_version: int | None
+    reported_version: int | None
+    progress_pct: float | None = Field(description="artifact transfer progress while applying")
+    baseline_fps: float | None
+    baseline_latency_ms: float | None = Field(
+        description="inference latency before the rollout: p99 where the agent reports it, else the median"
+    )
+    admitted_at: datetime | None
+    settled_at: datetime | None
+    reason: str | None
+
+
+class RolloutPublic(BaseModel):
+    id: int
+    deployment: str
+    deployment_id: int
+    state: str
+    waves: list[int | str]
+    plan: list[int] = Field(description="cumulative device count per wave")
+    current_wave: int = Field(description="1-based")
+    gate: GateConfig
+    gates: list[dict[str, Any]] = Field(description="each evaluated wave gate with figures and verdict")
+    reason: str | None
+    progress: dict[str, int]
+    devices: list[RolloutDevicePublic]
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+class DeploymentPublic(BaseModel):
+    id: int
+    name: str
+    model: str
+    version: str
+    variant: str
+    selector: str
+    cameras: list[dict[str, Any]]
+    priority: int
+    state: str
+    created_at: datetime
+    rollout: RolloutPublic | None
+
+
+# --------------------------------------------------------------------------- API tokens
+
+TokenRole = Literal["viewer", "operator", "admin"]
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.@-]*$", description="who uses it"
+    )
+    role: TokenRole = Field(description="viewer (read only), operator (change the fleet) or admin")
+
+
+class TokenPublic(BaseModel):
+    """A token as listed: never the token itself, only its first characters."""
+
+    id: int
+    name: str
+    role: TokenRole
+    prefix: str = Field(description="the token's first characters, to tell tokens apart")
+    created_at: datetime
+    last_used_at: datetime | None = Field(description="to the minute")
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenPublic):
+    token: str = Field(description="the bearer token: shown in this answer only, keep it now")

@@ -1,0 +1,1 @@
+"""The database: engine and migrations, tables, CRUD."""

@@ -1,0 +1,360 @@
+"""Database tables and their API-facing shapes, split by role (``XBase / XCreate / XPublic / X``).
+
+The schema itself is created only by the Alembic migrations in ``controller/migrations``; these
+classes must stay in step with them (a test compares the two).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from pydantic import field_validator
+from sqlalchemy.engine import Dialect
+from sqlmodel import JSON, Field, SQLModel
+
+from controller.types import check_labels
+from fleet_protocol.topics import valid_device_id
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UtcDateTime(sa.types.TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every dialect.
+
+    SQLite keeps no offset, so values go in as naive UTC and come back tagged UTC; without this the
+    API would hand out naive datetimes on SQLite and aware ones on PostgreSQL.
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# SQLite only autoincrements an INTEGER PRIMARY KEY, not a BIGINT one.
+BigIntId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+# --------------------------------------------------------------------------- devices
+
+
+class DeviceBase(SQLModel):
+    name: str | None = Field(default=None, max_length=200)
+    labels: dict[str, str] = Field(default_factory=dict, sa_type=JSON)
+
+
+class DeviceCreate(DeviceBase):
+    id: str = Field(max_length=64)
+
+    @field_validator("id")
+    @classmethod
+    def _valid_id(cls, v: str) -> str:
+        if not valid_device_id(v):
+            raise ValueError("device id must match ^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _no_nul(cls, v: str | None) -> str | None:
+        # PostgreSQL text cannot hold NUL: a 422 here instead of a 500 at the insert.
+        if v is not None and "\x00" in v:
+            raise ValueError("name must not contain NUL characters")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _valid_labels(cls, v: dict[str, str]) -> dict[str, str]:
+        # The same rules as PUT /labels: labels feed selectors and must be plain keys and values.
+        return check_labels(v)
+
+
+class Device(DeviceBase, table=True):
+    __tablename__ = "device"
+
+    id: str = Field(primary_key=True, max_length=64)
+    enrolled: bool = Field(default=False)
+    status: str = Field(default="offline", max_length=16)
+    online_since: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    offline_since: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    last_seen: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    agent_version: str | None = Field(default=None)
+    capabilities: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    last_health: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    desired: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    desired_version: int = Field(default=0)
+    reported: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    reported_version: int | None = Field(default=None)
+    duplicates: int = Field(default=0, sa_type=sa.BigInteger)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    # Per camera: the assignment as asked (model, version, pin) and the variant chosen, with why.
+    assignments: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    # Per camera: the direct assignment (the lowest layer, below every deployment).
+    direct: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    # Broker credentials (controller/broker_auth.py): only a hash of the password, never the password.
+    mqtt_password_hash: str | None = Field(default=None, max_length=200)
+    mqtt_issued_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    mqtt_revoked_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+
+
+# --------------------------------------------------------------------------- health
+
+
+class HealthSampleBase(SQLModel):
+    ts: datetime = Field(sa_type=UtcDateTime)
+    payload: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+
+
+class HealthSample(HealthSampleBase, table=True):
+    __tablename__ = "health_sample"
+    __table_args__ = (sa.Index("ix_health_sample_device_ts", "device_id", "ts"),)
+
+    id: int | None = Field(default=None, primary_key=True, sa_type=BigIntId)
+    device_id: str = Field(max_length=64)
+
+
+class HealthSamplePublic(HealthSampleBase):
+    device_id: str
+
+
+# --------------------------------------------------------------------------- detections
+
+
+class Detection(SQLModel, table=True):
+    __tablename__ = "detection"
+    __table_args__ = (
+        sa.Index("ix_detection_captured", "captured_at", "id"),
+        sa.Index("ix_detection_device_captured", "device_id", "captured_at"),
+        sa.Index("ix_detection_device_seq", "device_id", "seq"),
+        sa.Index("ix_detection_label", "label"),
+        sa.Index("ix_detection_camera", "camera"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True, sa_type=BigIntId)
+    device_id: str = Field(max_length=64)
+    seq: int = Field(sa_type=sa.BigInteger)
+    camera: str
+    frame: int = Field(sa_type=sa.BigInteger)
+    captured_at: datetime = Field(sa_type=UtcDateTime)
+    stored_at: datetime = Field(sa_type=UtcDateTime)
+    model: str
+    label: str
+    class_id: int = Field(sa_type=sa.BigInteger)
+    score: float
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+
+class IngestedSeq(SQLModel, table=True):
+    """One row per ``(device, seq)`` ever stored or declared dropped: the dedup record."""
+
+    __tablename__ = "ingested_seq"
+
+    device_id: str = Field(primary_key=True, max_length=64)
+    seq: int = Field(primary_key=True, sa_type=sa.BigInteger)
+    kind: str = Field(max_length=16)  # "detections", "event" or "dropped"
+    stored_at: datetime = Field(sa_type=UtcDateTime)
+    dropped: bool = Field(default=False)
+
+
+# --------------------------------------------------------------------------- events
+
+
+class EventBase(SQLModel):
+    device_id: str = Field(max_length=64)
+    seq: int | None = Field(default=None, sa_type=sa.BigInteger)
+    ts: datetime = Field(sa_type=UtcDateTime)
+    kind: str = Field(max_length=32)
+    severity: str = Field(default="info", max_length=16)
+    camera: str | None = None
+    message: str = ""
+    data: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+
+
+class Event(EventBase, table=True):
+    __tablename__ = "event"
+    __table_args__ = (
+        sa.Index("ix_event_device_ts", "device_id", "ts"),
+        sa.Index("ix_event_kind_ts", "kind", "ts"),
+        sa.Index("ix_event_ts", "ts", "id"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True, sa_type=BigIntId)
+    stored_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+class EventPublic(EventBase):
+    id: int
+    stored_at: datetime
+
+
+# --------------------------------------------------------------------------- models
+
+
+class ModelVersionBase(SQLModel):
+    name: str = Field(max_length=64)
+    version: str = Field(max_length=64)
+    sha256: str = Field(max_length=64)
+    size: int = Field(sa_type=sa.BigInteger)
+    manifest: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+
+
+class ModelVersion(ModelVersionBase, table=True):
+    __tablename__ = "model_version"
+    __table_args__ = (
+        # Not unique: two versions may share one content-addressed file (the same bytes re-released).
+        sa.Index("ix_model_version_sha256", "sha256"),
+        sa.UniqueConstraint("name", "version", name="uq_model_version_name_version"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    path: str
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    # Variant builds: "building" while the worker has it, then "ready" (fp32 always serves) or
+    # "failed" (the fp32 model itself could not be judged; it still serves).
+    status: str = Field(default="ready", max_length=16)
+    build_stage: str | None = Field(default=None, max_length=32)
+    build_progress: float = Field(default=0.0)
+    build_error: str | None = Field(default=None)
+
+
+class ModelVariantBase(SQLModel):
+    variant: str = Field(max_length=8)
+    sha256: str | None = Field(default=None, max_length=64)
+    size: int | None = Field(default=None, sa_type=sa.BigInteger)
+    latency_ms_1t: float | None = None
+    latency_ms_2t: float | None = None
+    f1: float | None = None
+    mean_iou: float | None = None
+    detections: int | None = None
+    fit: bool = Field(default=False)
+    reason: str | None = None
+    target: str = Field(default="any", max_length=8)
+    build_s: float = Field(default=0.0)
+    # int8: the controller CPU's ISA it was judged on ("vnni" / "no-vnni", None when unknown) and
+    # whether its weights are 7-bit (same results on any CPU); the per-device choice reads both.
+    int8_isa: str | None = Field(default=None, max_length=8)
+    reduce_range: bool = Field(default=False)
+
+
+class ModelVariant(ModelVariantBase, table=True):
+    """One optimized form of a model version, with the figures it was judged by."""
+
+    __tablename__ = "model_variant"
+    __table_args__ = (
+        sa.UniqueConstraint("model_version_id", "variant", name="uq_model_variant_version_variant"),
+        sa.Index("ix_model_variant_sha256", "sha256"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    model_version_id: int = Field(foreign_key="model_version.id")
+    path: str | None = None  # set only for a file that may be shipped (fit)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+class ModelVariantPublic(ModelVariantBase):
+    pass
+
+
+class ModelVersionPublic(ModelVersionBase):
+    created_at: datetime
+    status: str = "ready"
+    build_stage: str | None = None
+    build_progress: float = 0.0
+    build_error: str | None = None
+    variants: list[ModelVariantPublic] = []
+
+
+# --------------------------------------------------------------------------- deployments / rollouts
+
+
+class Deployment(SQLModel, table=True):
+    """A model version for the devices a selector matches, on some cameras, at a priority (layered)."""
+
+    __tablename__ = "deployment"
+    __table_args__ = (sa.UniqueConstraint("name", name="uq_deployment_name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=64)
+    model: str = Field(max_length=64)
+    version: str = Field(max_length=64)
+    variant: str = Field(default="auto", max_length=8)
+    selector: str = Field(default="")
+    # [{"camera": id or "*", "threshold": …, "max_fps": …, "labels": […]}]
+    cameras: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)
+    priority: int = Field(default=0)
+    # active | rolling_out | rolled_back | cancelled | deleted
+    state: str = Field(default="rolling_out", max_length=16)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+class Rollout(SQLModel, table=True):
+    """The staged rollout of one deployment: waves, the current one, gate config and results."""
+
+    __tablename__ = "rollout"
+    __table_args__ = (sa.UniqueConstraint("deployment_id", name="uq_rollout_deployment"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    deployment_id: int = Field(foreign_key="deployment.id")
+    waves: list[Any] = Field(default_factory=list, sa_type=JSON)  # as asked: 1, "10%", …
+    plan: list[int] = Field(default_factory=list, sa_type=JSON)  # cumulative device counts per wave
+    current_wave: int = Field(default=0)  # index of the wave being admitted/soaked
+    # running | paused | succeeded | failed | cancelled | rolled_back
+    state: str = Field(default="running", max_length=16)
+    gate: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+    gates: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)  # evaluations per wave
+    reason: str | None = None
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    finished_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+
+
+class RolloutDevice(SQLModel, table=True):
+    __tablename__ = "rollout_device"
+
+    rollout_id: int = Field(foreign_key="rollout.id", primary_key=True)
+    device_id: str = Field(primary_key=True, max_length=64)
+    wave: int
+    # pending | applying | active | failed | rolled_back
+    state: str = Field(default="applying", max_length=16)
+    cameras: list[str] = Field(default_factory=list, sa_type=JSON)
+    target_version: int | None = None
+    baseline_fps: float | None = None
+    baseline_latency_ms: float | None = None
+    admitted_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    settled_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    reason: str | None = None
+
+
+# --------------------------------------------------------------------------- API tokens
+
+
+class ApiToken(SQLModel, table=True):
+    """A bearer token for the REST API. Only its sha256 is kept: the token itself is shown once, when made."""
+
+    __tablename__ = "api_token"
+    __table_args__ = (sa.UniqueConstraint("token_hash", name="uq_api_token_hash"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=64)
+    role: str = Field(max_length=16)  # viewer | operator | admin
+    # The token's first characters, not secret: shown to tell tokens apart, and the lookup key.
+    prefix: str = Field(max_length=16, index=True)
+    token_hash: str = Field(max_length=64)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    last_used_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    revoked_at: datetime | None = Field(default=None, sa_type=UtcDateTime)

@@ -1,0 +1,1 @@
+"""Desired state and its rollout: twin, deployments, label selectors, rollouts."""

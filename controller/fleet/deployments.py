@@ -1,0 +1,180 @@
+"""Deployments: which model each camera of a device must run, layered by priority.
+
+The desired state of a device is derived, never edited: for each camera the highest-priority
+deployment that applies to the device wins, and the device's direct assignment is the bottom layer.
+A deployment applies to a device when its selector matches the device's labels and
+
+- it is ``active``: every matching device, also ones that start to match later;
+- it is ``rolling_out``: only devices its rollout admitted (``applying`` or ``active``);
+- it is ``cancelled``: only devices on which its rollout had already become ``active``;
+- ``rolled_back`` / ``deleted``: none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from controller.db.tables import Deployment, Device, Rollout, RolloutDevice
+from controller.fleet.selectors import Selector, SelectorError, parse_selector
+
+APPLIED_STATES = ("active", "rolling_out", "cancelled")
+ADMITTED = ("applying", "active")
+ANY_CAMERA = "*"
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What one camera must run, and which layer said so."""
+
+    source: str  # "direct" or "deployment"
+    deployment_id: int | None
+    deployment: str | None
+    model: str
+    version: str
+    pin: str
+    threshold: float | None = None
+    max_fps: float | None = None
+    labels: list[str] | None = None
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.model, self.version, self.pin, self.threshold, self.max_fps, self.labels)
+
+
+def selector_of(dep: Deployment) -> Selector | None:
+    try:
+        return parse_selector(dep.selector)
+    except SelectorError:
+        return None
+
+
+def matches(dep: Deployment, labels: Mapping[str, str]) -> bool:
+    sel = selector_of(dep)
+    return sel is not None and sel.matches(labels)
+
+
+def device_cameras(dev: Device) -> list[str]:
+    cams = (dev.capabilities or {}).get("cameras") or []
+    return [str(c) for c in cams]
+
+
+def deployment_cameras(dep: Deployment, known: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per camera of a device with cameras ``known``: this deployment's settings (a named entry
+    beats ``*``)."""
+    out: dict[str, dict[str, Any]] = {}
+    entries = dep.cameras or [{"camera": ANY_CAMERA}]
+    for e in entries:
+        if e.get("camera", ANY_CAMERA) == ANY_CAMERA:
+            for cam in known:
+                out.setdefault(cam, e)
+    for e in entries:
+        cam = e.get("camera", ANY_CAMERA)
+        if cam != ANY_CAMERA:
+            out[str(cam)] = e
+    return out
+
+
+def applies(dep: Deployment, dev: Device, admitted: Mapping[int, str]) -> bool:
+    """``admitted``: deployment id → this device's rollout state for that deployment."""
+    if dep.state not in APPLIED_STATES or not matches(dep, dev.labels or {}):
+        return False
+    if dep.state == "active":
+        return True
+    state = admitted.get(dep.id or -1)
+    if dep.state == "rolling_out":
+        return state in ADMITTED
+    return state == "active"  # cancelled: devices it had reached keep it
+
+
+def layers(dev: Device, deployments: Iterable[Deployment], admitted: Mapping[int, str]) -> dict[str, Layer]:
+    """The winning layer per camera of ``dev``."""
+    out: dict[str, Layer] = {}
+    for cam, d in sorted((dev.direct or {}).items()):
+        if d.get("model") and d.get("version"):
+            out[cam] = Layer(
+                source="direct",
+                deployment_id=None,
+                deployment=None,
+                model=str(d["model"]),
+                version=str(d["version"]),
+                pin=str(d.get("pin") or "auto"),
+                threshold=d.get("threshold"),
+                max_fps=d.get("max_fps"),
+                labels=d.get("labels"),
+            )
+    known = device_cameras(dev)
+    # Lowest first, so that higher priority (then the newer deployment) overwrites.
+    ordered = sorted(deployments, key=lambda x: (x.priority, x.id or 0))
+    for dep in ordered:
+        if not applies(dep, dev, admitted):
+            continue
+        for cam, e in deployment_cameras(dep, known).items():
+            out[cam] = Layer(
+                source="deployment",
+                deployment_id=dep.id,
+                deployment=dep.name,
+                model=dep.model,
+                version=dep.version,
+                pin=dep.variant,
+                threshold=e.get("threshold"),
+                max_fps=e.get("max_fps"),
+                labels=e.get("labels"),
+            )
+    return out
+
+
+# --------------------------------------------------------------------------- database
+
+
+def applied_deployments(s: Session) -> list[Deployment]:
+    return list(s.exec(select(Deployment).where(col(Deployment.state).in_(APPLIED_STATES))).all())
+
+
+def admitted_for(s: Session, device_id: str) -> dict[int, str]:
+    q = (
+        select(Rollout.deployment_id, RolloutDevice.state)
+        .join(RolloutDevice, col(RolloutDevice.rollout_id) == col(Rollout.id))
+        .where(col(RolloutDevice.device_id) == device_id)
+    )
+    return {int(dep_id): str(state) for dep_id, state in s.exec(q).all()}
+
+
+def get_deployment(s: Session, ref: str | int) -> Deployment | None:
+    """By id or by name."""
+    # The id column is a 32-bit INTEGER: a longer number is a name (or nothing), never a query error.
+    if (isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit())) and 0 < int(ref) < 2**31:
+        dep = s.get(Deployment, int(ref))
+        if dep is not None:
+            return dep
+    return s.exec(select(Deployment).where(col(Deployment.name) == str(ref))).first()
+
+
+def list_deployments(s: Session, *, include_deleted: bool = False) -> list[Deployment]:
+    q = select(Deployment)
+    if not include_deleted:
+        q = q.where(col(Deployment.state) != "deleted")
+    return list(s.exec(q.order_by(col(Deployment.id))).all())
+
+
+def rollout_of(s: Session, deployment_id: int) -> Rollout | None:
+    return s.exec(select(Rollout).where(col(Rollout.deployment_id) == deployment_id)).first()
+
+
+def rollout_devices(s: Session, rollout_id: int) -> list[RolloutDevice]:
+    return list(
+        s.exec(
+            select(RolloutDevice)
+            .where(col(RolloutDevice.rollout_id) == rollout_id)
+            .order_by(col(RolloutDevice.wave), col(RolloutDevice.device_id))
+        ).all()
+    )
+
+
+def matching_devices(s: Session, dep: Deployment) -> list[Device]:
+    sel = selector_of(dep)
+    if sel is None:
+        return []
+    return [d for d in s.exec(select(Device).order_by(col(Device.id))).all() if sel.matches(d.labels or {})]

@@ -1,0 +1,434 @@
+"""The rollout gate: waves, health figures and the pure decision function ``step``.
+
+``step(view, devices, now) -> actions`` looks at a snapshot (the rollout, its members, the devices)
+and the time, and says what to do; it touches no database and no clock, so it is tested apart.
+``controller.fleet.rollouts`` loads the snapshot and applies the actions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+DEFAULT_WAVES: list[int | str] = [1, "10%", "50%", "100%"]
+RUNNING, PAUSED = "running", "paused"
+CRASH_LOOP_RESTARTS = 3  # more restarts than this since admission is a crash loop
+FINISHED = ("succeeded", "failed", "cancelled", "rolled_back")
+# The agent's watchdog actions (edge_agent/watchdog.py WatchdogAction) the gate counts; "retry",
+# "recovered" and "command" (an operator's restart) are not signs of a bad model.
+WATCHDOG_RESTARTED, WATCHDOG_FAILED = "restarted", "failed"
+
+
+class GateConfig(BaseModel):
+    soak_s: float = Field(default=30.0, ge=0)
+    max_failure_ratio: float = Field(default=0.0, ge=0, le=1)
+    min_fps_ratio: float = Field(default=0.5, ge=0)
+    max_latency_ms: float | None = Field(default=None, gt=0)
+    # Inference latency after / before on the same device, at most: "far slower than its predecessor"
+    # holds on any hardware, where an absolute bound needs to know the device.
+    max_latency_ratio: float | None = Field(default=None, gt=0)
+    # Inference watchdog restarts (a hung run abandoned, the model reloaded) of the new model on one
+    # device, at most, counted from its admission. 0 by default: a brand-new model whose inference
+    # hangs even once during its soak is not promoted, since a hang on the canary is a bad sign
+    # whatever the FPS and latency figures say (a hung run reports neither). A watchdog "failed"
+    # step (the agent ran out of restarts) fails the gate whatever this says.
+    max_watchdog_restarts: int = Field(default=0, ge=0)
+    step_timeout_s: float = Field(default=300.0, gt=0)
+    offline_timeout_s: float = Field(default=60.0, ge=0)
+
+
+# --------------------------------------------------------------------------- waves
+
+
+def parse_wave(spec: int | str) -> int | str:
+    """A wave as asked: a device count (cumulative, >= 1) or a percentage of the matching devices."""
+    if isinstance(spec, bool):
+        raise ValueError(f"wave {spec!r} is not a count or a percentage")
+    if isinstance(spec, int):
+        if spec < 1:
+            raise ValueError(f"wave {spec} must be at least 1 device")
+        return spec
+    text = str(spec).strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"wave {spec!r} is not a percentage") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"wave {spec!r} must be above 0% and at most 100%")
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"wave {spec!r} is not a device count (>= 1) or a percentage like 10%")
+
+
+def plan_waves(waves: Sequence[int | str], n: int) -> list[int]:
+    """Cumulative device counts per wave for ``n`` matching devices; each wave at least one device,
+    empty waves dropped."""
+    out: list[int] = []
+    prev = 0
+    for spec in waves:
+        if prev >= n:
+            break
+        if isinstance(spec, str) and spec.endswith("%"):
+            target = math.ceil(float(spec[:-1]) / 100.0 * n)
+        else:
+            target = int(spec)
+        cum = min(n, max(prev + 1, target))
+        out.append(cum)
+        prev = cum
+    return out
+
+
+# --------------------------------------------------------------------------- the decision function
+
+
+@dataclass(frozen=True)
+class WatchdogStep:
+    """One ``watchdog_restart`` event of a device, as the gate judges it."""
+
+    # When the controller stored it: its own clock, like admission and activation (an agent's
+    # clock may be off by any amount).
+    at: float
+    action: str  # restarted | failed | retry | recovered | command
+    reason: str = ""
+    model: str | None = None  # "name:version" of the model whose run hung; None: not known
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    id: str
+    matches: bool = True
+    online: bool = True
+    offline_since: float | None = None
+    reported_version: int | None = None
+    reported: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # camera → CameraReported
+    fps: Mapping[str, float] = field(default_factory=dict)  # camera → fps, latest heartbeat
+    # camera → the inference latency the gate judges: p99 where the agent reports it, else the median
+    latency_ms: Mapping[str, float] = field(default_factory=dict)
+    latency_stat: str = "median"  # "p99" when every latency above is a p99
+    restarts: tuple[float, ...] = ()  # when the agent came back up with a fresh uptime
+    watchdog: tuple[WatchdogStep, ...] = ()  # the inference watchdog's steps, oldest first
+
+
+@dataclass(frozen=True)
+class MemberView:
+    device_id: str
+    wave: int
+    state: str
+    admitted_at: float
+    cameras: tuple[str, ...] = ()
+    target_version: int | None = None
+    baseline_fps: float | None = None
+    settled_at: float | None = None
+    reason: str | None = None
+    baseline_latency_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class RolloutView:
+    state: str
+    model: str  # "name:version", as the agent reports it
+    plan: tuple[int, ...]
+    current_wave: int
+    gate: GateConfig
+    members: Mapping[str, MemberView]
+    gated_waves: frozenset[int] = frozenset()
+    admit_all_in_last: bool = True
+
+
+@dataclass(frozen=True)
+class Admit:
+    device_id: str
+    wave: int
+
+
+@dataclass(frozen=True)
+class Settle:
+    device_id: str
+    state: str  # active | failed
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class GateResult:
+    wave: int
+    passed: bool
+    figures: dict[str, Any]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Advance:
+    wave: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    state: str  # succeeded | failed
+    reason: str
+
+
+Action = Admit | Settle | GateResult | Advance | Finish
+
+
+def _offline_for(dev: DeviceView, since: float, now: float) -> float:
+    if dev.online:
+        return 0.0
+    return now - max(dev.offline_since or since, since)
+
+
+def _crash_loop(m: MemberView, dev: DeviceView) -> Settle | None:
+    n = sum(t >= m.admitted_at for t in dev.restarts)
+    if n > CRASH_LOOP_RESTARTS:
+        return Settle(m.device_id, "failed", f"crash loop: the agent restarted {n} times since admission")
+    return None
+
+
+def _settle_applying(m: MemberView, dev: DeviceView | None, r: RolloutView, now: float) -> Settle | None:
+    if dev is None:
+        return Settle(m.device_id, "failed", "device is no longer known")
+    if (crash := _crash_loop(m, dev)) is not None:
+        return crash
+    if not dev.matches:
+        return Settle(m.device_id, "failed", "device no longer matches the selector")
+    if m.target_version is not None:
+        if not m.cameras:
+            return Settle(m.device_id, "active", "every camera is held by a higher-priority layer")
+        for cam in m.cameras:
+            rep = dev.reported.get(cam) or {}
+            if rep.get("state") == "failed" and (dev.reported_version or 0) >= m.target_version:
+                return Settle(
+                    m.device_id, "failed", f"camera {cam} failed: {rep.get('error') or 'no reason'}"
+                )
+        if (dev.reported_version or 0) >= m.target_version and all(
+            (dev.reported.get(c) or {}).get("state") == "running"
+            and (dev.reported.get(c) or {}).get("model") == r.model
+            for c in m.cameras
+        ):
+            return Settle(m.device_id, "active")
+    off = _offline_for(dev, m.admitted_at, now)
+    if not dev.online and off > r.gate.offline_timeout_s:
+        return Settle(m.device_id, "failed", f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)")
+    if now - m.admitted_at > r.gate.step_timeout_s:
+        states = {c: (dev.reported.get(c) or {}).get("state", "unknown") for c in m.cameras}
+        return Settle(
+            m.device_id,
+            "failed",
+            f"not active after {r.gate.step_timeout_s:g}s (reported v{dev.reported_version}, {states})",
+        )
+    return None
+
+
+def _settle_active(m: MemberView, dev: DeviceView | None, r: RolloutView, now: float) -> Settle | None:
+    """A device of the wave being soaked that went bad after activation."""
+    if dev is None:
+        return Settle(m.device_id, "failed", "device is no longer known")
+    if (crash := _crash_loop(m, dev)) is not None:
+        return crash
+    for cam in m.cameras:
+        rep = dev.reported.get(cam) or {}
+        if rep.get("state") == "failed":
+            return Settle(m.device_id, "failed", f"camera {cam} failed: {rep.get('error') or 'no reason'}")
+    off = _offline_for(dev, m.settled_at or m.admitted_at, now)
+    if not dev.online and off > r.gate.offline_timeout_s:
+        return Settle(m.device_id, "failed", f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)")
+    return None
+
+
+def _watchdog_steps(m: MemberView, dev: DeviceView, model: str) -> list[WatchdogStep]:
+    """The watchdog steps that are the new model's doing on this device.
+
+    A step naming the rollout's model counts from admission: this rollout put it there (steps of an
+    earlier rollout of the same version are older), and a hang between the agent's activation and
+    the tick that notices it is still its hang. A step naming no model counts from activation only (before it, the old model was running).
+    Steps of other models (other deployments on other cameras) are not this rollout's.
+    """
+    since_activation = m.settled_at if m.settled_at is not None else m.admitted_at
+    return [
+        s
+        for s in dev.watchdog
+        if (s.model == model and s.at >= m.admitted_at) or (s.model is None and s.at >= since_activation)
+    ]
+
+
+def _watchdog_figures(m: MemberView, dev: DeviceView, model: str) -> dict[str, Any] | None:
+    steps = _watchdog_steps(m, dev, model)
+    restarts = [s for s in steps if s.action == WATCHDOG_RESTARTED]
+    failures = [s for s in steps if s.action == WATCHDOG_FAILED]
+    if not restarts and not failures:
+        return None
+    # The latest failure says most (it includes the restarts that led to it), else the latest restart.
+    last = (failures or restarts)[-1]
+    return {"restarts": len(restarts), "failures": len(failures), "reason": last.reason}
+
+
+def _watchdog_verdict(fig: dict[str, Any], r: RolloutView) -> str | None:
+    """Why the watchdog figures fail the gate, or None. Conclusive as soon as it is true: counts since
+    admission only grow, so the gate need not wait for the soak to end."""
+    limit = r.gate.max_watchdog_restarts
+    bad: list[str] = []
+    for d, wd in sorted((fig.get("watchdog") or {}).items()):
+        reason = str(wd.get("reason") or "no reason")[:300]
+        n = wd["restarts"]
+        restarts = f"{n} restart" + ("" if n == 1 else "s")
+        if wd["failures"]:
+            bad.append(f"{d} failed after {restarts}: {reason}")
+        elif n > limit:
+            bad.append(f"{d} {restarts}: {reason}")
+    if not bad:
+        return None
+    return f"inference watchdog (at most {limit} restarts, no failure): " + "; ".join(bad)
+
+
+def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: RolloutView) -> dict[str, Any]:
+    failed = [m.device_id for m in wave if m.state == "failed"]
+    ratios: dict[str, float] = {}
+    latencies: dict[str, float] = {}
+    latency_stats: dict[str, str] = {}
+    latency_ratios: dict[str, float] = {}
+    watchdog: dict[str, dict[str, Any]] = {}
+    for m in wave:
+        dev = devices.get(m.device_id)
+        if m.state != "active" or dev is None or not m.cameras:
+            continue
+        if (wd := _watchdog_figures(m, dev, r.model)) is not None:
+            watchdog[m.device_id] = wd
+        fps = [dev.fps[c] for c in m.cameras if c in dev.fps]
+        if fps and m.baseline_fps:
+            ratios[m.device_id] = round(min(fps) / m.baseline_fps, 3)
+        lat = [dev.latency_ms[c] for c in m.cameras if c in dev.latency_ms]
+        if lat:
+            latencies[m.device_id] = round(max(lat), 2)
+            latency_stats[m.device_id] = dev.latency_stat
+            if m.baseline_latency_ms:
+                latency_ratios[m.device_id] = round(max(lat) / m.baseline_latency_ms, 3)
+    return {
+        "devices": [m.device_id for m in wave],
+        "size": len(wave),
+        "active": sum(m.state == "active" for m in wave),
+        "failed": failed,
+        "failures": {m.device_id: m.reason for m in wave if m.state == "failed"},
+        "failure_ratio": round(len(failed) / len(wave), 3) if wave else 0.0,
+        "max_failure_ratio": r.gate.max_failure_ratio,
+        "fps_ratio": ratios,
+        "fps_ratio_min": min(ratios.values()) if ratios else None,
+        "min_fps_ratio": r.gate.min_fps_ratio,
+        "latency_ms": latencies,
+        "latency_ms_max": max(latencies.values()) if latencies else None,
+        "latency_stat": latency_stats,  # device → "p99" or "median" (an agent that reports no p99)
+        "max_latency_ms": r.gate.max_latency_ms,
+        "latency_ratio": latency_ratios,
+        "latency_ratio_max": max(latency_ratios.values()) if latency_ratios else None,
+        "max_latency_ratio": r.gate.max_latency_ratio,
+        # device → {"restarts", "failures", "reason"}: only devices whose new model the watchdog touched
+        "watchdog": watchdog,
+        "max_watchdog_restarts": r.gate.max_watchdog_restarts,
+    }
+
+
+def _verdict(fig: dict[str, Any], r: RolloutView) -> str | None:
+    """Why the gate fails, or None when it passes."""
+    if fig["failure_ratio"] > r.gate.max_failure_ratio:
+        why = "; ".join(f"{d}: {reason or 'failed'}" for d, reason in sorted(fig["failures"].items()))
+        return f"{len(fig['failed'])} of {fig['size']} devices failed ({why})"
+    if (hung := _watchdog_verdict(fig, r)) is not None:
+        return hung
+    low = {d: v for d, v in fig["fps_ratio"].items() if v < r.gate.min_fps_ratio}
+    if low:
+        return "FPS fell below {:g} of the FPS before: {}".format(
+            r.gate.min_fps_ratio, ", ".join(f"{d} {v:.2f}" for d, v in sorted(low.items()))
+        )
+    # Each figure names its statistic ("p99" unless the agent reports only a median) so the reason
+    # says what was judged.
+    stat: dict[str, str] = fig.get("latency_stat") or {}
+
+    def ms(d: str) -> str:
+        return f"{fig['latency_ms'][d]:.1f} ms" + (" p99" if stat.get(d) == "p99" else "")
+
+    if r.gate.max_latency_ms is not None:
+        slow = {d: v for d, v in fig["latency_ms"].items() if v > r.gate.max_latency_ms}
+        if slow:
+            return "inference latency over {:g} ms: {}".format(
+                r.gate.max_latency_ms, ", ".join(f"{d} {ms(d)}" for d in sorted(slow))
+            )
+    if r.gate.max_latency_ratio is not None:
+        slower = {d: v for d, v in fig["latency_ratio"].items() if v > r.gate.max_latency_ratio}
+        if slower:
+            return "inference latency rose above {:g}x the latency before: {}".format(
+                r.gate.max_latency_ratio,
+                ", ".join(f"{d} {v:.1f}x ({ms(d)})" for d, v in sorted(slower.items())),
+            )
+    return None
+
+
+def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[Action]:
+    """What to do next. Pure: the same snapshot and time give the same actions."""
+    if r.state not in (RUNNING, PAUSED):
+        return []
+    actions: list[Action] = []
+    members = dict(r.members)
+    # 1. per device: activation, failure, timeouts, offline
+    for m in r.members.values():
+        dev = devices.get(m.device_id)
+        s: Settle | None = None
+        if m.state == "applying":
+            s = _settle_applying(m, dev, r, now)
+        elif m.state == "active" and m.wave == r.current_wave and r.current_wave not in r.gated_waves:
+            s = _settle_active(m, dev, r, now)
+        if s is not None:
+            actions.append(s)
+            members[m.device_id] = replace(m, state=s.state, settled_at=now, reason=s.reason)
+    w = r.current_wave
+    if w >= len(r.plan):
+        return [*actions, Finish("succeeded", "every wave passed its gate")]
+    wave = [m for m in members.values() if m.wave == w]
+    # 2. admission of the current wave
+    if not wave:
+        if r.state != RUNNING:
+            return actions
+        last = w == len(r.plan) - 1
+        want = r.plan[w] - len(members)
+        candidates = sorted(d.id for d in devices.values() if d.matches and d.id not in members)
+        if last and r.admit_all_in_last:
+            want = len(candidates)
+        admit = candidates[: max(0, want)]
+        if not admit:
+            if last:
+                return [*actions, Finish("succeeded", "no devices left to admit")]
+            return [*actions, Advance(w + 1)]
+        return [*actions, *(Admit(d, w) for d in admit)]
+    # 3. the gate of the current wave
+    if w in r.gated_waves:
+        return actions
+    fig = _figures(wave, devices, r)
+    # Both are final once true (failures and watchdog counts only grow): fail now, not after the soak.
+    if fig["failure_ratio"] > r.gate.max_failure_ratio or _watchdog_verdict(fig, r) is not None:
+        bad = _verdict(fig, r) or "too many failures"
+        return [
+            *actions,
+            GateResult(w, False, fig, bad),
+            Finish("failed", f"wave {w + 1} gate failed: {bad}"),
+        ]
+    if any(m.state == "applying" for m in wave):
+        return actions
+    settled = max((m.settled_at or m.admitted_at) for m in wave)
+    if now - settled < r.gate.soak_s:
+        return actions
+    why = _verdict(fig, r)
+    if why is not None:
+        return [
+            *actions,
+            GateResult(w, False, fig, why),
+            Finish("failed", f"wave {w + 1} gate failed: {why}"),
+        ]
+    actions.append(GateResult(w, True, fig, "passed"))
+    if w == len(r.plan) - 1:
+        actions.append(Finish("succeeded", "every wave passed its gate"))
+    else:
+        actions.append(Advance(w + 1))
+    return actions

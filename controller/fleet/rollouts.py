@@ -1,0 +1,518 @@
+"""Rollouts: waves of devices, each wave's health gate, automatic rollback; restart-safe.
+
+``controller.fleet.gate.step`` is the pure decision function over a snapshot (the rollout, its
+members, the devices) and the time; ``RolloutService`` here loads the snapshot from the database, applies the actions in one
+transaction and has the twin recompute the desired state of every device they touch. Everything
+lives in the database, so a controller killed mid-rollout continues where it was after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from controller.db import crud
+from controller.db.tables import Deployment, Device, Event, HealthSample, Rollout, RolloutDevice, utcnow
+from controller.errors import ConflictError, NotFoundError
+from controller.fleet.deployments import (
+    get_deployment,
+    matches,
+    matching_devices,
+    rollout_devices,
+    rollout_of,
+)
+from controller.fleet.gate import (
+    DEFAULT_WAVES,
+    PAUSED,
+    RUNNING,
+    Admit,
+    Advance,
+    DeviceView,
+    Finish,
+    GateConfig,
+    GateResult,
+    MemberView,
+    RolloutView,
+    Settle,
+    WatchdogStep,
+    parse_wave,
+    plan_waves,
+    step,
+)
+from controller.fleet.selectors import SelectorError, parse_selector
+from controller.fleet.twin import AUTO, TwinService, choose
+from fleet_protocol.messages import EventKind
+
+log = logging.getLogger(__name__)
+
+TICK_S = 1.0
+_IN_CHUNK = 500  # device ids per IN (...) list: far below every driver's parameter limit
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class DeploymentError(ValueError):
+    """A deployment that cannot be created; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _ts(dt: datetime | None) -> float | None:
+    return dt.timestamp() if dt is not None else None
+
+
+def restarts_since(s: Session, device_id: str, since: datetime) -> tuple[float, ...]:
+    """Times at which the device's heartbeats show a fresh uptime (the agent started again)."""
+    rows = s.exec(
+        select(HealthSample.ts, HealthSample.payload)
+        .where(col(HealthSample.device_id) == device_id, col(HealthSample.ts) >= since)
+        .order_by(col(HealthSample.ts), col(HealthSample.id))
+    ).all()
+    out: list[float] = []
+    prev: float | None = None
+    for ts, payload in rows:
+        up = (payload or {}).get("uptime_s")
+        if up is None:
+            continue
+        if prev is not None and float(up) < prev:
+            out.append(ts.timestamp())
+        prev = float(up)
+    return tuple(out)
+
+
+def watchdog_steps_since(s: Session, since: Mapping[str, datetime]) -> dict[str, tuple[WatchdogStep, ...]]:
+    """Per device, the inference watchdog's steps stored since the given time, oldest first."""
+    out: dict[str, list[WatchdogStep]] = {d: [] for d in since}
+    ids = sorted(since)
+    for i in range(0, len(ids), _IN_CHUNK):
+        chunk = ids[i : i + _IN_CHUNK]
+        rows = s.exec(
+            select(Event.device_id, Event.stored_at, Event.data)
+            .where(
+                col(Event.kind) == EventKind.WATCHDOG_RESTART.value,
+                col(Event.device_id).in_(chunk),
+                col(Event.stored_at) >= min(since[d] for d in chunk),
+            )
+            .order_by(col(Event.stored_at), col(Event.id))
+        ).all()
+        for device_id, stored_at, data in rows:
+            if stored_at < since[device_id]:
+                continue
+            # The data is the agent's: take only well-typed values.
+            d = data if isinstance(data, dict) else {}
+            action, reason, model = d.get("action"), d.get("reason"), d.get("model")
+            out[device_id].append(
+                WatchdogStep(
+                    at=stored_at.timestamp(),
+                    action=action if isinstance(action, str) else "",
+                    reason=reason if isinstance(reason, str) else "",
+                    model=model if isinstance(model, str) and model else None,
+                )
+            )
+    return {d: tuple(v) for d, v in out.items()}
+
+
+def camera_latency(cam: Mapping[str, Any]) -> tuple[float, str] | None:
+    """The latency a gate judges for one camera of a heartbeat, and which statistic it is: the p99
+    where the agent reports it, else the median (agents before p99). None: nothing usable."""
+    for key, stat in (("inference_p99_ms", "p99"), ("inference_ms", "median")):
+        v = cam.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            return float(v), stat
+    return None
+
+
+def device_view(
+    dev: Device,
+    dep: Deployment,
+    restarts: tuple[float, ...] = (),
+    watchdog: tuple[WatchdogStep, ...] = (),
+) -> DeviceView:
+    health = dev.last_health or {}
+    fps: dict[str, float] = {}
+    lat: dict[str, float] = {}
+    stats: set[str] = set()
+    for c in health.get("cameras") or []:
+        cam = str(c.get("camera"))
+        if c.get("fps") is not None:
+            fps[cam] = float(c["fps"])
+        if (found := camera_latency(c)) is not None:
+            lat[cam], stat = found
+            stats.add(stat)
+    return DeviceView(
+        id=dev.id,
+        matches=matches(dep, dev.labels or {}),
+        online=dev.status == "online",
+        offline_since=_ts(dev.offline_since),
+        reported_version=dev.reported_version,
+        reported=dict((dev.reported or {}).get("cameras") or {}),
+        fps=fps,
+        latency_ms=lat,
+        latency_stat="p99" if stats == {"p99"} else "median",
+        restarts=restarts,
+        watchdog=watchdog,
+    )
+
+
+def member_view(m: RolloutDevice) -> MemberView:
+    return MemberView(
+        device_id=m.device_id,
+        wave=m.wave,
+        state=m.state,
+        admitted_at=_ts(m.admitted_at) or 0.0,
+        cameras=tuple(m.cameras or ()),
+        target_version=m.target_version,
+        baseline_fps=m.baseline_fps,
+        settled_at=_ts(m.settled_at),
+        reason=m.reason,
+        baseline_latency_ms=m.baseline_latency_ms,
+    )
+
+
+def rollout_view(ro: Rollout, dep: Deployment, members: Sequence[RolloutDevice]) -> RolloutView:
+    waves = list(ro.waves or [])
+    return RolloutView(
+        state=ro.state,
+        model=f"{dep.model}:{dep.version}",
+        plan=tuple(ro.plan or ()),
+        current_wave=ro.current_wave,
+        gate=GateConfig.model_validate(ro.gate or {}),
+        members={m.device_id: member_view(m) for m in members},
+        gated_waves=frozenset(int(g["wave"]) for g in ro.gates or [] if g.get("passed")),
+        admit_all_in_last=bool(waves) and str(waves[-1]).strip() == "100%",
+    )
+
+
+class RolloutService:
+    """Creates deployments with their rollouts, drives them from a runner thread, and carries out
+    the operator's pause/resume/cancel/rollback. One lock orders ticks and operator actions."""
+
+    def __init__(self, engine: Engine, twin: TwinService, *, stop: threading.Event, tick_s: float = TICK_S):
+        self._engine = engine
+        self._twin = twin
+        self._stop = stop
+        self._tick_s = tick_s
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.clock: Callable[[], float] = time.time
+
+    # ------------------------------------------------------------------ runner
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="edgefleet-rollouts", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("rollout tick failed")
+            self._stop.wait(self._tick_s)
+
+    def tick(self) -> None:
+        with Session(self._engine) as s:
+            ids = [
+                int(i)
+                for i in s.exec(select(Rollout.id).where(col(Rollout.state).in_((RUNNING, PAUSED)))).all()
+                if i is not None
+            ]
+        for rid in ids:
+            with self._lock:
+                self._tick_one(rid)
+
+    def _tick_one(self, rollout_id: int) -> None:
+        self._fill_targets(rollout_id)
+        touched: set[str] = set()
+        now = self.clock()
+        with Session(self._engine) as s:
+            ro = s.get(Rollout, rollout_id)
+            if ro is None or ro.state not in (RUNNING, PAUSED):
+                return
+            dep = s.get(Deployment, ro.deployment_id)
+            assert dep is not None
+            members = {m.device_id: m for m in rollout_devices(s, rollout_id)}
+            watched = {
+                m.device_id: m.admitted_at
+                for m in members.values()
+                if m.admitted_at is not None
+                and (m.state == "applying" or (m.state == "active" and m.wave == ro.current_wave))
+            }
+            steps = watchdog_steps_since(s, watched)
+            devices = {
+                d.id: device_view(
+                    d,
+                    dep,
+                    restarts_since(s, d.id, watched[d.id]) if d.id in watched else (),
+                    steps.get(d.id, ()),
+                )
+                for d in crud.list_devices(s)
+            }
+            actions = step(rollout_view(ro, dep, list(members.values())), devices, now)
+            if not actions:
+                return
+            at = datetime.fromtimestamp(now, UTC)
+            for a in actions:
+                if isinstance(a, Admit):
+                    s.add(
+                        RolloutDevice(
+                            rollout_id=rollout_id, device_id=a.device_id, wave=a.wave, admitted_at=at
+                        )
+                    )
+                    touched.add(a.device_id)
+                    log.info("rollout %d: wave %d admits %s", rollout_id, a.wave + 1, a.device_id)
+                elif isinstance(a, Settle):
+                    m = members[a.device_id]
+                    m.state, m.reason, m.settled_at = a.state, a.reason, at
+                    s.add(m)
+                    if a.state == "failed":
+                        touched.add(a.device_id)
+                        log.warning("rollout %d: %s failed: %s", rollout_id, a.device_id, a.reason)
+                elif isinstance(a, GateResult):
+                    gate = {"wave": a.wave, "passed": a.passed, "reason": a.reason, "at": now, **a.figures}
+                    ro.gates = [*(ro.gates or []), gate]
+                    log.info("rollout %d: wave %d gate %s", rollout_id, a.wave + 1, a.reason)
+                elif isinstance(a, Advance):
+                    ro.current_wave = a.wave
+                elif isinstance(a, Finish):
+                    ro.state, ro.reason, ro.finished_at = a.state, a.reason, at
+                    if a.state == "succeeded":
+                        dep.state = "active"
+                        touched.update(d.id for d in matching_devices(s, dep))
+                    else:
+                        dep.state = "rolled_back"
+                        touched.update(self._revert(s, rollout_id, a.reason))
+                    log.info("rollout %d %s: %s", rollout_id, a.state, a.reason)
+            ro.updated_at = at
+            s.add(ro)
+            s.add(dep)
+            s.commit()
+        self._twin.recompute_many(touched)
+        self._fill_targets(rollout_id)
+
+    @staticmethod
+    def _revert(s: Session, rollout_id: int, reason: str, *, states: Sequence[str] | None = None) -> set[str]:
+        out: set[str] = set()
+        for m in rollout_devices(s, rollout_id):
+            if m.state == "rolled_back" or (states is not None and m.state not in states):
+                continue
+            m.state, m.reason = "rolled_back", reason if m.reason is None else f"{m.reason}; {reason}"
+            m.settled_at = utcnow()
+            s.add(m)
+            out.add(m.device_id)
+        return out
+
+    def _fill_targets(self, rollout_id: int) -> None:
+        """Admitted devices whose new desired state is not recorded yet: publish and record it."""
+        with Session(self._engine) as s:
+            ro = s.get(Rollout, rollout_id)
+            if ro is None:
+                return
+            dep = s.get(Deployment, ro.deployment_id)
+            assert dep is not None
+            pending = [m.device_id for m in rollout_devices(s, rollout_id) if m.target_version is None]
+        for device_id in pending:
+            self._twin.recompute(device_id)
+            with Session(self._engine) as s:
+                m = s.get(RolloutDevice, (rollout_id, device_id))
+                dev = crud.get_device(s, device_id=device_id)
+                if m is None or dev is None:
+                    continue
+                m.target_version = dev.desired_version
+                m.cameras = sorted(
+                    cam for cam, a in (dev.assignments or {}).items() if a.get("deployment") == dep.name
+                )
+                health = {str(c.get("camera")): c for c in (dev.last_health or {}).get("cameras") or []}
+                fps = [float(health[c]["fps"]) for c in m.cameras if c in health and health[c].get("fps")]
+                # The same statistic as the gate will judge after the swap (p99, else median), so the
+                # ratio compares like with like.
+                lat = [found[0] for c in m.cameras if c in health and (found := camera_latency(health[c]))]
+                m.baseline_fps = min(fps) if fps else None
+                m.baseline_latency_ms = max(lat) if lat else None
+                s.add(m)
+                s.commit()
+
+    # ------------------------------------------------------------------ create
+
+    def create(
+        self,
+        *,
+        name: str,
+        model: str,
+        version: str,
+        selector: str,
+        variant: str = AUTO,
+        cameras: list[dict[str, Any]] | None = None,
+        priority: int = 0,
+        waves: Sequence[int | str] | None = None,
+        gate: GateConfig | None = None,
+    ) -> int:
+        """A new deployment in state rolling_out with its rollout; returns the deployment id."""
+        try:
+            parse_selector(selector)
+        except SelectorError as exc:
+            raise DeploymentError(422, f"selector: {exc}") from None
+        try:
+            plan_in = [parse_wave(w) for w in (waves if waves is not None else DEFAULT_WAVES)]
+        except ValueError as exc:
+            raise DeploymentError(422, f"waves: {exc}") from None
+        if not plan_in:
+            raise DeploymentError(422, "waves: at least one wave")
+        with self._lock, Session(self._engine) as s:
+            mv = crud.get_model_version(s, name=model, version=version)
+            if mv is None:
+                raise DeploymentError(404, f"model {model!r} version {version!r} is not registered")
+            try:
+                choose(s, mv=mv, capabilities=None, pin=variant)
+            except ConflictError as exc:
+                raise DeploymentError(409, str(exc)) from None
+            if get_deployment(s, name) is not None:
+                raise DeploymentError(409, f"a deployment named {name!r} exists")
+            dep = Deployment(
+                name=name,
+                model=model,
+                version=version,
+                variant=variant,
+                selector=selector,
+                cameras=list(cameras or [{"camera": "*"}]),
+                priority=priority,
+                state="rolling_out",
+            )
+            s.add(dep)
+            s.flush()
+            assert dep.id is not None
+            n = len(matching_devices(s, dep))
+            s.add(
+                Rollout(
+                    deployment_id=dep.id,
+                    waves=list(plan_in),
+                    plan=plan_waves(plan_in, n),
+                    gate=(gate or GateConfig()).model_dump(),
+                )
+            )
+            s.commit()
+            return dep.id
+
+    # ------------------------------------------------------------------ operator actions
+
+    def _operate(self, ref: str | int, fn: Callable[[Session, Deployment, Rollout], set[str]]) -> int:
+        with self._lock:
+            with Session(self._engine) as s:
+                dep = get_deployment(s, ref)
+                if dep is None or dep.id is None:
+                    raise NotFoundError(f"deployment {ref!r} is not known")
+                ro = rollout_of(s, dep.id)
+                assert ro is not None
+                touched = fn(s, dep, ro)
+                ro.updated_at = utcnow()
+                s.add(ro)
+                s.add(dep)
+                s.commit()
+                dep_id = dep.id
+            self._twin.recompute_many(touched)
+            return dep_id
+
+    def pause(self, ref: str | int) -> int:
+        def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
+            if ro.state == RUNNING:
+                ro.state = PAUSED
+            return set()
+
+        return self._operate(ref, fn)
+
+    def resume(self, ref: str | int) -> int:
+        def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
+            if ro.state == PAUSED:
+                ro.state = RUNNING
+            return set()
+
+        return self._operate(ref, fn)
+
+    def cancel(self, ref: str | int) -> int:
+        """Stop: devices already active keep the deployment, devices still applying are reverted."""
+
+        def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
+            if ro.state not in (RUNNING, PAUSED):
+                return set()
+            assert ro.id is not None
+            ro.state, ro.reason, ro.finished_at = "cancelled", "cancelled by the operator", utcnow()
+            dep.state = "cancelled"
+            return self._revert(s, ro.id, "cancelled before it was active", states=("pending", "applying"))
+
+        return self._operate(ref, fn)
+
+    def rollback(self, ref: str | int) -> int:
+        """Every device the deployment reached goes back to its previous layer, whatever the state."""
+
+        def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
+            assert ro.id is not None
+            touched = {d.id for d in matching_devices(s, dep)}
+            touched |= self._revert(s, ro.id, "rolled back by the operator")
+            touched |= {m.device_id for m in rollout_devices(s, ro.id)}
+            if dep.state != "rolled_back" or ro.state not in ("failed", "rolled_back"):
+                if ro.state != "failed":
+                    ro.state = "rolled_back"
+                    ro.reason = "rolled back by the operator"
+                ro.finished_at = ro.finished_at or utcnow()
+                dep.state = "rolled_back"
+            return touched
+
+        return self._operate(ref, fn)
+
+    # ------------------------------------------------------------------ delete
+
+    def delete(self, ref: str | int) -> set[str]:
+        """Remove the deployment's layer; returns the devices whose desired state was derived again.
+
+        Every device it applied to falls back to its next layer (a lower-priority deployment, else
+        its direct assignment, else nothing on that camera) and is sent the new desired state. A
+        rollout still running or paused is stopped first, as a cancel would (one call, never a 409:
+        deleting means none of its devices keep it, which needs no cancel beforehand). The row stays
+        as history under a tombstone name that no request can spell (``~ID~name``), so the name is
+        free for a new deployment; the deleted one is gone from the API, and a second delete, by name
+        or id, is a NotFoundError.
+        """
+        reason = "the deployment was deleted"
+        with self._lock:
+            with Session(self._engine) as s:
+                dep = get_deployment(s, ref)
+                if dep is None or dep.id is None or dep.state == "deleted":
+                    raise NotFoundError(f"deployment {ref!r} is not known")
+                touched = {d.id for d in matching_devices(s, dep)}
+                # Also devices that no longer match but still carry its layer (belt and braces).
+                touched |= {
+                    d.id
+                    for d in crud.devices_with_desired(s)
+                    if any(a.get("deployment") == dep.name for a in (d.assignments or {}).values())
+                }
+                ro = rollout_of(s, dep.id)
+                if ro is not None:
+                    assert ro.id is not None
+                    if ro.state in (RUNNING, PAUSED):
+                        ro.state, ro.reason, ro.finished_at = "cancelled", reason, utcnow()
+                    touched |= self._revert(s, ro.id, reason, states=("pending", "applying"))
+                    touched |= {m.device_id for m in rollout_devices(s, ro.id)}
+                    ro.updated_at = utcnow()
+                    s.add(ro)
+                log.info("deployment %s (#%d) deleted; %d devices follow", dep.name, dep.id, len(touched))
+                dep.state = "deleted"
+                dep.name = f"~{dep.id}~{dep.name}"[:64]
+                s.add(dep)
+                s.commit()
+            self._twin.recompute_many(touched)
+        return touched

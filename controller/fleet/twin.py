@@ -1,0 +1,519 @@
+"""Desired state: computed, stored and published (retained) per device."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from controller.db import crud
+from controller.db.engine import session_scope
+from controller.db.tables import Device, Event, ModelVariant, ModelVersion, utcnow
+from controller.errors import ConflictError, NotFoundError
+from controller.fleet.deployments import admitted_for, applied_deployments, layers
+from controller.fleet.sync import device_sync
+from controller.link.bridge import MqttBridge
+from controller.registry.variants import VariantReport, choose_variant
+from controller.security.keys import ArtifactSigner
+from fleet_protocol import TopicKind
+from fleet_protocol.messages import ArtifactRef, CameraDesired, Capabilities, DesiredState, ModelManifest
+
+log = logging.getLogger(__name__)
+
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Choice:
+    variant: str
+    reason: str
+    sha256: str
+    size: int
+
+
+def _reports(rows: list[ModelVariant]) -> list[Any]:
+    out = []
+    for r in rows:
+        if r.variant not in ("fp32", "fp16", "int8"):
+            continue
+        out.append(
+            VariantReport(
+                variant=r.variant,  # type: ignore[arg-type]
+                path=Path(r.path) if r.path else None,
+                sha256=r.sha256,
+                size=r.size,
+                latency_ms_1t=r.latency_ms_1t,
+                latency_ms_2t=r.latency_ms_2t,
+                f1=r.f1,
+                mean_iou=r.mean_iou,
+                detections=r.detections,
+                fit=r.fit,
+                reason=r.reason,
+                target=r.target if r.target in ("cpu", "gpu", "any") else "any",  # type: ignore[arg-type]
+                build_s=r.build_s,
+                int8_isa=r.int8_isa if r.int8_isa in ("vnni", "no-vnni") else None,  # type: ignore[arg-type]
+                reduce_range=r.reduce_range,
+            )
+        )
+    return out
+
+
+def choose(s: Session, *, mv: ModelVersion, capabilities: dict[str, Any] | None, pin: str = AUTO) -> Choice:
+    """The variant of ``mv`` a device with ``capabilities`` runs, and why; ConflictError for a bad pin."""
+    assert mv.id is not None
+    rows = list(crud.list_variants(s, model_version_id=mv.id))
+    by_name = {r.variant: r for r in rows}
+    fp32 = Choice("fp32", "", mv.sha256, mv.size)
+    if pin != AUTO:
+        if pin == "fp32":
+            return Choice("fp32", "fp32 pinned by the assignment", mv.sha256, mv.size)
+        row = by_name.get(pin)
+        if row is None:
+            state = f"variant builds {mv.status}" if mv.status != "ready" else "not built"
+            raise ConflictError(f"variant {pin} of {mv.name}:{mv.version} is not available ({state})")
+        if not row.fit or not row.path or not row.sha256 or not row.size:
+            raise ConflictError(
+                f"variant {pin} of {mv.name}:{mv.version} is unfit: {row.reason or 'no file to ship'}"
+            )
+        return Choice(pin, f"{pin} pinned by the assignment", row.sha256, row.size)
+    if not rows:
+        if mv.status == "building":
+            why = f"variants of {mv.name}:{mv.version} are still building ({mv.build_stage or 'queued'})"
+        else:
+            why = f"{mv.name}:{mv.version} has no optimized variants"
+        return Choice("fp32", f"{why}; fp32 runs everywhere", mv.sha256, mv.size)
+    try:
+        caps = Capabilities.model_validate(capabilities or {})
+    except ValueError:
+        caps = Capabilities()
+    name, reason = choose_variant(_reports(rows), caps)
+    row = by_name.get(name)
+    if name == "fp32" or row is None or not row.fit or not row.path or not row.sha256 or not row.size:
+        return Choice(
+            "fp32",
+            reason if name == "fp32" else f"{reason}; its file is missing, so fp32",
+            fp32.sha256,
+            fp32.size,
+        )
+    return Choice(name, reason, row.sha256, row.size)
+
+
+def artifact_ref(mv: ModelVersion, choice: Choice, chunk_size: int) -> ArtifactRef:
+    manifest = ModelManifest.model_validate({**mv.manifest, "sha256": choice.sha256, "size": choice.size})
+    return ArtifactRef(manifest=manifest, chunk_size=chunk_size, variant=choice.variant)
+
+
+class TwinService:
+    def __init__(
+        self, engine: Engine, bridge: MqttBridge, *, chunk_size: int, signer: ArtifactSigner
+    ) -> None:
+        self._engine = engine
+        self._bridge = bridge
+        self._chunk_size = chunk_size
+        self._signer = signer
+        # Read-modify-write-publish under one lock: versions must increase in the order the retained
+        # messages reach the broker.
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def current(stored: dict[str, object] | None) -> DesiredState:
+        if stored is None:
+            return DesiredState(version=0, issued_at=time.time(), cameras={})
+        return DesiredState.model_validate(stored)
+
+    def assign(
+        self,
+        *,
+        device_id: str,
+        camera: str,
+        model: str,
+        version: str,
+        threshold: float | None = None,
+        max_fps: float | None = None,
+        labels: list[str] | None = None,
+        variant: str = AUTO,
+    ) -> DesiredState:
+        """Set the direct assignment of a camera (the bottom layer; a deployment that applies to the
+        camera wins over it) and publish the device's desired state when it changed."""
+        with self._lock, session_scope(self._engine) as s:
+            dev = crud.get_device(s, device_id=device_id)
+            if dev is None:
+                raise NotFoundError(f"device {device_id!r} is not known")
+            mv = crud.get_model_version(s, name=model, version=version)
+            if mv is None:
+                raise NotFoundError(f"model {model!r} version {version!r} is not registered")
+            choose(s, mv=mv, capabilities=dev.capabilities, pin=variant)  # a bad pin is refused here
+            direct = dict(dev.direct or {})
+            direct[camera] = {
+                "model": model,
+                "version": version,
+                "pin": variant,
+                "threshold": threshold,
+                "max_fps": max_fps,
+                "labels": labels,
+            }
+            dev.direct = direct
+            return self._apply(s, dev) or self.current(dev.desired)
+
+    def remove(self, *, device_id: str, camera: str) -> DesiredState:
+        with self._lock, session_scope(self._engine) as s:
+            dev = crud.get_device(s, device_id=device_id)
+            if dev is None:
+                raise NotFoundError(f"device {device_id!r} is not known")
+            if camera not in (dev.direct or {}):
+                raise NotFoundError(f"camera {camera!r} of device {device_id!r} has no model assigned")
+            dev.direct = {k: v for k, v in (dev.direct or {}).items() if k != camera}
+            return self._apply(s, dev) or self.current(dev.desired)
+
+    def recompute(self, device_id: str) -> DesiredState | None:
+        """Derive the device's desired state again from its layers (deployments by priority over the
+        direct assignment) and each camera's variant choice; publish it only when it changed.
+        Returns the new state, or None when nothing changed."""
+        with self._lock, session_scope(self._engine) as s:
+            dev = crud.get_device(s, device_id=device_id)
+            if dev is None:
+                return None
+            return self._apply(s, dev)
+
+    def recompute_many(self, device_ids: Iterable[str]) -> int:
+        changed = 0
+        for d in sorted(set(device_ids)):
+            try:
+                changed += self.recompute(d) is not None
+            except Exception:
+                log.exception("recomputing the desired state of %s failed", d)
+        return changed
+
+    def _apply(self, s: Session, dev: Device) -> DesiredState | None:
+        chosen = layers(dev, applied_deployments(s), admitted_for(s, dev.id))
+        cameras: dict[str, CameraDesired] = {}
+        assignments: dict[str, Any] = {}
+        for cam, layer in sorted(chosen.items()):
+            mv = crud.get_model_version(s, name=layer.model, version=layer.version)
+            if mv is None:
+                continue
+            try:
+                choice = choose(s, mv=mv, capabilities=dev.capabilities, pin=layer.pin)
+            except ConflictError as exc:
+                # A pinned variant that is not there: fp32 runs, and the API says why.
+                choice = Choice("fp32", f"{exc}; fp32 instead", mv.sha256, mv.size)
+            cameras[cam] = CameraDesired(
+                model=artifact_ref(mv, choice, self._chunk_size),
+                threshold=layer.threshold,
+                max_fps=layer.max_fps,
+                labels=layer.labels,
+            )
+            assignments[cam] = {
+                **_assignment(mv, layer.pin, choice),
+                "source": layer.source,
+                "deployment": layer.deployment,
+            }
+        if assignments != (dev.assignments or {}):
+            dev.assignments = assignments
+        s.add(dev)
+        old = self.current(dev.desired)
+        new = self._signed(old.model_copy(update={"cameras": cameras}))
+        same = {k: v.model_dump(mode="json") for k, v in new.cameras.items()} == {
+            k: v.model_dump(mode="json") for k, v in old.cameras.items()
+        }
+        if same:
+            s.commit()
+            return None
+        log.info("desired state of %s changed; publishing", dev.id)
+        return self._commit(s, dev.id, old, cameras)
+
+    def recompute_for_model(self, model_version_id: int) -> int:
+        """Recompute every device whose desired state runs this model version; returns how many changed."""
+        with Session(self._engine) as s:
+            mv = crud.get_model_version_by_id(s, model_version_id=model_version_id)
+            if mv is None:
+                return 0
+            key = (mv.name, mv.version)
+            devices = [d.id for d in crud.devices_with_desired(s) if key in uses(d)]
+        return sum(self.recompute(d) is not None for d in devices)
+
+    def _commit(
+        self, s: Session, device_id: str, old: DesiredState, cameras: dict[str, CameraDesired]
+    ) -> DesiredState:
+        dev = crud.get_device(s, device_id=device_id)
+        assert dev is not None
+        new = self._signed(
+            DesiredState(
+                version=max(old.version, dev.desired_version) + 1, issued_at=time.time(), cameras=cameras
+            )
+        )
+        dev.desired = new.model_dump(mode="json")
+        dev.desired_version = new.version
+        s.add(dev)
+        s.commit()
+        self._bridge.publish_message(device_id, TopicKind.TWIN_DESIRED, new)
+        log.info("desired state v%d of %s published", new.version, device_id)
+        return new
+
+    def _signed(self, state: DesiredState) -> DesiredState:
+        """``state`` with every artifact ref signed by this controller's key.
+
+        Done at every publish, not once at assignment: refs stored before signing existed, or under a
+        replaced key, then go out signed by the current key. Ed25519 is deterministic, so an unchanged
+        ref gets the same signature and a republish is byte-identical.
+        """
+        cameras = {
+            cam: cd.model_copy(update={"model": self._signer.sign(cd.model)}) if cd.model is not None else cd
+            for cam, cd in state.cameras.items()
+        }
+        return state.model_copy(update={"cameras": cameras})
+
+    def republish_all(self) -> int:
+        """Publish every stored desired state again (retained): a broker without persistence forgets."""
+        with self._lock, Session(self._engine) as s:
+            devices = crud.devices_with_desired(s)
+            for dev in devices:
+                try:
+                    state = self._signed(self.current(dev.desired))
+                    self._bridge.publish_message(dev.id, TopicKind.TWIN_DESIRED, state)
+                except Exception:
+                    log.exception("could not republish desired state of %s", dev.id)
+            return len(devices)
+
+    def resend(self, device_id: str, *, why: str, attempt: int, next_after_s: float) -> int | None:
+        """Publish the device's stored desired state again, under a new version, and record why.
+
+        A new version, not the same message again: the agent ignores a desired version it already
+        received, so a device that applied v7 and runs something else only acts on v8 with the same
+        content. Above the version the device reports, too, in case it applied more than we know.
+        Returns the new version, or None when the device has nothing to re-send or is in sync.
+        """
+        with self._lock, session_scope(self._engine) as s:
+            dev = crud.get_device(s, device_id=device_id)
+            if dev is None or dev.desired is None or device_sync(dev)[0] == "in_sync":
+                return None  # in sync since the caller looked: nothing to fix
+            old = self.current(dev.desired)
+            version = max(old.version, dev.desired_version, dev.reported_version or 0) + 1
+            new = self._signed(DesiredState(version=version, issued_at=time.time(), cameras=old.cameras))
+            dev.desired = new.model_dump(mode="json")
+            dev.desired_version = new.version
+            s.add(dev)
+            s.add(
+                Event(
+                    device_id=device_id,
+                    ts=utcnow(),
+                    kind=EVENT_RESEND,
+                    severity="warning",
+                    message=(
+                        f"desired state v{old.version} re-sent as v{version}: {why} "
+                        f"(re-send {attempt}; the next one no sooner than {next_after_s:g}s)"
+                    ),
+                    data={
+                        "previous_version": old.version,
+                        "version": version,
+                        "reason": why,
+                        "attempt": attempt,
+                        "next_after_s": next_after_s,
+                    },
+                )
+            )
+            s.commit()
+            self._bridge.publish_message(device_id, TopicKind.TWIN_DESIRED, new)
+        log.warning("desired state of %s re-sent as v%d: %s", device_id, version, why)
+        return version
+
+
+def _assignment(mv: ModelVersion, pin: str, choice: Choice) -> dict[str, Any]:
+    return {
+        "model": mv.name,
+        "version": mv.version,
+        "pin": pin,
+        "variant": choice.variant,
+        "sha256": choice.sha256,
+        "reason": choice.reason,
+    }
+
+
+def uses(dev: Device) -> set[tuple[str, str]]:
+    """The (model, version) pairs a device's desired state runs."""
+    out: set[tuple[str, str]] = set()
+    for cd in ((dev.desired or {}).get("cameras") or {}).values():
+        m = ((cd or {}).get("model") or {}).get("manifest") or {}
+        if m.get("name") and m.get("version"):
+            out.add((str(m["name"]), str(m["version"])))
+    return out
+
+
+# --------------------------------------------------------------------------- convergence
+
+EVENT_RESEND = "twin_resend"
+EVENT_CONVERGED = "twin_converged"
+
+
+@dataclass(frozen=True)
+class ResendPolicy:
+    """When the controller sends a device its desired state again.
+
+    ``pending_after_s``: how long an online device may report an older desired version than the
+    current one (counted from the publish, or from the device coming online, whichever is later)
+    before it is treated as having missed it. A device busy applying (fetching, verifying, loading)
+    is never hurried. ``backoff_s`` doubles after each re-send up to ``backoff_max_s``, so a device
+    that keeps drifting gets at most one re-send (and one event) per ``backoff_max_s``.
+    """
+
+    pending_after_s: float = 60.0
+    backoff_s: float = 10.0
+    backoff_max_s: float = 600.0
+
+    def delay(self, resends: int) -> float:
+        """Seconds to wait after the ``resends``-th re-send (0 before the first)."""
+        if resends <= 0:
+            return 0.0
+        return min(self.backoff_max_s, self.backoff_s * 2.0 ** min(resends - 1, 60))
+
+    @property
+    def check_every_s(self) -> float:
+        return max(0.1, min(5.0, self.backoff_s / 2, self.pending_after_s / 4))
+
+
+def resend_reason(
+    sync: str,
+    reason: str | None,
+    *,
+    online: bool,
+    published_at: float,
+    online_since: float | None,
+    now: float,
+    policy: ResendPolicy,
+) -> str | None:
+    """Why a device must get its desired state again, or None. Pure.
+
+    Drifted (it applied the current version but runs something else): at once. Pending (it reports an
+    older version) only after ``policy.pending_after_s``. Never for failed (sending the same state
+    again fails the same way; the failure and its reason are shown and a rollout acts on them),
+    applying, or an offline device (the retained message is waiting for it on the broker).
+    """
+    if not online:
+        return None
+    if sync == "drifted":
+        return f"drifted: {reason or 'runs something else'}"
+    if sync == "pending":
+        waited = now - max(published_at, online_since or 0.0)
+        if waited >= policy.pending_after_s:
+            return f"still on an older version {waited:.0f}s after the publish ({reason or 'pending'})"
+    return None
+
+
+@dataclass
+class _Resends:
+    count: int
+    last_at: float
+
+
+def _epoch(dt: datetime | None) -> float | None:
+    return dt.timestamp() if dt is not None else None
+
+
+class TwinConverger:
+    """Watches every online device with a desired state and re-sends it to the ones that do not
+    converge on it (``resend_reason``), with a capped exponential backoff per device. Each re-send,
+    and the return to in-sync after re-sends, is recorded as an event.
+
+    The backoff lives in memory: after a controller restart a still-drifting device gets one re-send
+    at once and the doubling starts again, which is at most one extra message per device.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        twin: TwinService,
+        *,
+        policy: ResendPolicy,
+        stop: threading.Event,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._engine = engine
+        self._twin = twin
+        self.policy = policy
+        self._stop = stop
+        self._clock = clock
+        self._resends: dict[str, _Resends] = {}
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="edgefleet-twin-converge", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.policy.check_every_s):
+            try:
+                self.check()
+            except Exception:
+                log.exception("twin convergence check failed")
+
+    def check(self, now: float | None = None) -> list[str]:
+        """One pass over the fleet; returns the devices whose desired state was re-sent."""
+        now = self._clock() if now is None else now
+        due: list[tuple[str, str]] = []
+        converged: list[tuple[str, int, int]] = []
+        with Session(self._engine) as s:
+            q = select(Device).where(col(Device.desired).is_not(None), col(Device.status) == "online")
+            for dev in s.exec(q.order_by(col(Device.id))).all():
+                sync, reason = device_sync(dev)
+                if sync == "in_sync":
+                    done = self._resends.pop(dev.id, None)
+                    if done is not None:
+                        converged.append((dev.id, dev.desired_version, done.count))
+                    continue
+                why = resend_reason(
+                    sync,
+                    reason,
+                    online=True,
+                    published_at=float((dev.desired or {}).get("issued_at") or 0.0),
+                    online_since=_epoch(dev.online_since),
+                    now=now,
+                    policy=self.policy,
+                )
+                if why is None:
+                    continue
+                prev = self._resends.get(dev.id)
+                if prev is not None and now - prev.last_at < self.policy.delay(prev.count):
+                    continue
+                due.append((dev.id, why))
+            if converged:
+                for device_id, at_version, count in converged:
+                    s.add(
+                        Event(
+                            device_id=device_id,
+                            ts=utcnow(),
+                            kind=EVENT_CONVERGED,
+                            message=f"in sync again at v{at_version} after {count} re-send(s)",
+                            data={"version": at_version, "resends": count},
+                        )
+                    )
+                    log.info("%s in sync again at v%d after %d re-send(s)", device_id, at_version, count)
+                s.commit()
+        sent: list[str] = []
+        for device_id, why in due:
+            prev = self._resends.get(device_id)
+            count = (prev.count if prev else 0) + 1
+            version: int | None = None
+            try:
+                version = self._twin.resend(
+                    device_id, why=why, attempt=count, next_after_s=self.policy.delay(count)
+                )
+            except Exception:
+                log.exception("re-sending the desired state of %s failed", device_id)
+            # Counted even when the publish failed: a broken device must not turn into a tight loop.
+            self._resends[device_id] = _Resends(count, now)
+            if version is not None:
+                sent.append(device_id)
+        return sent

@@ -1,0 +1,1 @@
+"""The device link: MQTT bridge, broker accounts, ingest, presence, commands, artifact server."""

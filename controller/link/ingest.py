@@ -1,0 +1,550 @@
+"""Detections and events: bounded queue → one batch writer thread → dedup, store, ack.
+
+paho's thread decodes and validates (the bridge), the writer stores whole batches in one transaction
+and acks after the commit. The two overlap: the writer's database time is spent in SQLite's C code
+with the GIL released, while paho's thread decodes the next messages.
+
+Drop policy: when the queue is full the newest message is dropped and counted. That is safe because
+the agent keeps every message in its outbox until an ``Ack`` covers it, and sends it again.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import queue
+import sqlite3
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from itertools import chain
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from controller.db import crud
+from controller.db.engine import db_json, db_text, session_scope
+from controller.db.tables import Detection, Event, utcnow
+from controller.link.bridge import DROPPED_QUEUE_FULL, DUPLICATE, INVALID, OK, STORE_FAILED, MqttBridge
+from controller.link.seqtrack import SeqStats, SeqTracker
+from fleet_protocol import TopicKind
+from fleet_protocol.messages import Ack, DetectionBatch, EventKind, Message
+from fleet_protocol.messages import Event as EventMsg
+
+log = logging.getLogger(__name__)
+
+MAX_DB_INT = 2**63 - 1
+# One OUTBOX_DROPPED event may declare at most this many seqs; more is garbage, not an outbox.
+MAX_DECLARED_DROPPED = 200_000
+_INSERT_CHUNK = 5000
+# Rows in one multi-row detection INSERT (14 parameters each, within the database's limit).
+_MULTI_ROWS_MAX = 1000
+
+IngestMsg = DetectionBatch | EventMsg
+# Detection columns in the order of the rows the writer builds.
+_DET_COLUMNS = (
+    "device_id",
+    "seq",
+    "camera",
+    "frame",
+    "captured_at",
+    "stored_at",
+    "model",
+    "label",
+    "class_id",
+    "score",
+    "x0",
+    "y0",
+    "x1",
+    "y1",
+)
+_DET_TIME_COLUMNS = ("captured_at", "stored_at")
+
+
+@dataclass(frozen=True)
+class StoredBatch:
+    """What one ingest commit stored: handed to ``on_stored`` (live view, metrics) after the commit."""
+
+    messages: list[tuple[str, IngestMsg]]  # (device id, message) stored for the first time
+    stored_at: datetime
+    write_s: float  # seconds spent writing the batch to the database
+
+
+StoredCallback = Callable[[StoredBatch], None]
+
+
+@dataclass(slots=True)
+class _Item:
+    device_id: str
+    msg: IngestMsg
+    received_at: float  # epoch seconds
+
+    @property
+    def kind(self) -> str:
+        return TopicKind.DETECTIONS.value if isinstance(self.msg, DetectionBatch) else TopicKind.EVENTS.value
+
+
+@dataclass
+class _DeviceResult:
+    stored: list[_Item] = field(default_factory=list)
+    converted: set[int] = field(default_factory=set)  # stored seqs that had been declared dropped
+    duplicates: list[_Item] = field(default_factory=list)
+    declared: list[int] = field(default_factory=list)  # newly declared dropped
+
+
+def sane(msg: IngestMsg) -> str | None:
+    """Why ``msg`` cannot be stored as-is (values the database columns cannot hold), or None."""
+    if msg.seq > MAX_DB_INT:
+        return f"seq {msg.seq} is too large"
+    if isinstance(msg, DetectionBatch):
+        for fr in msg.frames:
+            if fr.frame > MAX_DB_INT:
+                return f"frame {fr.frame} is too large"
+            for d in fr.detections:
+                if d.class_id > MAX_DB_INT:
+                    return f"class_id {d.class_id} is too large"
+                # Once per detection on the hot path: the schema already refuses non-finite boxes
+                # (allow_inf_nan=False) and scores (bounds); this guards against a schema change.
+                box = d.box
+                if not math.isfinite(d.score + box.x0 + box.y0 + box.x1 + box.y1):
+                    return "non-finite score or box"
+    return None
+
+
+def _ts(epoch: float, fallback: float) -> datetime:
+    try:
+        return datetime.fromtimestamp(epoch, UTC)
+    except (OverflowError, OSError, ValueError):
+        return datetime.fromtimestamp(fallback, UTC)
+
+
+def _same(v: datetime) -> Any:
+    return v
+
+
+class _DetectionInsert:
+    """The detection INSERT in the driver's own SQL, for rows built as tuples.
+
+    SQLAlchemy Core runs each column's bind processor on every row; for detections only the two
+    timestamps have one, and they repeat (one per frame, one per commit), so the writer converts each
+    distinct timestamp once and hands the driver plain tuples. When any other column of the table gets
+    a bind processor, ``usable`` is False and the writer goes back to the Core insert.
+
+    On SQLite rows go in as multi-row ``VALUES`` statements of fixed sizes (few distinct statements, so
+    the driver's statement cache keeps them prepared): one statement step for many rows, where
+    ``executemany`` steps, and hands the GIL back and forth, once per row. On PostgreSQL psycopg's
+    pipelined ``executemany`` is cheaper (measured: multi-row statements cost the controller 50 % more
+    CPU per row there).
+    """
+
+    def __init__(self, dialect: sa.engine.Dialect, *, max_params: int) -> None:
+        table: sa.Table = Detection.__table__  # type: ignore[attr-defined]
+        processors = {
+            name: table.c[name].type.dialect_impl(dialect).bind_processor(dialect) for name in _DET_COLUMNS
+        }
+        self.captured_to_db: Callable[[datetime], Any] = processors["captured_at"] or _same
+        self.stored_to_db: Callable[[datetime], Any] = processors["stored_at"] or _same
+        # SQLAlchemy's own statement up to VALUES (the table and columns, quoted as the dialect wants),
+        # then positional parameters in the driver's style.
+        compiled = sa.insert(table).compile(dialect=dialect, column_keys=list(_DET_COLUMNS))
+        head, sep, _ = str(compiled).partition(" VALUES ")
+        mark = {"qmark": "?", "format": "%s", "pyformat": "%s"}.get(dialect.paramstyle)
+        group = "(" + ", ".join([mark or "?"] * len(_DET_COLUMNS)) + ")"
+        self.sql = f"{head} VALUES {group}"
+        # A Float column's processor (SQLite: to_float) returns a float unchanged, and the validated
+        # message's floats are floats; any other processor means the driver needs converted values.
+        self.usable = (
+            mark is not None
+            and bool(sep)
+            and head.endswith("(" + ", ".join(_DET_COLUMNS) + ")")
+            and all(
+                p is None or isinstance(table.c[n].type, sa.Float)
+                for n, p in processors.items()
+                if n not in _DET_TIME_COLUMNS
+            )
+        )
+        # Statement per row count, largest first: the rows of a batch are split greedily over them.
+        largest = min(_MULTI_ROWS_MAX, max_params // len(_DET_COLUMNS)) if mark == "?" else 0
+        self.multi = [
+            (n, f"{head} VALUES " + ", ".join([group] * n))
+            for n in (largest, largest // 10, largest // 100)
+            if n > 1
+        ]
+
+    def execute(self, s: Session, rows: list[tuple[Any, ...]]) -> None:
+        conn = s.connection()
+        start = 0
+        for n, sql in self.multi:
+            while len(rows) - start >= n:
+                conn.exec_driver_sql(sql, tuple(chain.from_iterable(rows[start : start + n])))
+                start += n
+        if start < len(rows):
+            conn.exec_driver_sql(self.sql, rows[start:])  # type: ignore[arg-type]
+
+
+def declared_range(msg: EventMsg) -> tuple[int, int] | None:
+    """The ``first..last`` an OUTBOX_DROPPED event declares, when it is plausible."""
+    if msg.kind != EventKind.OUTBOX_DROPPED:
+        return None
+    first, last = msg.data.get("first"), msg.data.get("last")
+    if (
+        not isinstance(first, int)
+        or not isinstance(last, int)
+        or isinstance(first, bool)
+        or isinstance(last, bool)
+    ):
+        return None
+    # The dropped messages were allocated before this event, from the same sequence.
+    if not (1 <= first <= last < msg.seq) or last - first >= MAX_DECLARED_DROPPED:
+        return None
+    return first, last
+
+
+def _max_params(s: Session) -> int:
+    """How many parameters one statement may carry on this database."""
+    driver = s.connection().connection.driver_connection
+    if isinstance(driver, sqlite3.Connection):
+        return int(driver.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
+    if s.get_bind().dialect.name == "postgresql":
+        return 65_535  # the wire protocol counts a statement's parameters in 16 bits
+    return 999  # SQLite's historical limit: small, and safe on anything
+
+
+# Objects allocated between young collections. CPython's default (700) promotes every decoded batch
+# in flight (~140 objects per message, hundreds of messages per commit) to the old generation, and the
+# full collections that follow walk the whole controller heap: measured, they cost more CPU than
+# decoding, validating and storing together. Young garbage is then collected 30x less often (a few MB
+# more at most); reference counting still frees everything that is not a cycle at once.
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def tune_gc() -> None:
+    """Raise the collector's young-generation threshold (process-wide; never lowers it)."""
+    young, middle, old = gc.get_threshold()
+    if young < GC_YOUNG_THRESHOLD:
+        gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+        log.info("gc young threshold %d -> %d", young, GC_YOUNG_THRESHOLD)
+
+
+class IngestService:
+    """Owns the ingest queue, its writer thread, and the per-device seq trackers."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        bridge: MqttBridge,
+        *,
+        queue_max: int,
+        batch_max: int,
+        stop: threading.Event,
+        on_stored: StoredCallback | None = None,
+    ) -> None:
+        self._engine = engine
+        self._bridge = bridge
+        # Called on the ingest thread after each commit; it must not block (it only enqueues).
+        self._on_stored = on_stored
+        self._batch_max = batch_max
+        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_max)
+        self._stop = stop
+        self._lock = threading.Lock()  # guards _trackers (API threads read stats)
+        self._trackers: dict[str, SeqTracker] = {}
+        self._known_devices: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._det_insert: _DetectionInsert | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        tune_gc()
+        self._load_trackers()
+        self._thread = threading.Thread(target=self._run, name="controller-ingest", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("ingest worker did not stop within %.1fs", timeout)
+
+    def _load_trackers(self) -> None:
+        with Session(self._engine) as s:
+            intervals = crud.seq_intervals(s)
+            counts = crud.seq_counts(s)
+        trackers: dict[str, SeqTracker] = defaultdict(SeqTracker)
+        for device_id, a, b in intervals:
+            trackers[device_id].covered.add_range(a, b)
+        for device_id, (stored, dropped, dups) in counts.items():
+            t = trackers[device_id]
+            t.stored, t.dropped, t.duplicates = stored, dropped, dups
+        with self._lock:
+            self._trackers = dict(trackers)
+            self._known_devices = set(counts)
+        log.info("ingest state loaded for %d devices", len(trackers))
+
+    # ---------------------------------------------------------------- API-facing
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def stats(self, device_id: str) -> SeqStats:
+        with self._lock:
+            t = self._trackers.get(device_id)
+            return t.stats() if t is not None else SeqTracker().stats()
+
+    # ---------------------------------------------------------------- bridge handler (paho thread)
+
+    def submit(self, device_id: str, msg: Message) -> str | None:
+        if not isinstance(msg, DetectionBatch | EventMsg):
+            return INVALID
+        why = sane(msg)
+        if why is not None:
+            log.warning("dropping message seq from %s: %s", device_id, why)
+            return INVALID
+        try:
+            self._queue.put_nowait(_Item(device_id, msg, time.time()))
+        except queue.Full:
+            return DROPPED_QUEUE_FULL
+        return None  # counted by the worker once stored (ok) or found duplicate
+
+    # ---------------------------------------------------------------- worker
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch = [first]
+            while len(batch) < self._batch_max:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._process(batch)
+            except Exception:
+                # Not acked, so the agents send these again; the worker must survive.
+                log.exception("ingest batch of %d failed", len(batch))
+
+    def _process(self, batch: list[_Item]) -> None:
+        t0 = time.perf_counter()
+        try:
+            results = self._store(batch)
+        except Exception as exc:
+            log.warning("ingest batch of %d failed (%s); storing one by one", len(batch), exc)
+            results = {}
+            for item in batch:
+                try:
+                    for dev, res in self._store([item]).items():
+                        merged = results.setdefault(dev, _DeviceResult())
+                        merged.stored += res.stored
+                        merged.converted |= res.converted
+                        merged.duplicates += res.duplicates
+                        merged.declared += res.declared
+                except Exception:
+                    self._bridge.counters.add(item.kind, STORE_FAILED)
+                    log.exception(
+                        "could not store %s seq %d from %s", item.kind, item.msg.seq, item.device_id
+                    )
+        write_s = time.perf_counter() - t0
+        self._after_commit(results)
+        if self._on_stored is not None:
+            stored = [(dev, item.msg) for dev, res in results.items() for item in res.stored]
+            try:
+                self._on_stored(StoredBatch(messages=stored, stored_at=utcnow(), write_s=write_s))
+            except Exception:
+                log.exception("on_stored callback failed")
+
+    def _store(self, batch: list[_Item]) -> dict[str, _DeviceResult]:
+        by_device: dict[str, dict[int, _Item]] = defaultdict(dict)
+        results: dict[str, _DeviceResult] = defaultdict(_DeviceResult)
+        for item in batch:
+            seen = by_device[item.device_id]
+            if item.msg.seq in seen:
+                results[item.device_id].duplicates.append(item)
+            else:
+                seen[item.msg.seq] = item
+        now = utcnow()
+        with session_scope(self._engine) as s:
+            new_devices = set(by_device) - self._known_devices
+            if new_devices:
+                crud.ensure_devices(s, device_ids=new_devices)
+            claimed = self._claim(s, by_device, now)
+            det_rows: list[tuple[Any, ...]] = []
+            det_insert = self._detection_insert(s)
+            for device_id, items in by_device.items():
+                res = results[device_id]
+                self._sort_device(s, device_id, items, claimed, res, now)
+                self._rows_device(s, device_id, res, now, det_rows, det_insert)
+                if res.duplicates:
+                    crud.add_duplicates(s, device_id=device_id, n=len(res.duplicates))
+            # One INSERT for the detections of every device in the batch.
+            if det_insert.usable:
+                det_insert.execute(s, det_rows)
+            else:
+                table = Detection.__table__  # type: ignore[attr-defined]
+                for i in range(0, len(det_rows), _INSERT_CHUNK):
+                    chunk = [dict(zip(_DET_COLUMNS, r, strict=True)) for r in det_rows[i : i + _INSERT_CHUNK]]
+                    s.execute(sa.insert(table), chunk)
+        self._known_devices |= set(by_device)
+        return dict(results)
+
+    @staticmethod
+    def _claim(s: Session, by_device: dict[str, dict[int, _Item]], now: datetime) -> set[tuple[str, int]]:
+        """Insert the dedup record of every ``(device, seq)`` in the batch; returns those that were new.
+
+        The primary key (device, seq) is the dedup: a seq stored before (by this writer or any other)
+        is not returned, and is then either a declared-dropped seq that arrived after all, or a duplicate.
+        """
+        t = crud.ingested_seq_table()
+        rows = [
+            {"device_id": device_id, "seq": q, "kind": item.kind, "stored_at": now, "dropped": False}
+            for device_id, items in by_device.items()
+            for q, item in items.items()
+        ]
+        ins = crud.dialect_insert(s, t).on_conflict_do_nothing().returning(t.c.device_id, t.c.seq)
+        return {(str(d), int(q)) for d, q in s.execute(ins, rows).all()}
+
+    @staticmethod
+    def _sort_device(
+        s: Session,
+        device_id: str,
+        items: dict[int, _Item],
+        claimed: set[tuple[str, int]],
+        res: _DeviceResult,
+        now: datetime,
+    ) -> None:
+        """Split one device's messages into stored (new, or declared dropped before) and duplicates."""
+        stored = [q for q in items if (device_id, q) in claimed]
+        seen_before = [q for q in items if (device_id, q) not in claimed]
+        if seen_before:
+            t = crud.ingested_seq_table()
+            upd = (
+                sa.update(t)
+                .where(t.c.device_id == device_id, t.c.seq.in_(seen_before), t.c.dropped.is_(True))
+                .values(dropped=False, stored_at=now)
+                .returning(t.c.seq)
+            )
+            revived = {int(r[0]) for r in s.execute(upd).all()}
+            res.converted |= revived
+            stored += revived
+            res.duplicates += [items[q] for q in sorted(seen_before) if q not in revived]
+        res.stored += [items[q] for q in sorted(stored)]
+
+    def _detection_insert(self, s: Session) -> _DetectionInsert:
+        if self._det_insert is None:
+            self._det_insert = _DetectionInsert(s.get_bind().dialect, max_params=_max_params(s))
+            if not self._det_insert.usable:
+                log.warning("detection columns need per-row conversion; using the slower Core insert")
+        return self._det_insert
+
+    def _rows_device(
+        self,
+        s: Session,
+        device_id: str,
+        res: _DeviceResult,
+        now: datetime,
+        det_rows: list[tuple[Any, ...]],
+        det_insert: _DetectionInsert,
+    ) -> None:
+        """Append the stored detections' rows to ``det_rows``; add the stored events to the session."""
+        usable = det_insert.usable
+        # Timestamps in the driver's form, converted once per commit and once per frame, not per row.
+        stored_db = det_insert.stored_to_db(now) if usable else now
+        captured_to_db = det_insert.captured_to_db if usable else _same
+        append = det_rows.append
+        for item in res.stored:
+            msg = item.msg
+            if isinstance(msg, DetectionBatch):
+                seq = msg.seq
+                for fr in msg.frames:
+                    captured = captured_to_db(_ts(fr.captured_at, item.received_at))
+                    camera, model, frame = db_text(fr.camera), db_text(fr.model), fr.frame
+                    for d in fr.detections:
+                        box = d.box
+                        append(
+                            (
+                                device_id,
+                                seq,
+                                camera,
+                                frame,
+                                captured,
+                                stored_db,
+                                model,
+                                db_text(d.label),
+                                d.class_id,
+                                d.score,
+                                box.x0,
+                                box.y0,
+                                box.x1,
+                                box.y1,
+                            )
+                        )
+            else:
+                s.add(
+                    Event(
+                        device_id=device_id,
+                        seq=msg.seq,
+                        ts=_ts(msg.ts, item.received_at),
+                        kind=msg.kind.value,
+                        severity=msg.severity.value,
+                        camera=db_text(msg.camera),
+                        message=db_text(msg.message) or "",
+                        data=db_json(msg.data),
+                        stored_at=now,
+                    )
+                )
+                rng = declared_range(msg)
+                if rng is not None:
+                    res.declared += self._declare_dropped(s, device_id, rng, now)
+
+    @staticmethod
+    def _declare_dropped(s: Session, device_id: str, rng: tuple[int, int], now: datetime) -> list[int]:
+        first, last = rng
+        newly: list[int] = []
+        t = crud.ingested_seq_table()
+        ins = crud.dialect_insert(s, t).on_conflict_do_nothing().returning(t.c.seq)
+        for a in range(first, last + 1, _INSERT_CHUNK):
+            b = min(last, a + _INSERT_CHUNK - 1)
+            rows = [
+                {"device_id": device_id, "seq": q, "kind": "dropped", "stored_at": now, "dropped": True}
+                for q in range(a, b + 1)
+            ]
+            newly += [int(r[0]) for r in s.execute(ins, rows).all()]
+        if newly:
+            log.warning(
+                "%s declared %d seqs dropped from its outbox (%d..%d)", device_id, len(newly), first, last
+            )
+        return newly
+
+    def _after_commit(self, results: dict[str, _DeviceResult]) -> None:
+        counters = self._bridge.counters
+        acks: dict[str, Ack] = {}
+        with self._lock:
+            for device_id, res in results.items():
+                t = self._trackers.setdefault(device_id, SeqTracker())
+                for item in res.stored:
+                    t.mark_stored(item.msg.seq, was_dropped=item.msg.seq in res.converted)
+                for q in res.declared:
+                    t.mark_dropped(q)
+                t.duplicates += len(res.duplicates)
+                upto, ranges = t.ack()
+                acks[device_id] = Ack(upto=upto, ranges=ranges)
+        for res in results.values():
+            for item in res.stored:
+                counters.add(item.kind, OK)
+            for item in res.duplicates:
+                counters.add(item.kind, DUPLICATE)
+        # Acked after commit, and also for duplicates: a resend means the agent missed our last ack.
+        for device_id, ack in acks.items():
+            try:
+                self._bridge.publish_message(device_id, TopicKind.ACKS, ack)
+            except Exception:
+                log.exception("could not publish ack to %s", device_id)

@@ -1,0 +1,1 @@
+"""Observability: live detections, Prometheus metrics, energy, retention."""

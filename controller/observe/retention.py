@@ -1,0 +1,159 @@
+"""Retention: old detections, events and health history are deleted; health history is thinned with age.
+
+One named background thread, woken every ``interval_s`` or stopped by the controller's stop event.
+Every delete is a small batch in its own short transaction, with a pause in between, so that the
+ingest writer (which shares the database, and on SQLite its single write lock) is never held up for
+long. The dedup records (``ingested_seq``) are never deleted: they are what makes redelivery safe.
+
+Health downsampling by age (per device): everything younger than ``keep_all_s``; one sample per
+``tier1_step_s`` (a minute) up to ``tier1_age_s`` (a day); one per ``tier2_step_s`` (ten minutes) beyond.
+The first sample of each step is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from controller.db.tables import Detection, Event, HealthSample, utcnow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    detections_days: float = 30.0
+    events_days: float = 90.0
+    health_days: float = 30.0
+    keep_all_s: float = 3600.0
+    tier1_age_s: float = 86400.0
+    tier1_step_s: float = 60.0
+    tier2_step_s: float = 600.0
+    batch: int = 1000
+    pause_s: float = 0.02  # between batches: lets the ingest writer in
+
+
+@dataclass
+class RetentionReport:
+    detections: int = 0
+    events: int = 0
+    health_expired: int = 0
+    health_thinned: int = 0
+
+
+def _delete_older(engine: Engine, table: sa.Table, column: str, cutoff: datetime, batch: int) -> int:
+    ids = sa.select(table.c.id).where(table.c[column] < cutoff).limit(batch).scalar_subquery()
+    with engine.begin() as conn:
+        return int(conn.execute(sa.delete(table).where(table.c.id.in_(ids))).rowcount or 0)
+
+
+class RetentionService:
+    def __init__(
+        self, engine: Engine, policy: RetentionPolicy, *, interval_s: float, stop: threading.Event
+    ) -> None:
+        self._engine = engine
+        self.policy = policy
+        self._interval = interval_s
+        self._stop = stop
+        self._thread: threading.Thread | None = None
+        self.last: RetentionReport | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="controller-retention", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("retention worker did not stop within %.1fs", timeout)
+
+    def _run(self) -> None:
+        # A first pass soon after start, then every interval; every wait returns at once on stop.
+        if self._stop.wait(min(5.0, self._interval)):
+            return
+        while not self._stop.is_set():
+            try:
+                self.last = self.run_once()
+            except Exception:
+                log.exception("retention pass failed")
+            if self._stop.wait(self._interval):
+                return
+
+    def _pause(self) -> bool:
+        """Between batches; True when stopping."""
+        return self._stop.wait(self.policy.pause_s)
+
+    def _drain(self, table: sa.Table, column: str, cutoff: datetime) -> int:
+        total = 0
+        while True:
+            n = _delete_older(self._engine, table, column, cutoff, self.policy.batch)
+            total += n
+            if n < self.policy.batch or self._pause():
+                return total
+
+    def run_once(self, now: datetime | None = None) -> RetentionReport:
+        now = now or utcnow()
+        p = self.policy
+        rep = RetentionReport()
+        det = Detection.__table__  # type: ignore[attr-defined]
+        ev = Event.__table__  # type: ignore[attr-defined]
+        hs = HealthSample.__table__  # type: ignore[attr-defined]
+        rep.detections = self._drain(det, "captured_at", now - timedelta(days=p.detections_days))
+        if not self._stop.is_set():
+            rep.events = self._drain(ev, "ts", now - timedelta(days=p.events_days))
+        if not self._stop.is_set():
+            rep.health_expired = self._drain(hs, "ts", now - timedelta(days=p.health_days))
+        if not self._stop.is_set():
+            rep.health_thinned = self._thin_health(now)
+        if rep.detections or rep.events or rep.health_expired or rep.health_thinned:
+            log.info(
+                "retention: deleted %d detections, %d events, %d expired and %d thinned health samples",
+                rep.detections,
+                rep.events,
+                rep.health_expired,
+                rep.health_thinned,
+            )
+        return rep
+
+    def _thin_health(self, now: datetime) -> int:
+        p = self.policy
+        hs = HealthSample.__table__  # type: ignore[attr-defined]
+        keep_all_from = now - timedelta(seconds=p.keep_all_s)
+        tier2_before = now - timedelta(seconds=p.tier1_age_s)
+        with self._engine.connect() as conn:
+            devices = [r[0] for r in conn.execute(sa.select(hs.c.device_id).distinct())]
+        deleted = 0
+        for dev in devices:
+            last_bucket: tuple[int, int] | None = None
+            after: tuple[datetime, int] | None = None
+            while not self._stop.is_set():
+                q = sa.select(hs.c.id, hs.c.ts).where(hs.c.device_id == dev, hs.c.ts < keep_all_from)
+                if after is not None:
+                    q = q.where(sa.or_(hs.c.ts > after[0], sa.and_(hs.c.ts == after[0], hs.c.id > after[1])))
+                q = q.order_by(hs.c.ts, hs.c.id).limit(p.batch * 5)
+                with self._engine.connect() as conn:
+                    rows = conn.execute(q).all()
+                if not rows:
+                    break
+                doomed: list[int] = []
+                for row_id, ts in rows:
+                    step = p.tier2_step_s if ts < tier2_before else p.tier1_step_s
+                    bucket = (int(step), int(ts.timestamp() // step))
+                    if bucket == last_bucket:
+                        doomed.append(int(row_id))
+                    else:
+                        last_bucket = bucket
+                after = (rows[-1][1], int(rows[-1][0]))
+                for i in range(0, len(doomed), p.batch):
+                    chunk = doomed[i : i + p.batch]
+                    with self._engine.begin() as conn:
+                        deleted += int(conn.execute(sa.delete(hs).where(hs.c.id.in_(chunk))).rowcount or 0)
+                    if self._pause():
+                        return deleted
+        return deleted

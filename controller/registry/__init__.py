@@ -1,0 +1,1 @@
+"""Model registry: uploads, the artifact store, checks, bundled models, variant builds and fidelity."""

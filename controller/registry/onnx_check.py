@@ -1,0 +1,304 @@
+"""Validation of an uploaded ONNX model, and the manifest inferred from its graph when none is given.
+
+Checks, in order: it parses as ONNX, it carries no external data (every weight inside the one file),
+``onnx.checker`` passes, shape inference passes, and its input/output layout is one a decoder knows
+(``tf_od``, ``gfl``, ``yolov5``, ``yolov8``), or, with a manifest, the names it declares exist.
+Every failure is a :class:`ModelRejectedError` whose message names the problem.
+
+``onnx`` is imported inside the functions: the controller's other parts start without it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from controller.registry.bundled import ModelRejectedError
+
+TF_OD_OUTPUTS = ("num_detections", "detection_boxes", "detection_scores", "detection_classes")
+# TF-OD label maps are COCO's 90 ids (1-based): 91 generic labels when no manifest names them.
+TF_OD_DEFAULT_CLASSES = 91
+TF_OD_DEFAULT_SIZE = 300
+NANODET_MEAN = (103.53, 116.28, 123.675)
+NANODET_STD = (57.375, 57.12, 58.395)
+
+
+def load_checked(path: Path) -> Any:
+    """The model at ``path`` after every structural check; raises ModelRejectedError naming the problem."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise ModelRejectedError(f"not an ONNX model: {_short(exc)}") from None
+    if not model.graph.node and not model.graph.output:
+        raise ModelRejectedError("not an ONNX model: the graph is empty")
+    external = external_data_tensors(model)
+    if external:
+        raise ModelRejectedError(
+            "the model uses external data files, which are not accepted (upload one self-contained "
+            f"file): {', '.join(external[:5])}"
+        )
+    try:
+        onnx.checker.check_model(model)
+    except Exception as exc:
+        raise ModelRejectedError(f"ONNX checker refused the model: {_short(exc)}") from None
+    try:
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except Exception as exc:
+        raise ModelRejectedError(f"ONNX shape inference failed: {_short(exc)}") from None
+    return model
+
+
+def external_data_tensors(model: Any) -> list[str]:
+    """``name -> location`` of every tensor (subgraphs included) whose data lives outside the file."""
+    import onnx
+
+    found: list[str] = []
+    for t in _all_tensors(model.graph):
+        if t.data_location == onnx.TensorProto.EXTERNAL or len(t.external_data):
+            where = next((e.value for e in t.external_data if e.key == "location"), "?")
+            found.append(f"{t.name or '<unnamed>'} -> {where}")
+    return found
+
+
+def _all_tensors(graph: Any) -> Iterator[Any]:
+    import onnx
+
+    yield from graph.initializer
+    yield from (s.values for s in graph.sparse_initializer)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+            elif attr.type == onnx.AttributeProto.TENSORS:
+                yield from attr.tensors
+            elif attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_tensors(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _all_tensors(g)
+
+
+def _dims(value_info: Any) -> list[int | None]:
+    return [
+        d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+        for d in value_info.type.tensor_type.shape.dim
+    ]
+
+
+def _graph_io(model: Any) -> tuple[list[Any], list[Any]]:
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    return inputs, list(model.graph.output)
+
+
+def check_manifest_names(model: Any, manifest: dict[str, Any]) -> None:
+    """The input and outputs a given manifest names must exist in the graph."""
+    inputs, outputs = _graph_io(model)
+    in_names = {i.name for i in inputs}
+    out_names = {o.name for o in outputs}
+    want_in = (manifest.get("input") or {}).get("name")
+    if want_in not in in_names:
+        raise ModelRejectedError(
+            f"manifest input {want_in!r} is not an input of the model (inputs: {sorted(in_names)})"
+        )
+    missing = [o for o in manifest.get("outputs") or [] if o not in out_names]
+    if missing:
+        raise ModelRejectedError(
+            f"manifest outputs {missing} are not outputs of the model (outputs: {sorted(out_names)})"
+        )
+
+
+def infer_manifest(model: Any) -> dict[str, Any]:
+    """Decoder, input spec, outputs and labels read from the graph (no name/version/sha256/size)."""
+    import onnx
+
+    inputs, outputs = _graph_io(model)
+    if len(inputs) != 1:
+        raise ModelRejectedError(
+            f"cannot infer the model's layout: it has {len(inputs)} inputs, one image input is expected "
+            "(give a manifest)"
+        )
+    inp = inputs[0]
+    elem = inp.type.tensor_type.elem_type
+    dtype = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.FLOAT: "float32"}.get(elem)
+    if dtype is None:
+        raise ModelRejectedError(
+            f"input {inp.name!r} has element type {onnx.TensorProto.DataType.Name(elem)}; "
+            "uint8 or float32 images are expected"
+        )
+    dims = _dims(inp)
+    if len(dims) != 4:
+        raise ModelRejectedError(f"input {inp.name!r} has rank {len(dims)}; a 4-D image batch is expected")
+    if dims[1] == 3:
+        layout, height, width = "NCHW", dims[2], dims[3]
+    elif dims[3] == 3:
+        layout, height, width = "NHWC", dims[1], dims[2]
+    else:
+        raise ModelRejectedError(
+            f"input {inp.name!r} has shape {dims}: no 3-channel NCHW or NHWC layout found"
+        )
+    out_names = [o.name for o in outputs]
+
+    # TF Object Detection API: recognised by its four output names (their shapes are dynamic).
+    tf_od = [next((n for n in out_names if n.split(":")[0].endswith(k)), None) for k in TF_OD_OUTPUTS]
+    if all(tf_od):
+        size_h, size_w = height or TF_OD_DEFAULT_SIZE, width or TF_OD_DEFAULT_SIZE
+        return _manifest(
+            "tf_od",
+            inp.name,
+            layout,
+            dtype,
+            "RGB",
+            size_w,
+            size_h,
+            outputs=[str(n) for n in tf_od],
+            labels=TF_OD_DEFAULT_CLASSES,
+            decoder_params={
+                "num_detections": tf_od[0],
+                "boxes": tf_od[1],
+                "scores": tf_od[2],
+                "classes": tf_od[3],
+                "class_offset": 1,
+            },
+        )
+    if height is None or width is None:
+        raise ModelRejectedError(
+            f"input {inp.name!r} has a dynamic size {dims}; give a manifest with the input width/height"
+        )
+    float_norm = dtype == "float32"
+    if len(outputs) == 1:
+        od = _dims(outputs[0])
+        if len(od) == 3 and od[1] is not None and od[2] is not None:
+            a, b = od[1], od[2]
+            # [B, 4+C, N] is YOLOv8/11, [B, N, 5+C] YOLOv5: same preprocessing, different head.
+            yolo = ("yolov8", a - 4) if a < b and a > 4 else ("yolov5", b - 5) if b < a and b > 5 else None
+            if yolo is not None:
+                return _manifest(
+                    yolo[0],
+                    inp.name,
+                    layout,
+                    dtype,
+                    "RGB",
+                    width,
+                    height,
+                    outputs=out_names,
+                    labels=yolo[1],
+                    std=(255.0, 255.0, 255.0) if float_norm else (1.0, 1.0, 1.0),
+                    letterbox=True,
+                    default_threshold=0.25,
+                    nms_iou=0.45,
+                )
+    gfl = _infer_gfl(outputs, width, height)
+    if gfl is not None:
+        strides, reg_max, cls_names, reg_names, classes = gfl
+        return _manifest(
+            "gfl",
+            inp.name,
+            layout,
+            dtype,
+            "BGR",
+            width,
+            height,
+            outputs=cls_names + reg_names,
+            labels=classes,
+            mean=NANODET_MEAN if float_norm else (0.0, 0.0, 0.0),
+            std=NANODET_STD if float_norm else (1.0, 1.0, 1.0),
+            default_threshold=0.35,
+            nms_iou=0.6,
+            decoder_params={
+                "strides": strides,
+                "reg_max": reg_max,
+                "cls_outputs": cls_names,
+                "reg_outputs": reg_names,
+            },
+        )
+    shapes = {o.name: _dims(o) for o in outputs}
+    raise ModelRejectedError(
+        "output layout not recognised by any decoder (tf_od, gfl, yolov5, yolov8): "
+        f"outputs {shapes}; give a manifest naming the decoder"
+    )
+
+
+def _infer_gfl(
+    outputs: list[Any], width: int, height: int
+) -> tuple[list[int], int, list[str], list[str], int] | None:
+    """NanoDet GFL: per stride a class map [B, cells, C] and a box distribution [B, cells, 4*(R+1)]."""
+    by_cells: dict[int, list[tuple[str, int]]] = {}
+    for o in outputs:
+        d = _dims(o)
+        if len(d) != 3 or d[1] is None or d[2] is None:
+            return None
+        by_cells.setdefault(d[1], []).append((o.name, d[2]))
+    if len(by_cells) < 2 or any(len(v) != 2 for v in by_cells.values()):
+        return None
+    strides: list[int] = []
+    cls_names: list[str] = []
+    reg_names: list[str] = []
+    classes: set[int] = set()
+    reg_bins: set[int] = set()
+    for cells, pair in sorted(by_cells.items(), reverse=True):  # most cells = smallest stride first
+        stride = round(math.sqrt(width * height / cells))
+        if stride <= 0 or math.ceil(width / stride) * math.ceil(height / stride) != cells:
+            return None
+        regs = [p for p in pair if p[1] % 4 == 0]
+        if not regs:
+            return None
+        reg = min(regs, key=lambda p: p[1])
+        cls = next(p for p in pair if p is not reg)
+        strides.append(stride)
+        reg_names.append(reg[0])
+        cls_names.append(cls[0])
+        classes.add(cls[1])
+        reg_bins.add(reg[1] // 4)
+    if len(classes) != 1 or len(reg_bins) != 1:
+        return None
+    return strides, reg_bins.pop() - 1, cls_names, reg_names, classes.pop()
+
+
+def _manifest(
+    decoder: str,
+    input_name: str,
+    layout: str,
+    dtype: str,
+    color: str,
+    width: int,
+    height: int,
+    *,
+    outputs: list[str],
+    labels: int,
+    mean: tuple[float, float, float] = (0.0, 0.0, 0.0),
+    std: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    letterbox: bool = False,
+    default_threshold: float = 0.5,
+    nms_iou: float = 0.5,
+    decoder_params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "decoder": decoder,
+        "input": {
+            "name": input_name,
+            "layout": layout,
+            "dtype": dtype,
+            "color": color,
+            "width": width,
+            "height": height,
+            "mean": list(mean),
+            "std": list(std),
+            "letterbox": letterbox,
+        },
+        "outputs": outputs,
+        "labels": [f"class_{i}" for i in range(max(1, labels))],
+        "default_threshold": default_threshold,
+        "nms_iou": nms_iou,
+        "decoder_params": decoder_params or {},
+        "source": "layout inferred from the ONNX graph at upload",
+    }
+
+
+def _short(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,211 @@
+"""The running controller: builds its parts, starts and stops them; knows no route.
+
+``ControllerRuntime`` is the composition root below the HTTP layer: routes reach it through
+``controller.api.deps``, and nothing it builds imports the API.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from controller.db.engine import make_engine, migrate
+from controller.fleet.rollouts import RolloutService
+from controller.fleet.twin import ResendPolicy, TwinConverger, TwinService
+from controller.link.artifacts import ArtifactServer
+from controller.link.bridge import MqttBridge, PahoTransport, Transport
+from controller.link.broker_auth import DynsecAdmin
+from controller.link.commands import CommandService
+from controller.link.ingest import IngestService, StoredBatch
+from controller.link.presence import StatusService
+from controller.observe.live import LiveHub
+from controller.observe.metrics import ControllerMetrics
+from controller.observe.retention import RetentionPolicy, RetentionService
+from controller.registry.builder import VariantBuilder, VariantWorker
+from controller.registry.bundled import register_bundled_models
+from controller.registry.store import ArtifactStore
+from controller.security.keys import load_or_create_signer
+from controller.security.tokens import TokenAuthority, load_or_create_admin_token
+from controller.settings import ControllerSettings
+from fleet_protocol import TopicKind, Topics
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 10.0
+
+
+class ControllerRuntime:
+    """Everything a running controller owns, started and stopped together."""
+
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        transport: Transport | None = None,
+        *,
+        variant_builder: VariantBuilder | None = None,
+    ) -> None:
+        self.settings = settings
+        # First: a key that cannot be used must stop the start before anything else is opened.
+        self.signer = load_or_create_signer(settings.data_dir)
+        admin_token = load_or_create_admin_token(settings.data_dir, settings.admin_token)
+        self.stop_event = threading.Event()
+        self.engine: Engine = make_engine(settings.resolved_database_url())
+        self.auth = TokenAuthority(self.engine, admin_token)
+        if transport is None:
+            client_id = settings.mqtt_client_id or f"edgefleet-controller-{uuid.uuid4().hex[:8]}"
+            transport = PahoTransport(settings.mqtt_target(), client_id=client_id)
+        self.bridge = MqttBridge(transport, Topics(settings.topic_prefix))
+        # Per-device broker credentials (off unless EDGEFLEET_MQTT_BROKER_AUTH=dynsec).
+        self.broker_admin: DynsecAdmin | None = None
+        if settings.mqtt_broker_auth == "dynsec":
+            admin_user, admin_password = settings.mqtt_admin()
+            self.broker_admin = DynsecAdmin(
+                settings.mqtt_target(),
+                Topics(settings.topic_prefix),
+                username=admin_user,
+                password=admin_password,
+                controller_username=settings.mqtt_target().username,
+            )
+            if isinstance(transport, PahoTransport):
+                # A role granted after the bridge subscribed (broker down at start) needs a resubscribe.
+                self.broker_admin.on_controller_access(transport.resubscribe)
+        # Live view, commands, metrics, retention: fed by the ingest hook and the command results.
+        self.hub = LiveHub(queue_max=settings.live_queue_max)
+        self.commands = CommandService(self.bridge, stop=self.stop_event)
+        self.metrics = ControllerMetrics()
+        self.retention = RetentionService(
+            self.engine,
+            RetentionPolicy(
+                detections_days=settings.retention_detections_days,
+                events_days=settings.retention_events_days,
+                health_days=settings.retention_health_days,
+            ),
+            interval_s=settings.retention_interval_s,
+            stop=self.stop_event,
+        )
+        self.ingest = IngestService(
+            self.engine,
+            self.bridge,
+            queue_max=settings.ingest_queue_max,
+            batch_max=settings.ingest_batch_max,
+            stop=self.stop_event,
+            on_stored=self._on_stored,
+        )
+        self.twin = TwinService(self.engine, self.bridge, chunk_size=settings.chunk_size, signer=self.signer)
+        self.converger = TwinConverger(
+            self.engine,
+            self.twin,
+            policy=ResendPolicy(
+                pending_after_s=settings.twin_pending_resend_s,
+                backoff_s=settings.twin_resend_backoff_s,
+                backoff_max_s=settings.twin_resend_backoff_max_s,
+            ),
+            stop=self.stop_event,
+        )
+        self.rollouts = RolloutService(self.engine, self.twin, stop=self.stop_event)
+        self.status = StatusService(
+            self.engine,
+            self.bridge,
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            queue_max=settings.status_queue_max,
+            stop=self.stop_event,
+            republish=self.twin.republish_all,
+            on_capabilities=self.twin.recompute,
+        )
+        self.artifacts = ArtifactServer(
+            self.engine,
+            self.bridge,
+            queue_max=settings.artifact_queue_max,
+            workers=settings.artifact_workers,
+            stop=self.stop_event,
+        )
+        self.store = ArtifactStore(settings.resolved_store_dir())
+        self.variants = VariantWorker(
+            self.engine,
+            self.store,
+            builder=variant_builder,
+            footage=settings.resolved_footage(),
+            calib_frames=settings.variant_calib_frames,
+            eval_frames=settings.variant_eval_frames,
+            bar_f1=settings.variant_bar_f1,
+            bar_iou=settings.variant_bar_iou,
+            queue_max=settings.variant_queue_max,
+            stop=self.stop_event,
+            on_built=self.twin.recompute_for_model,
+        )
+        for kind in (TopicKind.DETECTIONS, TopicKind.EVENTS):
+            self.bridge.on(kind, self.ingest.submit)
+        for kind in (
+            TopicKind.AVAILABILITY,
+            TopicKind.HEARTBEAT,
+            TopicKind.TWIN_REPORTED,
+            TopicKind.COMMAND_RESULT,
+        ):
+            self.bridge.on(kind, self.status.submit)
+        self.bridge.on(TopicKind.COMMAND_RESULT, self.commands.results_then(self.status.submit))
+        self.bridge.on(TopicKind.ARTIFACT_REQUEST, self.artifacts.submit)
+        self.bridge.on_connect(self.status.request_republish)
+
+    def start(self) -> None:
+        migrate(self.settings.resolved_database_url(), engine=self.engine)
+        register_bundled_models(self.engine, self.settings.models_dir)
+        self.store.collect_garbage(self.engine)
+        # Workers first: the bridge's first messages (retained births) need somewhere to go.
+        self.ingest.start()
+        self.status.start()
+        self.artifacts.start()
+        self.variants.start()
+        self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
+        self.rollouts.start()
+        self.converger.start()
+        self.metrics.bind(
+            bridge=self.bridge,
+            ingest=self.ingest,
+            engine=self.engine,
+            ingest_queue_max=self.settings.ingest_queue_max,
+        )
+        self.retention.start()
+        if self.broker_admin is not None:
+            self.broker_admin.start()
+            # Before the bridge subscribes, so its first subscriptions are allowed; a broker that is
+            # down now is retried in the background (and the bridge resubscribes then).
+            if not self.broker_admin.wait_controller_access(5.0):
+                log.error("the controller's broker role is not set up yet; retrying in the background")
+        self.bridge.start()
+        log.info("controller started (mqtt %s)", self.settings.redacted_mqtt_url())
+
+    def stop(self) -> None:
+        try:
+            self.bridge.stop()
+        except Exception:
+            log.exception("stopping the MQTT bridge failed")
+        if self.broker_admin is not None:
+            self.broker_admin.stop()
+        self.stop_event.set()
+        self.ingest.join(STOP_TIMEOUT_S)
+        self.status.join(STOP_TIMEOUT_S)
+        self.artifacts.join(STOP_TIMEOUT_S)
+        self.variants.join(STOP_TIMEOUT_S)
+        self.rollouts.join(STOP_TIMEOUT_S)
+        self.converger.join(STOP_TIMEOUT_S)
+        self.retention.join(STOP_TIMEOUT_S)
+        self.engine.dispose()
+        log.info("controller stopped")
+
+    def _on_stored(self, stored: StoredBatch) -> None:
+        """The ingest worker's hook: live clients and metrics (both only enqueue or count)."""
+        self.hub.on_stored(stored)
+        self.metrics.on_stored(stored)
+
+    def db_ok(self) -> bool:
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+            return True
+        except Exception as exc:
+            log.warning("database check failed: %s", exc)
+            return False

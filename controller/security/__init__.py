@@ -1,0 +1,1 @@
+"""Security: API tokens and roles, the artifact signing key."""
