@@ -11,10 +11,8 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import Depends, FastAPI
 
-from controller.api import tokens
+from controller.api import build_api
 from controller.api.deps import authorize
-from controller.api.routes import build_router
-from controller.api.surfaces import mount_surfaces
 from controller.link.bridge import Transport
 from controller.registry.builder import VariantBuilder
 from controller.runtime import ControllerRuntime
@@ -55,12 +53,10 @@ def create_app(
         summary="Devices, models, desired state, detections and health of an edge inference fleet.",
         lifespan=lifespan,
         # One guard for every route of every router, present and future: the role each needs comes
-        # from its method and path (controller/auth.py), so no route can forget it.
+        # from its method and path (controller/security/tokens.py), so no route can forget it.
         dependencies=[Depends(authorize)],
     )
-    app.include_router(build_router())
-    app.include_router(tokens.router)
-    mount_surfaces(app)
+    build_api(app)
     return app
 
 

@@ -139,13 +139,12 @@ class ControllerRuntime:
         )
         for kind in (TopicKind.DETECTIONS, TopicKind.EVENTS):
             self.bridge.on(kind, self.ingest.submit)
-        for kind in (
-            TopicKind.AVAILABILITY,
-            TopicKind.HEARTBEAT,
-            TopicKind.TWIN_REPORTED,
-            TopicKind.COMMAND_RESULT,
-        ):
+        for kind in (TopicKind.AVAILABILITY, TopicKind.HEARTBEAT, TopicKind.TWIN_REPORTED):
             self.bridge.on(kind, self.status.submit)
+        # One handler for command results, so each reaches both services once: the command service
+        # wakes the waiting request, then the status service logs the result without the snapshot's
+        # JPEG; its outcome is the one counted. (Registering status.submit for this kind as well would
+        # now run it twice: the bridge keeps every handler.)
         self.bridge.on(TopicKind.COMMAND_RESULT, self.commands.results_then(self.status.submit))
         self.bridge.on(TopicKind.ARTIFACT_REQUEST, self.artifacts.submit)
         self.bridge.on_connect(self.status.request_republish)

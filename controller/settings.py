@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -11,27 +10,12 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleet_protocol import DEFAULT_PREFIX, Topics
-from fleet_protocol.mqtt_tls import check_tls_files
+from fleet_protocol.endpoint import MqttEndpoint, check_tls_files
 
 
 def _default_models_dir() -> Path:
     # The repository's models/ beside the package (this file is controller/settings.py).
     return Path(__file__).resolve().parents[1] / "models"
-
-
-@dataclass(frozen=True)
-class MqttTarget:
-    """Where and as whom the bridge connects; parsed from ``mqtt_url``."""
-
-    host: str
-    port: int
-    tls: bool
-    username: str | None
-    password: SecretStr | None
-    # TLS trust and client certificate (PEM paths); TLS is on with mqtts:// or when ca_file is set.
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
 
 
 class ControllerSettings(BaseSettings):
@@ -48,7 +32,7 @@ class ControllerSettings(BaseSettings):
     mqtt_ca_file: Path | None = None
     mqtt_cert_file: Path | None = None
     mqtt_key_file: Path | None = None
-    # Per-device broker credentials (controller/broker_auth.py): "dynsec" administers Mosquitto's
+    # Per-device broker credentials (controller/link/broker_auth.py): "dynsec" administers Mosquitto's
     # dynamic-security plugin; "none" leaves the broker alone (a plain dev broker).
     mqtt_broker_auth: Literal["none", "dynsec"] = "none"
     # The dynsec admin user; default the user and password the controller connects with.
@@ -61,7 +45,7 @@ class ControllerSettings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=0, le=65535)
     heartbeat_timeout_s: float = Field(default=15.0, gt=0)
-    # Twin convergence (controller/twin.py ResendPolicy): a drifted device gets its desired state
+    # Twin convergence (controller/fleet/twin.py ResendPolicy): a drifted device gets its desired state
     # again at once, one still on an older version after twin_pending_resend_s; then backoff doubling
     # from twin_resend_backoff_s up to twin_resend_backoff_max_s per device.
     twin_pending_resend_s: float = Field(default=60.0, gt=0)
@@ -86,17 +70,17 @@ class ControllerSettings(BaseSettings):
     variant_bar_f1: float = Field(default=0.95, ge=0.0, le=1.0)
     variant_bar_iou: float = Field(default=0.95, ge=0.0, le=1.0)
     variant_queue_max: int = Field(default=64, ge=1)
-    # Live view and commands (controller/live.py, controller/commands.py).
+    # Live view and commands (controller/observe/live.py, controller/link/commands.py).
     live_queue_max: int = Field(default=256, ge=1, le=100_000)
     command_timeout_s: float = Field(default=10.0, gt=0, le=300)
-    # Retention (controller/retention.py): days kept; health history is also thinned with age.
+    # Retention (controller/observe/retention.py): days kept; health history is also thinned with age.
     retention_detections_days: float = Field(default=30.0, gt=0)
     retention_events_days: float = Field(default=90.0, gt=0)
     retention_health_days: float = Field(default=30.0, gt=0)
     retention_interval_s: float = Field(default=300.0, gt=0)
     environment: Literal["development", "production"] = "development"
     # The bootstrap admin API token. Unset: made on first start in data_dir/admin.token (mode 0600);
-    # production refuses to start without a strong one (controller/auth.py).
+    # production refuses to start without a strong one (controller/security/tokens.py).
     admin_token: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
@@ -120,7 +104,7 @@ class ControllerSettings(BaseSettings):
     @field_validator("mqtt_url")
     @classmethod
     def _mqtt_url_ok(cls, v: SecretStr) -> SecretStr:
-        _parse_mqtt_url(v.get_secret_value())
+        MqttEndpoint.parse(v.get_secret_value())  # raises ValueError with the reason, never the URL
         return v
 
     @model_validator(mode="after")
@@ -196,19 +180,13 @@ class ControllerSettings(BaseSettings):
             return self.calibration_footage
         return self.models_dir / "footage" / "vtest.avi"
 
-    def mqtt_target(self) -> MqttTarget:
-        target = _parse_mqtt_url(self.mqtt_url.get_secret_value())
+    def mqtt_target(self) -> MqttEndpoint:
+        """Where and as whom the bridge connects: ``mqtt_url``, its password overridden by
+        ``mqtt_password``, TLS on with ``mqtts://`` or a CA / client certificate file."""
+        target = MqttEndpoint.parse(self.mqtt_url.get_secret_value())
         if self.mqtt_password is not None:
-            target = replace(target, password=self.mqtt_password)
-        if self.mqtt_ca_file is not None or self.mqtt_cert_file is not None:
-            target = replace(
-                target,
-                tls=True,
-                ca_file=str(self.mqtt_ca_file) if self.mqtt_ca_file else None,
-                cert_file=str(self.mqtt_cert_file) if self.mqtt_cert_file else None,
-                key_file=str(self.mqtt_key_file) if self.mqtt_key_file else None,
-            )
-        return target
+            target = target.with_credentials(target.username, self.mqtt_password)
+        return target.with_tls(self.mqtt_ca_file, self.mqtt_cert_file, self.mqtt_key_file)
 
     def mqtt_admin(self) -> tuple[str, SecretStr | None]:
         """The dynsec admin user and password (default: those the controller connects with)."""
@@ -246,19 +224,3 @@ def _weak_secret(value: str, *, min_len: int) -> str | None:
     if len(set(value)) < 8:
         return "has too few distinct characters"
     return None
-
-
-def _parse_mqtt_url(url: str) -> MqttTarget:
-    parts = urlsplit(url)
-    if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
-        raise ValueError("mqtt_url must look like mqtt://[user:pass@]host:port (or mqtts://)")
-    if not parts.hostname:
-        raise ValueError("mqtt_url has no host")
-    tls = parts.scheme in ("mqtts", "ssl")
-    try:
-        port = parts.port or (8883 if tls else 1883)
-    except ValueError as exc:
-        raise ValueError(f"mqtt_url has a bad port: {exc}") from None
-    username = unquote(parts.username) if parts.username else None
-    password = SecretStr(unquote(parts.password)) if parts.password else None
-    return MqttTarget(parts.hostname, port, tls, username, password)

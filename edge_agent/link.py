@@ -8,29 +8,30 @@ birth + subscriptions + reported state on every CONNACK, stop retrying on bad cr
 from __future__ import annotations
 
 import logging
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 
-from edge_agent.settings import MqttEndpoint
 from fleet_protocol.codec import ProtocolError, decode, encode
+from fleet_protocol.endpoint import MqttEndpoint
 from fleet_protocol.messages import Availability, Message
-from fleet_protocol.mqtt_tls import describe_connect_error
+from fleet_protocol.paho_client import (
+    Connack,
+    Will,
+    classify_connack,
+    connect_failure,
+    connect_in_background,
+    make_client,
+)
 from fleet_protocol.topics import SPECS, TopicKind, Topics
 
 log = logging.getLogger(__name__)
 
 MessageHandler = Callable[[Message], None]
 ChunkHandler = Callable[[bytes], None]
-
-# CONNACK refusals that retrying cannot fix (MQTT 3.1.1 codes 4/5 map to these v5 reason codes).
-_FATAL_REASONS = {134, 135, 4, 5}
 
 
 class Transport(Protocol):
@@ -92,34 +93,24 @@ class MqttLink:
         self.protocol_errors: dict[str, int] = {}
         self._last_error_log = 0.0
         self._keepalive = keepalive_s
-        client = mqtt.Client(
-            CallbackAPIVersion.VERSION2,
+        # PROTOCOL.md "Connection (agent)": client id = device id, persistent session, Last Will offline.
+        client = make_client(
+            endpoint,
             client_id=device_id,
             clean_session=False,
-            protocol=mqtt.MQTTv311,
+            will=Will(
+                topics.device(device_id, TopicKind.AVAILABILITY),
+                encode(Availability(state="offline")),
+                qos=SPECS[TopicKind.AVAILABILITY].qos,
+                retain=True,
+            ),
+            reconnect_min_s=reconnect_min_s,
+            reconnect_max_s=reconnect_max_s,
         )
-        if endpoint.username:
-            password = endpoint.password.get_secret_value() if endpoint.password else None
-            client.username_pw_set(endpoint.username, password)
-        if endpoint.tls:
-            # No ca_file: the system's CAs. paho keeps hostname checking on.
-            client.tls_set(
-                ca_certs=str(endpoint.ca_file) if endpoint.ca_file else None,
-                certfile=str(endpoint.cert_file) if endpoint.cert_file else None,
-                keyfile=str(endpoint.key_file) if endpoint.key_file else None,
-            )
-        client.will_set(
-            topics.device(device_id, TopicKind.AVAILABILITY),
-            encode(Availability(state="offline")),
-            qos=SPECS[TopicKind.AVAILABILITY].qos,
-            retain=True,
-        )
-        client.reconnect_delay_set(min_delay=max(1, round(reconnect_min_s)), max_delay=round(reconnect_max_s))
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
         client.on_connect_fail = self._handle_connect_fail
         client.on_message = self._handle_message
-        client.on_socket_open = _no_delay
         self._client = client
 
     # ------------------------------------------------------------------ Transport
@@ -156,8 +147,7 @@ class MqttLink:
 
     def start(self) -> None:
         log.info("connecting to %s as %s", self._endpoint, self._device_id)
-        self._client.connect_async(self._endpoint.host, self._endpoint.port, keepalive=self._keepalive)
-        self._client.loop_start()
+        connect_in_background(self._client, self._endpoint, keepalive=self._keepalive)
 
     def stop(self) -> None:
         if self._connected.is_set():
@@ -185,10 +175,9 @@ class MqttLink:
         self, client: mqtt.Client, userdata: object, flags: object, reason: object, properties: object
     ) -> None:
         try:
-            failed = getattr(reason, "is_failure", False)
-            value = int(getattr(reason, "value", 0))
-            if failed:
-                if value in _FATAL_REASONS:
+            verdict = classify_connack(reason)
+            if verdict is not Connack.ACCEPTED:
+                if verdict is Connack.REFUSED:
                     self.fatal = f"broker refused the connection: {reason}"
                     log.error("%s; not retrying (check the credentials / ACL)", self.fatal)
                     client.disconnect()
@@ -214,11 +203,10 @@ class MqttLink:
             log.exception("on_connect failed")
 
     def _handle_connect_fail(self, client: mqtt.Client, userdata: object) -> None:
-        # paho calls this inside its ``except OSError`` around the connect and passes no exception:
-        # sys.exc_info() is the only way to say why. Not fatal: a CA or certificate can be fixed on the
-        # broker side while we back off, so the reconnect policy applies.
+        # Not fatal: a CA or certificate can be fixed on the broker side while we back off, so the
+        # reconnect policy applies.
         try:
-            self.last_error = describe_connect_error(sys.exc_info()[1], str(self._endpoint))
+            self.last_error = connect_failure(str(self._endpoint))
             now = time.monotonic()
             last = self._last_error_logged
             if last is None or last[0] != self.last_error or now - last[1] > 60.0:
@@ -262,11 +250,3 @@ class MqttLink:
         if now - self._last_error_log > 10.0:
             self._last_error_log = now
             log.warning("dropped bad message on %s: %s (%s so far)", kind, why, self.protocol_errors[kind])
-
-
-def _no_delay(_client: mqtt.Client, _userdata: object, sock: object) -> None:
-    """TCP_NODELAY on the broker connection (paho leaves Nagle on): otherwise a small publish (a chunk
-    request, an ack, a desired state) waits for the ACK of the previous small one, which the peer
-    delays by up to 40 ms; measured in bench/transfer.py."""
-    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # TLS sockets too; not unix sockets

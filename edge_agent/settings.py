@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import unquote, urlsplit
 
 import yaml
 from pydantic import (
@@ -23,8 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from fleet_protocol.endpoint import MqttEndpoint, check_tls_files
 from fleet_protocol.ids import CameraId
-from fleet_protocol.mqtt_tls import check_tls_files
 from fleet_protocol.signing import SignatureError, load_public_key
 from fleet_protocol.topics import DEFAULT_PREFIX, valid_device_id
 
@@ -38,47 +37,6 @@ class SettingsError(Exception):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class MqttEndpoint(_Strict):
-    """A parsed ``mqtt[s]://[user[:password]@]host[:port]`` URL."""
-
-    host: str
-    port: int = Field(default=1883, gt=0, lt=65536)
-    tls: bool = False
-    username: str | None = None
-    password: SecretStr | None = None
-    # Not part of the URL: set from the agent's mqtt_ca_file / mqtt_cert_file / mqtt_key_file.
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
-
-    @classmethod
-    def parse(cls, url: str) -> MqttEndpoint:
-        parts = urlsplit(url)
-        if parts.scheme not in ("mqtt", "mqtts"):
-            raise ValueError(f"scheme must be mqtt:// or mqtts://, got {parts.scheme or 'none'!r}")
-        if not parts.hostname:
-            raise ValueError("missing host")
-        if parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise ValueError("must be mqtt://[user:pass@]host:port with nothing after the port")
-        tls = parts.scheme == "mqtts"
-        try:
-            port = parts.port or (8883 if tls else 1883)
-        except ValueError as exc:
-            raise ValueError(f"bad port: {exc}") from None
-        return cls(
-            host=parts.hostname,
-            port=port,
-            tls=tls,
-            username=unquote(parts.username) if parts.username else None,
-            password=SecretStr(unquote(parts.password)) if parts.password else None,
-        )
-
-    def __str__(self) -> str:
-        # Never print the password.
-        user = f"{self.username}@" if self.username else ""
-        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{self.host}:{self.port}"
 
 
 class CameraConfig(_Strict):
@@ -126,8 +84,11 @@ class InferenceConfig(_Strict):
     onnxruntime; ``tensorrt``: the same, but a device without TensorRT reports it on every model;
     ``onnxruntime``: never native TensorRT (onnxruntime's TensorRT EP may still be in ``providers``)."""
     trt_precision: Literal["auto", "fp32", "fp16", "int8"] = "auto"
-    """Native engine precision; ``auto`` follows the variant (int8 -> INT8, anything else -> FP16).
-    INT8 from a non-quantized variant is calibrated on frames from the camera."""
+    """Native engine precision; ``auto`` follows the variant (fp32 -> FP32, fp16 -> FP16, int8 ->
+    INT8). INT8 from a non-quantized variant is calibrated on frames from the camera."""
+    trt_build_timeout_s: float = Field(default=1200.0, gt=0.0)
+    """Time bound of one TensorRT engine build (its own process); a build past it is stopped and the
+    model runs on onnxruntime without TensorRT instead."""
     trt_cache_max_mb: int = Field(default=4096, ge=16)
     """Bound on native engines kept; the least recently used go first."""
     trt_workspace_mb: int = Field(default=1024, ge=16)
@@ -169,6 +130,8 @@ class ArtifactConfig(_Strict):
 class AgentSettings(_Strict):
     device_id: str
     mqtt_url: MqttEndpoint = Field(default_factory=lambda: MqttEndpoint(host="127.0.0.1"))
+    """``mqtt[s]://[user[:password]@]host[:port]`` (fleet_protocol/endpoint.py), with the credential and
+    TLS keys below folded in."""
     mqtt_username: str | None = Field(default=None, min_length=1)
     """The device's broker user (from enrollment: its device id); overrides a user in ``mqtt_url``."""
     mqtt_password_file: Path | None = None
@@ -244,9 +207,9 @@ class AgentSettings(_Strict):
     @model_validator(mode="after")
     def _mqtt_auth(self) -> AgentSettings:
         """Fold the credential and TLS keys into ``mqtt_url``, the one thing the link reads."""
-        update: dict[str, Any] = {}
-        if self.mqtt_username is not None:
-            update["username"] = self.mqtt_username
+        endpoint = self.mqtt_url
+        username = self.mqtt_username if self.mqtt_username is not None else endpoint.username
+        password = endpoint.password
         if self.mqtt_password_file is not None:
             try:
                 secret = self.mqtt_password_file.read_text(encoding="utf-8").rstrip("\r\n")
@@ -256,17 +219,11 @@ class AgentSettings(_Strict):
                 ) from None
             if not secret:
                 raise ValueError(f"mqtt_password_file {self.mqtt_password_file} is empty")
-            update["password"] = SecretStr(secret)
-        if self.mqtt_ca_file or self.mqtt_cert_file or self.mqtt_key_file:
-            check_tls_files(self.mqtt_ca_file, self.mqtt_cert_file, self.mqtt_key_file)
-            update.update(
-                tls=True,
-                ca_file=self.mqtt_ca_file,
-                cert_file=self.mqtt_cert_file,
-                key_file=self.mqtt_key_file,
-            )
-        if update:
-            self.mqtt_url = self.mqtt_url.model_copy(update=update)
+            password = SecretStr(secret)
+        check_tls_files(self.mqtt_ca_file, self.mqtt_cert_file, self.mqtt_key_file)
+        self.mqtt_url = endpoint.with_credentials(username, password).with_tls(
+            self.mqtt_ca_file, self.mqtt_cert_file, self.mqtt_key_file
+        )
         return self
 
     @model_validator(mode="after")
@@ -307,7 +264,9 @@ def parse_settings(data: Any, *, env: dict[str, str] | None = None) -> AgentSett
         raise SettingsError(msg) from None
     password = env.get(PASSWORD_ENV)
     if password:
-        settings.mqtt_url.password = SecretStr(password)
+        settings.mqtt_url = settings.mqtt_url.with_credentials(
+            settings.mqtt_url.username, SecretStr(password)
+        )
     return settings
 
 

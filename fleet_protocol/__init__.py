@@ -2,7 +2,9 @@
 
 Both the controller and the edge agent import this package and nothing of each other.
 Only pydantic and the standard library are allowed here, plus ``cryptography`` for Ed25519 in
-``signing.py`` (imported on its own, not from this package's top level).
+``signing.py`` and ``paho-mqtt`` in ``paho_client.py`` (the one MQTT client set-up both sides use); each
+is imported on its own, never from this package's top level. ``endpoint.py`` (broker URL, credentials,
+TLS files, refused CONNACK codes) keeps to the rule.
 """
 
 from fleet_protocol.codec import ProtocolError, decode, decode_chunk, encode, encode_chunk

@@ -1,1 +1,42 @@
-"""The HTTP API: routers per resource, request/response shapes, dependencies."""
+"""The HTTP API: one router per resource, request/response shapes, dependencies, the error handler.
+
+``build_api(app)`` puts it all on an app: the routers, the dashboard's static files, and the handler
+that answers every domain error (``controller.errors``) with its status.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from controller.api import (
+    assignments,
+    deployments,
+    detections,
+    devices,
+    events,
+    fleet,
+    model_versions,
+    pages,
+    tokens,
+)
+from controller.api.errors import register_error_handlers
+
+ROUTERS = (
+    fleet.router,
+    devices.router,
+    assignments.router,
+    model_versions.router,
+    deployments.router,
+    detections.router,
+    events.router,
+    tokens.router,
+    pages.router,
+)
+
+
+def build_api(app: FastAPI) -> None:
+    """Every router, the dashboard's static files and the domain-error handler, on ``app``."""
+    for router in ROUTERS:
+        app.include_router(router)
+    pages.mount_static(app)
+    register_error_handlers(app)

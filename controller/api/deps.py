@@ -1,19 +1,23 @@
-"""What routes depend on: the runtime, a database session, and the guard every route passes
-(``authorize``: the role a route needs comes from ``controller.security.tokens.required_role``)."""
+"""What routes depend on: the runtime, a database session, the guard every route passes
+(``authorize``: the role a route needs comes from ``controller.security.tokens.required_role``), and
+the path and query parameters several routers share."""
 
 from __future__ import annotations
 
 import base64
 import binascii
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, status
+from fastapi import Depends, HTTPException, Path, Query, status
 from sqlmodel import Session
 from starlette.requests import HTTPConnection
 
+from controller.api.errors import invalid_query
 from controller.runtime import ControllerRuntime
 from controller.security.tokens import WS_BEARER_PREFIX, WS_SUBPROTOCOL, Principal, required_role
+from controller.types import ID_MAX, ID_PATTERN, NO_NUL_PATTERN
 
 
 def runtime(conn: HTTPConnection) -> ControllerRuntime:
@@ -29,6 +33,33 @@ def get_session(conn: HTTPConnection) -> Iterator[Session]:
 
 SessionDep = Annotated[Session, Depends(get_session)]
 RuntimeDep = Annotated[ControllerRuntime, Depends(runtime)]
+
+# An identifier is an MQTT topic level and a folder name: anything else is a 422 naming the parameter.
+IdPath = Annotated[str, Path(max_length=ID_MAX, pattern=ID_PATTERN)]
+DeviceIdPath = Annotated[str, Path(description="device id", max_length=ID_MAX, pattern=ID_PATTERN)]
+CameraPath = Annotated[
+    str, Path(description="camera id on the device", max_length=ID_MAX, pattern=ID_PATTERN)
+]
+# A filter compared with a column (device, camera, label): query strings reach the database, and
+# PostgreSQL refuses NUL in text, which must be a 422, not a 500.
+FilterQuery = Annotated[str | None, Query(max_length=ID_MAX, pattern=NO_NUL_PATTERN)]
+
+
+def utc(dt: datetime) -> datetime:
+    """A query's time in UTC (a naive one is taken as UTC)."""
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
+
+
+def time_window(
+    since: datetime | None, until: datetime | None, default: timedelta
+) -> tuple[datetime, datetime]:
+    """``[since, until)`` in UTC: until defaults to now, since to ``default`` before until; a 422
+    naming ``since`` when it is not before until."""
+    until_ = utc(until) if until is not None else datetime.now(UTC)
+    since_ = utc(since) if since is not None else until_ - default
+    if since_ >= until_:
+        raise invalid_query("since", "since must be before until")
+    return since_, until_
 
 
 def _unauthorized(detail: str, *, invalid: bool) -> HTTPException:

@@ -1,4 +1,5 @@
-"""Response and request shapes of the REST API that are not plain table views."""
+"""Response and request shapes of the REST API that are not plain table views (shapes only: the
+rows become these in ``controller.api.presenters``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from controller.db.tables import Device
 from controller.fleet.gate import GateConfig
-from controller.fleet.sync import SyncState, twin_sync
-from controller.link.seqtrack import SeqStats
+from controller.fleet.sync import SyncState
 from controller.types import CAMERA_OR_ANY_PATTERN, ID_MAX, ID_PATTERN, NO_NUL_PATTERN, check_labels
 from fleet_protocol.messages import CameraReported, CameraStats, Name
 
@@ -66,58 +65,6 @@ class DevicePublic(BaseModel):
     sync_reason: str | None = Field(default=None, description="why it is not in sync")
     stats: DeviceStats
     created_at: datetime
-
-    @classmethod
-    def from_row(cls, dev: Device, stats: SeqStats) -> DevicePublic:
-        health = dev.last_health or {}
-        cameras: list[CameraStats] = []
-        for c in health.get("cameras", []) or []:
-            try:
-                cameras.append(CameraStats.model_validate(c))
-            except ValueError:
-                continue  # stored by an older agent/schema; skip rather than fail the listing
-        models: dict[str, CameraReported] = {}
-        for cam, rep in ((dev.reported or {}).get("cameras") or {}).items():
-            try:
-                models[cam] = CameraReported.model_validate(rep)
-            except ValueError:
-                continue
-        assignments: dict[str, CameraAssignment] = {}
-        for cam, a in (dev.assignments or {}).items():
-            try:
-                assignments[cam] = CameraAssignment.model_validate(a)
-            except ValueError:
-                continue
-        sync, sync_reason = twin_sync(dev.desired, dev.desired_version, models, dev.reported_version)
-        return cls(
-            id=dev.id,
-            assignments=assignments,
-            name=dev.name,
-            labels=dev.labels or {},
-            enrolled=dev.enrolled,
-            status="online" if dev.status == "online" else "offline",
-            online_since=dev.online_since,
-            offline_since=dev.offline_since,
-            last_seen=dev.last_seen,
-            agent_version=dev.agent_version,
-            capabilities=dev.capabilities,
-            cameras=cameras,
-            models=models,
-            last_health=dev.last_health,
-            desired_version=dev.desired_version,
-            reported_version=dev.reported_version,
-            sync=sync,
-            sync_reason=sync_reason,
-            stats=DeviceStats(
-                stored=stats.stored,
-                duplicates=stats.duplicates,
-                lost=stats.lost,
-                dropped=stats.dropped,
-                acked_upto=stats.acked_upto,
-                max_seq=stats.max_seq,
-            ),
-            created_at=dev.created_at,
-        )
 
 
 class EnrolledDevice(DevicePublic):

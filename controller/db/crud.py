@@ -10,7 +10,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col, select
 
+from controller.db.states import DeviceStatus, ModelVersionStatus
 from controller.db.tables import (
+    Detection,
     Device,
     DeviceCreate,
     Event,
@@ -90,7 +92,7 @@ def ensure_devices(session: Session, *, device_ids: Iterable[str]) -> None:
             "id": d,
             "labels": {},
             "enrolled": False,
-            "status": "offline",
+            "status": DeviceStatus.OFFLINE,
             "desired_version": 0,
             "duplicates": 0,
             "created_at": now,
@@ -206,7 +208,8 @@ def upsert_model_version(
         if mv.sha256 != sha256 and mv.id is not None:
             # Other bytes under the same (bundled) name: variants of the old ones no longer apply.
             delete_variants(session, model_version_id=mv.id)
-            mv.status, mv.build_stage, mv.build_progress, mv.build_error = "ready", None, 0.0, None
+            mv.status, mv.build_stage = ModelVersionStatus.READY, None
+            mv.build_progress, mv.build_error = 0.0, None
         mv.sha256, mv.size, mv.manifest, mv.path = sha256, size, manifest, path
     session.add(mv)
     session.flush()
@@ -258,3 +261,116 @@ def versions_without_variants(session: Session) -> Sequence[ModelVersion]:
 
 def versions_with_status(session: Session, *, status: str) -> Sequence[ModelVersion]:
     return session.exec(select(ModelVersion).where(col(ModelVersion.status) == status)).all()
+
+
+# --------------------------------------------------------------------------- reads of the API
+
+
+def list_detections(
+    session: Session,
+    *,
+    device_id: str | None,
+    camera: str | None,
+    label: str | None,
+    since: datetime | None,
+    until: datetime | None,
+    min_score: float | None,
+    before: tuple[datetime, int] | None,
+    limit: int,
+) -> Sequence[Detection]:
+    """Detections captured in ``[since, until)``, newest capture first (then highest id); ``before``
+    (captured_at, id) continues after the last row of a previous page."""
+    q = select(Detection)
+    if device_id is not None:
+        q = q.where(col(Detection.device_id) == device_id)
+    if camera is not None:
+        q = q.where(col(Detection.camera) == camera)
+    if label is not None:
+        q = q.where(col(Detection.label) == label)
+    if since is not None:
+        q = q.where(col(Detection.captured_at) >= since)
+    if until is not None:
+        q = q.where(col(Detection.captured_at) < until)
+    if min_score is not None:
+        q = q.where(col(Detection.score) >= min_score)
+    if before is not None:
+        c_ts, c_id = before
+        q = q.where(
+            sa.or_(
+                col(Detection.captured_at) < c_ts,
+                sa.and_(col(Detection.captured_at) == c_ts, col(Detection.id) < c_id),
+            )
+        )
+    q = q.order_by(col(Detection.captured_at).desc(), col(Detection.id).desc()).limit(limit)
+    return session.exec(q).all()
+
+
+def _bucket_start(session: Session, column: Any, bucket: int) -> Any:
+    """The start of ``column``'s ``bucket``-second bucket, in unix seconds (an integer)."""
+    if session.get_bind().dialect.name == "sqlite":
+        epoch = sa.cast(sa.func.strftime("%s", column), sa.BigInteger)
+        # Raw "/" on two integers: SQLite's integer division (SQLAlchemy's "/" would be true division).
+        return epoch.op("/")(sa.literal(bucket, sa.BigInteger)) * bucket
+    pg_epoch = sa.extract("epoch", column)
+    return sa.cast(sa.func.floor(pg_epoch / bucket) * bucket, sa.BigInteger)
+
+
+def detection_counts(
+    session: Session,
+    *,
+    bucket: int,
+    since: datetime,
+    until: datetime,
+    device_id: str | None,
+    camera: str | None,
+    min_score: float | None,
+) -> list[tuple[int, str, int]]:
+    """Detections captured in ``[since, until)`` per ``(bucket start in unix seconds, label)``,
+    oldest bucket first."""
+    t = cast(sa.Table, Detection.__table__)  # type: ignore[attr-defined]
+    b = _bucket_start(session, t.c.captured_at, bucket).label("b")
+    q = sa.select(b, t.c.label, sa.func.count()).where(t.c.captured_at >= since, t.c.captured_at < until)
+    if device_id is not None:
+        q = q.where(t.c.device_id == device_id)
+    if camera is not None:
+        q = q.where(t.c.camera == camera)
+    if min_score is not None:
+        q = q.where(t.c.score >= min_score)
+    q = q.group_by(b, t.c.label).order_by(b)
+    return [(int(start), lbl, int(n)) for start, lbl, n in session.execute(q)]
+
+
+def search_events(
+    session: Session,
+    *,
+    device_id: str | None,
+    kind: str | None,
+    severities: Sequence[str] | None,
+    since: datetime | None,
+    until: datetime | None,
+    limit: int,
+) -> list[dict[str, Any]]:
+    """Event rows (every column, by name) in ``[since, until)``, newest first; ``severities`` empty or
+    None: any."""
+    t = cast(sa.Table, Event.__table__)  # type: ignore[attr-defined]
+    q = sa.select(t)
+    if device_id is not None:
+        q = q.where(t.c.device_id == device_id)
+    if kind is not None:
+        q = q.where(t.c.kind == kind)
+    if severities:
+        q = q.where(t.c.severity.in_(list(severities)))
+    if since is not None:
+        q = q.where(t.c.ts >= since)
+    if until is not None:
+        q = q.where(t.c.ts < until)
+    q = q.order_by(t.c.ts.desc(), t.c.id.desc()).limit(limit)
+    return [dict(r) for r in session.execute(q).mappings().all()]
+
+
+def device_ids(session: Session, *, device_id: str | None = None) -> list[str]:
+    """The ids of every known device, or only ``device_id`` when it is known."""
+    q = select(Device.id)
+    if device_id is not None:
+        q = q.where(col(Device.id) == device_id)
+    return list(session.exec(q).all())

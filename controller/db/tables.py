@@ -14,6 +14,7 @@ from pydantic import field_validator
 from sqlalchemy.engine import Dialect
 from sqlmodel import JSON, Field, SQLModel
 
+from controller.db.states import DeploymentState, DeviceStatus, MemberState, ModelVersionStatus, RolloutState
 from controller.types import check_labels
 from fleet_protocol.topics import valid_device_id
 
@@ -86,7 +87,7 @@ class Device(DeviceBase, table=True):
 
     id: str = Field(primary_key=True, max_length=64)
     enrolled: bool = Field(default=False)
-    status: str = Field(default="offline", max_length=16)
+    status: str = Field(default=DeviceStatus.OFFLINE, max_length=16)  # a DeviceStatus
     online_since: datetime | None = Field(default=None, sa_type=UtcDateTime)
     offline_since: datetime | None = Field(default=None, sa_type=UtcDateTime)
     last_seen: datetime | None = Field(default=None, sa_type=UtcDateTime)
@@ -103,7 +104,7 @@ class Device(DeviceBase, table=True):
     assignments: dict[str, Any] | None = Field(default=None, sa_type=JSON)
     # Per camera: the direct assignment (the lowest layer, below every deployment).
     direct: dict[str, Any] | None = Field(default=None, sa_type=JSON)
-    # Broker credentials (controller/broker_auth.py): only a hash of the password, never the password.
+    # Broker credentials (controller/link/broker_auth.py): only a hash of the password, never the password.
     mqtt_password_hash: str | None = Field(default=None, max_length=200)
     mqtt_issued_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
     mqtt_revoked_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
@@ -224,9 +225,9 @@ class ModelVersion(ModelVersionBase, table=True):
     id: int | None = Field(default=None, primary_key=True)
     path: str
     created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
-    # Variant builds: "building" while the worker has it, then "ready" (fp32 always serves) or
-    # "failed" (the fp32 model itself could not be judged; it still serves).
-    status: str = Field(default="ready", max_length=16)
+    # Variant builds, a ModelVersionStatus: building while the worker has it, then ready (fp32 always
+    # serves) or failed (the fp32 model itself could not be judged; it still serves).
+    status: str = Field(default=ModelVersionStatus.READY, max_length=16)
     build_stage: str | None = Field(default=None, max_length=32)
     build_progress: float = Field(default=0.0)
     build_error: str | None = Field(default=None)
@@ -272,7 +273,7 @@ class ModelVariantPublic(ModelVariantBase):
 
 class ModelVersionPublic(ModelVersionBase):
     created_at: datetime
-    status: str = "ready"
+    status: str = ModelVersionStatus.READY
     build_stage: str | None = None
     build_progress: float = 0.0
     build_error: str | None = None
@@ -297,8 +298,8 @@ class Deployment(SQLModel, table=True):
     # [{"camera": id or "*", "threshold": …, "max_fps": …, "labels": […]}]
     cameras: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)
     priority: int = Field(default=0)
-    # active | rolling_out | rolled_back | cancelled | deleted
-    state: str = Field(default="rolling_out", max_length=16)
+    # A DeploymentState (controller/db/states.py, with its transitions); the column is a plain string.
+    state: str = Field(default=DeploymentState.ROLLING_OUT, max_length=16)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
 
 
@@ -313,8 +314,8 @@ class Rollout(SQLModel, table=True):
     waves: list[Any] = Field(default_factory=list, sa_type=JSON)  # as asked: 1, "10%", …
     plan: list[int] = Field(default_factory=list, sa_type=JSON)  # cumulative device counts per wave
     current_wave: int = Field(default=0)  # index of the wave being admitted/soaked
-    # running | paused | succeeded | failed | cancelled | rolled_back
-    state: str = Field(default="running", max_length=16)
+    # A RolloutState (controller/db/states.py, with its transitions); the column is a plain string.
+    state: str = Field(default=RolloutState.RUNNING, max_length=16)
     gate: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
     gates: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)  # evaluations per wave
     reason: str | None = None
@@ -329,8 +330,8 @@ class RolloutDevice(SQLModel, table=True):
     rollout_id: int = Field(foreign_key="rollout.id", primary_key=True)
     device_id: str = Field(primary_key=True, max_length=64)
     wave: int
-    # pending | applying | active | failed | rolled_back
-    state: str = Field(default="applying", max_length=16)
+    # A MemberState (controller/db/states.py, with its transitions); the column is a plain string.
+    state: str = Field(default=MemberState.APPLYING, max_length=16)
     cameras: list[str] = Field(default_factory=list, sa_type=JSON)
     target_version: int | None = None
     baseline_fps: float | None = None

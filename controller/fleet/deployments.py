@@ -18,11 +18,12 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
+from controller.db.states import DeploymentState, MemberState
 from controller.db.tables import Deployment, Device, Rollout, RolloutDevice
 from controller.fleet.selectors import Selector, SelectorError, parse_selector
 
-APPLIED_STATES = ("active", "rolling_out", "cancelled")
-ADMITTED = ("applying", "active")
+APPLIED_STATES = (DeploymentState.ACTIVE, DeploymentState.ROLLING_OUT, DeploymentState.CANCELLED)
+ADMITTED = (MemberState.APPLYING, MemberState.ACTIVE)
 ANY_CAMERA = "*"
 
 
@@ -81,12 +82,12 @@ def applies(dep: Deployment, dev: Device, admitted: Mapping[int, str]) -> bool:
     """``admitted``: deployment id → this device's rollout state for that deployment."""
     if dep.state not in APPLIED_STATES or not matches(dep, dev.labels or {}):
         return False
-    if dep.state == "active":
+    if dep.state == DeploymentState.ACTIVE:
         return True
     state = admitted.get(dep.id or -1)
-    if dep.state == "rolling_out":
+    if dep.state == DeploymentState.ROLLING_OUT:
         return state in ADMITTED
-    return state == "active"  # cancelled: devices it had reached keep it
+    return state == MemberState.ACTIVE  # cancelled: devices it had reached keep it
 
 
 def layers(dev: Device, deployments: Iterable[Deployment], admitted: Mapping[int, str]) -> dict[str, Layer]:
@@ -155,7 +156,7 @@ def get_deployment(s: Session, ref: str | int) -> Deployment | None:
 def list_deployments(s: Session, *, include_deleted: bool = False) -> list[Deployment]:
     q = select(Deployment)
     if not include_deleted:
-        q = q.where(col(Deployment.state) != "deleted")
+        q = q.where(col(Deployment.state) != DeploymentState.DELETED)
     return list(s.exec(q.order_by(col(Deployment.id))).all())
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from controller.db.states import LIVE_ROLLOUT_STATES, MemberState, RolloutState
+
 DEFAULT_WAVES: list[int | str] = [1, "10%", "50%", "100%"]
-RUNNING, PAUSED = "running", "paused"
 CRASH_LOOP_RESTARTS = 3  # more restarts than this since admission is a crash loop
-FINISHED = ("succeeded", "failed", "cancelled", "rolled_back")
 # The agent's watchdog actions (edge_agent/watchdog.py WatchdogAction) the gate counts; "retry",
 # "recovered" and "command" (an operator's restart) are not signs of a bad model.
 WATCHDOG_RESTARTED, WATCHDOG_FAILED = "restarted", "failed"
@@ -150,7 +150,7 @@ class Admit:
 @dataclass(frozen=True)
 class Settle:
     device_id: str
-    state: str  # active | failed
+    state: MemberState  # active | failed
     reason: str | None = None
 
 
@@ -169,7 +169,7 @@ class Advance:
 
 @dataclass(frozen=True)
 class Finish:
-    state: str  # succeeded | failed
+    state: RolloutState  # succeeded | failed
     reason: str
 
 
@@ -185,40 +185,44 @@ def _offline_for(dev: DeviceView, since: float, now: float) -> float:
 def _crash_loop(m: MemberView, dev: DeviceView) -> Settle | None:
     n = sum(t >= m.admitted_at for t in dev.restarts)
     if n > CRASH_LOOP_RESTARTS:
-        return Settle(m.device_id, "failed", f"crash loop: the agent restarted {n} times since admission")
+        return Settle(
+            m.device_id, MemberState.FAILED, f"crash loop: the agent restarted {n} times since admission"
+        )
     return None
 
 
 def _settle_applying(m: MemberView, dev: DeviceView | None, r: RolloutView, now: float) -> Settle | None:
     if dev is None:
-        return Settle(m.device_id, "failed", "device is no longer known")
+        return Settle(m.device_id, MemberState.FAILED, "device is no longer known")
     if (crash := _crash_loop(m, dev)) is not None:
         return crash
     if not dev.matches:
-        return Settle(m.device_id, "failed", "device no longer matches the selector")
+        return Settle(m.device_id, MemberState.FAILED, "device no longer matches the selector")
     if m.target_version is not None:
         if not m.cameras:
-            return Settle(m.device_id, "active", "every camera is held by a higher-priority layer")
+            return Settle(m.device_id, MemberState.ACTIVE, "every camera is held by a higher-priority layer")
         for cam in m.cameras:
             rep = dev.reported.get(cam) or {}
             if rep.get("state") == "failed" and (dev.reported_version or 0) >= m.target_version:
                 return Settle(
-                    m.device_id, "failed", f"camera {cam} failed: {rep.get('error') or 'no reason'}"
+                    m.device_id, MemberState.FAILED, f"camera {cam} failed: {rep.get('error') or 'no reason'}"
                 )
         if (dev.reported_version or 0) >= m.target_version and all(
             (dev.reported.get(c) or {}).get("state") == "running"
             and (dev.reported.get(c) or {}).get("model") == r.model
             for c in m.cameras
         ):
-            return Settle(m.device_id, "active")
+            return Settle(m.device_id, MemberState.ACTIVE)
     off = _offline_for(dev, m.admitted_at, now)
     if not dev.online and off > r.gate.offline_timeout_s:
-        return Settle(m.device_id, "failed", f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)")
+        return Settle(
+            m.device_id, MemberState.FAILED, f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)"
+        )
     if now - m.admitted_at > r.gate.step_timeout_s:
         states = {c: (dev.reported.get(c) or {}).get("state", "unknown") for c in m.cameras}
         return Settle(
             m.device_id,
-            "failed",
+            MemberState.FAILED,
             f"not active after {r.gate.step_timeout_s:g}s (reported v{dev.reported_version}, {states})",
         )
     return None
@@ -227,16 +231,20 @@ def _settle_applying(m: MemberView, dev: DeviceView | None, r: RolloutView, now:
 def _settle_active(m: MemberView, dev: DeviceView | None, r: RolloutView, now: float) -> Settle | None:
     """A device of the wave being soaked that went bad after activation."""
     if dev is None:
-        return Settle(m.device_id, "failed", "device is no longer known")
+        return Settle(m.device_id, MemberState.FAILED, "device is no longer known")
     if (crash := _crash_loop(m, dev)) is not None:
         return crash
     for cam in m.cameras:
         rep = dev.reported.get(cam) or {}
         if rep.get("state") == "failed":
-            return Settle(m.device_id, "failed", f"camera {cam} failed: {rep.get('error') or 'no reason'}")
+            return Settle(
+                m.device_id, MemberState.FAILED, f"camera {cam} failed: {rep.get('error') or 'no reason'}"
+            )
     off = _offline_for(dev, m.settled_at or m.admitted_at, now)
     if not dev.online and off > r.gate.offline_timeout_s:
-        return Settle(m.device_id, "failed", f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)")
+        return Settle(
+            m.device_id, MemberState.FAILED, f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)"
+        )
     return None
 
 
@@ -286,7 +294,7 @@ def _watchdog_verdict(fig: dict[str, Any], r: RolloutView) -> str | None:
 
 
 def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: RolloutView) -> dict[str, Any]:
-    failed = [m.device_id for m in wave if m.state == "failed"]
+    failed = [m.device_id for m in wave if m.state == MemberState.FAILED]
     ratios: dict[str, float] = {}
     latencies: dict[str, float] = {}
     latency_stats: dict[str, str] = {}
@@ -294,7 +302,7 @@ def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: Rollo
     watchdog: dict[str, dict[str, Any]] = {}
     for m in wave:
         dev = devices.get(m.device_id)
-        if m.state != "active" or dev is None or not m.cameras:
+        if m.state != MemberState.ACTIVE or dev is None or not m.cameras:
             continue
         if (wd := _watchdog_figures(m, dev, r.model)) is not None:
             watchdog[m.device_id] = wd
@@ -310,9 +318,9 @@ def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: Rollo
     return {
         "devices": [m.device_id for m in wave],
         "size": len(wave),
-        "active": sum(m.state == "active" for m in wave),
+        "active": sum(m.state == MemberState.ACTIVE for m in wave),
         "failed": failed,
-        "failures": {m.device_id: m.reason for m in wave if m.state == "failed"},
+        "failures": {m.device_id: m.reason for m in wave if m.state == MemberState.FAILED},
         "failure_ratio": round(len(failed) / len(wave), 3) if wave else 0.0,
         "max_failure_ratio": r.gate.max_failure_ratio,
         "fps_ratio": ratios,
@@ -368,7 +376,7 @@ def _verdict(fig: dict[str, Any], r: RolloutView) -> str | None:
 
 def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[Action]:
     """What to do next. Pure: the same snapshot and time give the same actions."""
-    if r.state not in (RUNNING, PAUSED):
+    if r.state not in LIVE_ROLLOUT_STATES:
         return []
     actions: list[Action] = []
     members = dict(r.members)
@@ -376,20 +384,22 @@ def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[
     for m in r.members.values():
         dev = devices.get(m.device_id)
         s: Settle | None = None
-        if m.state == "applying":
+        if m.state == MemberState.APPLYING:
             s = _settle_applying(m, dev, r, now)
-        elif m.state == "active" and m.wave == r.current_wave and r.current_wave not in r.gated_waves:
+        elif (
+            m.state == MemberState.ACTIVE and m.wave == r.current_wave and r.current_wave not in r.gated_waves
+        ):
             s = _settle_active(m, dev, r, now)
         if s is not None:
             actions.append(s)
             members[m.device_id] = replace(m, state=s.state, settled_at=now, reason=s.reason)
     w = r.current_wave
     if w >= len(r.plan):
-        return [*actions, Finish("succeeded", "every wave passed its gate")]
+        return [*actions, Finish(RolloutState.SUCCEEDED, "every wave passed its gate")]
     wave = [m for m in members.values() if m.wave == w]
     # 2. admission of the current wave
     if not wave:
-        if r.state != RUNNING:
+        if r.state != RolloutState.RUNNING:
             return actions
         last = w == len(r.plan) - 1
         want = r.plan[w] - len(members)
@@ -399,7 +409,7 @@ def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[
         admit = candidates[: max(0, want)]
         if not admit:
             if last:
-                return [*actions, Finish("succeeded", "no devices left to admit")]
+                return [*actions, Finish(RolloutState.SUCCEEDED, "no devices left to admit")]
             return [*actions, Advance(w + 1)]
         return [*actions, *(Admit(d, w) for d in admit)]
     # 3. the gate of the current wave
@@ -412,9 +422,9 @@ def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[
         return [
             *actions,
             GateResult(w, False, fig, bad),
-            Finish("failed", f"wave {w + 1} gate failed: {bad}"),
+            Finish(RolloutState.FAILED, f"wave {w + 1} gate failed: {bad}"),
         ]
-    if any(m.state == "applying" for m in wave):
+    if any(m.state == MemberState.APPLYING for m in wave):
         return actions
     settled = max((m.settled_at or m.admitted_at) for m in wave)
     if now - settled < r.gate.soak_s:
@@ -424,11 +434,11 @@ def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[
         return [
             *actions,
             GateResult(w, False, fig, why),
-            Finish("failed", f"wave {w + 1} gate failed: {why}"),
+            Finish(RolloutState.FAILED, f"wave {w + 1} gate failed: {why}"),
         ]
     actions.append(GateResult(w, True, fig, "passed"))
     if w == len(r.plan) - 1:
-        actions.append(Finish("succeeded", "every wave passed its gate"))
+        actions.append(Finish(RolloutState.SUCCEEDED, "every wave passed its gate"))
     else:
         actions.append(Advance(w + 1))
     return actions

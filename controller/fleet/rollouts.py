@@ -20,8 +20,9 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from controller.db import crud
+from controller.db.states import LIVE_ROLLOUT_STATES, DeploymentState, DeviceStatus, MemberState, RolloutState
 from controller.db.tables import Deployment, Device, Event, HealthSample, Rollout, RolloutDevice, utcnow
-from controller.errors import ConflictError, NotFoundError
+from controller.errors import ConflictError, ControllerError, InvalidError, NotFoundError
 from controller.fleet.deployments import (
     get_deployment,
     matches,
@@ -31,8 +32,6 @@ from controller.fleet.deployments import (
 )
 from controller.fleet.gate import (
     DEFAULT_WAVES,
-    PAUSED,
-    RUNNING,
     Admit,
     Advance,
     DeviceView,
@@ -55,17 +54,27 @@ log = logging.getLogger(__name__)
 
 TICK_S = 1.0
 _IN_CHUNK = 500  # device ids per IN (...) list: far below every driver's parameter limit
+# Members a cancel or a delete reverts: the ones not active yet.
+_NOT_ACTIVE_YET = (MemberState.PENDING, MemberState.APPLYING)
 
 
 # --------------------------------------------------------------------------- the service
 
 
-class DeploymentError(ValueError):
-    """A deployment that cannot be created; ``status`` is the HTTP status to answer with."""
+class DeploymentError(ControllerError, ValueError):
+    """A deployment that cannot be created: the subclass says which kind, the message says why."""
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+
+class DeploymentInvalidError(DeploymentError, InvalidError):
+    """The deployment asked for is wrong in itself: its selector or its waves."""
+
+
+class DeploymentModelNotFoundError(DeploymentError, NotFoundError):
+    """The model version to deploy is not registered."""
+
+
+class DeploymentConflictError(DeploymentError, ConflictError):
+    """The deployment's name is taken, or its pinned variant is not fit."""
 
 
 def _ts(dt: datetime | None) -> float | None:
@@ -153,7 +162,7 @@ def device_view(
     return DeviceView(
         id=dev.id,
         matches=matches(dep, dev.labels or {}),
-        online=dev.status == "online",
+        online=dev.status == DeviceStatus.ONLINE,
         offline_since=_ts(dev.offline_since),
         reported_version=dev.reported_version,
         reported=dict((dev.reported or {}).get("cameras") or {}),
@@ -229,7 +238,7 @@ class RolloutService:
         with Session(self._engine) as s:
             ids = [
                 int(i)
-                for i in s.exec(select(Rollout.id).where(col(Rollout.state).in_((RUNNING, PAUSED)))).all()
+                for i in s.exec(select(Rollout.id).where(col(Rollout.state).in_(LIVE_ROLLOUT_STATES))).all()
                 if i is not None
             ]
         for rid in ids:
@@ -242,7 +251,7 @@ class RolloutService:
         now = self.clock()
         with Session(self._engine) as s:
             ro = s.get(Rollout, rollout_id)
-            if ro is None or ro.state not in (RUNNING, PAUSED):
+            if ro is None or ro.state not in LIVE_ROLLOUT_STATES:
                 return
             dep = s.get(Deployment, ro.deployment_id)
             assert dep is not None
@@ -251,7 +260,10 @@ class RolloutService:
                 m.device_id: m.admitted_at
                 for m in members.values()
                 if m.admitted_at is not None
-                and (m.state == "applying" or (m.state == "active" and m.wave == ro.current_wave))
+                and (
+                    m.state == MemberState.APPLYING
+                    or (m.state == MemberState.ACTIVE and m.wave == ro.current_wave)
+                )
             }
             steps = watchdog_steps_since(s, watched)
             devices = {
@@ -280,7 +292,7 @@ class RolloutService:
                     m = members[a.device_id]
                     m.state, m.reason, m.settled_at = a.state, a.reason, at
                     s.add(m)
-                    if a.state == "failed":
+                    if a.state == MemberState.FAILED:
                         touched.add(a.device_id)
                         log.warning("rollout %d: %s failed: %s", rollout_id, a.device_id, a.reason)
                 elif isinstance(a, GateResult):
@@ -291,11 +303,11 @@ class RolloutService:
                     ro.current_wave = a.wave
                 elif isinstance(a, Finish):
                     ro.state, ro.reason, ro.finished_at = a.state, a.reason, at
-                    if a.state == "succeeded":
-                        dep.state = "active"
+                    if a.state == RolloutState.SUCCEEDED:
+                        dep.state = DeploymentState.ACTIVE
                         touched.update(d.id for d in matching_devices(s, dep))
                     else:
-                        dep.state = "rolled_back"
+                        dep.state = DeploymentState.ROLLED_BACK
                         touched.update(self._revert(s, rollout_id, a.reason))
                     log.info("rollout %d %s: %s", rollout_id, a.state, a.reason)
             ro.updated_at = at
@@ -309,9 +321,10 @@ class RolloutService:
     def _revert(s: Session, rollout_id: int, reason: str, *, states: Sequence[str] | None = None) -> set[str]:
         out: set[str] = set()
         for m in rollout_devices(s, rollout_id):
-            if m.state == "rolled_back" or (states is not None and m.state not in states):
+            if m.state == MemberState.ROLLED_BACK or (states is not None and m.state not in states):
                 continue
-            m.state, m.reason = "rolled_back", reason if m.reason is None else f"{m.reason}; {reason}"
+            m.state = MemberState.ROLLED_BACK
+            m.reason = reason if m.reason is None else f"{m.reason}; {reason}"
             m.settled_at = utcnow()
             s.add(m)
             out.add(m.device_id)
@@ -366,23 +379,23 @@ class RolloutService:
         try:
             parse_selector(selector)
         except SelectorError as exc:
-            raise DeploymentError(422, f"selector: {exc}") from None
+            raise DeploymentInvalidError(f"selector: {exc}") from None
         try:
             plan_in = [parse_wave(w) for w in (waves if waves is not None else DEFAULT_WAVES)]
         except ValueError as exc:
-            raise DeploymentError(422, f"waves: {exc}") from None
+            raise DeploymentInvalidError(f"waves: {exc}") from None
         if not plan_in:
-            raise DeploymentError(422, "waves: at least one wave")
+            raise DeploymentInvalidError("waves: at least one wave")
         with self._lock, Session(self._engine) as s:
             mv = crud.get_model_version(s, name=model, version=version)
             if mv is None:
-                raise DeploymentError(404, f"model {model!r} version {version!r} is not registered")
+                raise DeploymentModelNotFoundError(f"model {model!r} version {version!r} is not registered")
             try:
                 choose(s, mv=mv, capabilities=None, pin=variant)
             except ConflictError as exc:
-                raise DeploymentError(409, str(exc)) from None
+                raise DeploymentConflictError(str(exc)) from None
             if get_deployment(s, name) is not None:
-                raise DeploymentError(409, f"a deployment named {name!r} exists")
+                raise DeploymentConflictError(f"a deployment named {name!r} exists")
             dep = Deployment(
                 name=name,
                 model=model,
@@ -391,7 +404,7 @@ class RolloutService:
                 selector=selector,
                 cameras=list(cameras or [{"camera": "*"}]),
                 priority=priority,
-                state="rolling_out",
+                state=DeploymentState.ROLLING_OUT,
             )
             s.add(dep)
             s.flush()
@@ -429,16 +442,16 @@ class RolloutService:
 
     def pause(self, ref: str | int) -> int:
         def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
-            if ro.state == RUNNING:
-                ro.state = PAUSED
+            if ro.state == RolloutState.RUNNING:
+                ro.state = RolloutState.PAUSED
             return set()
 
         return self._operate(ref, fn)
 
     def resume(self, ref: str | int) -> int:
         def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
-            if ro.state == PAUSED:
-                ro.state = RUNNING
+            if ro.state == RolloutState.PAUSED:
+                ro.state = RolloutState.RUNNING
             return set()
 
         return self._operate(ref, fn)
@@ -447,12 +460,16 @@ class RolloutService:
         """Stop: devices already active keep the deployment, devices still applying are reverted."""
 
         def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
-            if ro.state not in (RUNNING, PAUSED):
+            if ro.state not in LIVE_ROLLOUT_STATES:
                 return set()
             assert ro.id is not None
-            ro.state, ro.reason, ro.finished_at = "cancelled", "cancelled by the operator", utcnow()
-            dep.state = "cancelled"
-            return self._revert(s, ro.id, "cancelled before it was active", states=("pending", "applying"))
+            ro.state, ro.reason, ro.finished_at = (
+                RolloutState.CANCELLED,
+                "cancelled by the operator",
+                utcnow(),
+            )
+            dep.state = DeploymentState.CANCELLED
+            return self._revert(s, ro.id, "cancelled before it was active", states=_NOT_ACTIVE_YET)
 
         return self._operate(ref, fn)
 
@@ -464,12 +481,15 @@ class RolloutService:
             touched = {d.id for d in matching_devices(s, dep)}
             touched |= self._revert(s, ro.id, "rolled back by the operator")
             touched |= {m.device_id for m in rollout_devices(s, ro.id)}
-            if dep.state != "rolled_back" or ro.state not in ("failed", "rolled_back"):
-                if ro.state != "failed":
-                    ro.state = "rolled_back"
+            if dep.state != DeploymentState.ROLLED_BACK or ro.state not in (
+                RolloutState.FAILED,
+                RolloutState.ROLLED_BACK,
+            ):
+                if ro.state != RolloutState.FAILED:
+                    ro.state = RolloutState.ROLLED_BACK
                     ro.reason = "rolled back by the operator"
                 ro.finished_at = ro.finished_at or utcnow()
-                dep.state = "rolled_back"
+                dep.state = DeploymentState.ROLLED_BACK
             return touched
 
         return self._operate(ref, fn)
@@ -491,7 +511,7 @@ class RolloutService:
         with self._lock:
             with Session(self._engine) as s:
                 dep = get_deployment(s, ref)
-                if dep is None or dep.id is None or dep.state == "deleted":
+                if dep is None or dep.id is None or dep.state == DeploymentState.DELETED:
                     raise NotFoundError(f"deployment {ref!r} is not known")
                 touched = {d.id for d in matching_devices(s, dep)}
                 # Also devices that no longer match but still carry its layer (belt and braces).
@@ -503,14 +523,14 @@ class RolloutService:
                 ro = rollout_of(s, dep.id)
                 if ro is not None:
                     assert ro.id is not None
-                    if ro.state in (RUNNING, PAUSED):
-                        ro.state, ro.reason, ro.finished_at = "cancelled", reason, utcnow()
-                    touched |= self._revert(s, ro.id, reason, states=("pending", "applying"))
+                    if ro.state in LIVE_ROLLOUT_STATES:
+                        ro.state, ro.reason, ro.finished_at = RolloutState.CANCELLED, reason, utcnow()
+                    touched |= self._revert(s, ro.id, reason, states=_NOT_ACTIVE_YET)
                     touched |= {m.device_id for m in rollout_devices(s, ro.id)}
                     ro.updated_at = utcnow()
                     s.add(ro)
                 log.info("deployment %s (#%d) deleted; %d devices follow", dep.name, dep.id, len(touched))
-                dep.state = "deleted"
+                dep.state = DeploymentState.DELETED
                 dep.name = f"~{dep.id}~{dep.name}"[:64]
                 s.add(dep)
                 s.commit()

@@ -12,13 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from controller.errors import InvalidError
+
 _KEY = r"[A-Za-z0-9]([A-Za-z0-9_.\-/]{0,61}[A-Za-z0-9])?"
 _VALUE = r"[A-Za-z0-9]([A-Za-z0-9_.\-]{0,61}[A-Za-z0-9])?"
 _KEY_RE = re.compile(rf"^{_KEY}$")
 _VALUE_RE = re.compile(rf"^({_VALUE})?$")
 
 
-class SelectorError(ValueError):
+class SelectorError(InvalidError):
     """A selector that cannot be parsed; the message points at the offending part."""
 
 

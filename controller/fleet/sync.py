@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
+from controller.db.states import SyncState  # also imported from here by controller.api.schemas
 from controller.db.tables import Device
 from fleet_protocol.messages import CameraReported
 
-SyncState = Literal["in_sync", "pending", "applying", "failed", "drifted"]
+# CameraReported states (fleet_protocol CameraState) of a model on its way.
 _APPLYING = ("fetching", "verifying", "loading")
 
 
@@ -22,12 +23,12 @@ def twin_sync(
     else)."""
     busy = [cam for cam, r in reported.items() if r.state in _APPLYING]
     if desired_version == 0 and not reported:
-        return "in_sync", None
+        return SyncState.IN_SYNC, None
     if reported_version is None or reported_version < desired_version:
         if busy:
-            return "applying", f"{', '.join(sorted(busy))}: {reported[busy[0]].state}"
+            return SyncState.APPLYING, f"{', '.join(sorted(busy))}: {reported[busy[0]].state}"
         return (
-            "pending",
+            SyncState.PENDING,
             f"device reports v{reported_version if reported_version is not None else '-'}, desired v{desired_version}",
         )
     want: dict[str, str] = {}
@@ -38,19 +39,19 @@ def twin_sync(
     for cam, sha in sorted(want.items()):
         r = reported.get(cam)
         if r is not None and r.state == "failed":
-            return "failed", f"{cam}: {r.error or 'failed'}"
+            return SyncState.FAILED, f"{cam}: {r.error or 'failed'}"
         if r is not None and r.state in _APPLYING:
-            return "applying", f"{cam}: {r.state}"
+            return SyncState.APPLYING, f"{cam}: {r.state}"
         if r is None or r.sha256 != sha or r.state != "running":
             runs = f"{r.model} ({r.state})" if r is not None and r.model else "nothing"
-            return "drifted", f"{cam} runs {runs} instead of the desired {sha[:12]}"
+            return SyncState.DRIFTED, f"{cam} runs {runs} instead of the desired {sha[:12]}"
     extra = sorted(cam for cam, r in reported.items() if cam not in want and r.state == "running" and r.model)
     if extra:
-        return "drifted", f"{', '.join(extra)} run a model the desired state does not assign"
-    return "in_sync", None
+        return SyncState.DRIFTED, f"{', '.join(extra)} run a model the desired state does not assign"
+    return SyncState.IN_SYNC, None
 
 
-def device_sync(dev: Device) -> tuple[str, str | None]:
+def device_sync(dev: Device) -> tuple[SyncState, str | None]:
     """The device's twin status as the API shows it (in_sync, pending, applying, failed, drifted)."""
     reported: dict[str, CameraReported] = {}
     for cam, rep in ((dev.reported or {}).get("cameras") or {}).items():

@@ -16,6 +16,7 @@ from sqlmodel import Session, col, select
 
 from controller.db import crud
 from controller.db.engine import session_scope
+from controller.db.states import DeviceStatus, ModelVersionStatus, SyncState
 from controller.db.tables import Device, Event, ModelVariant, ModelVersion, utcnow
 from controller.errors import ConflictError, NotFoundError
 from controller.fleet.deployments import admitted_for, applied_deployments, layers
@@ -78,7 +79,7 @@ def choose(s: Session, *, mv: ModelVersion, capabilities: dict[str, Any] | None,
             return Choice("fp32", "fp32 pinned by the assignment", mv.sha256, mv.size)
         row = by_name.get(pin)
         if row is None:
-            state = f"variant builds {mv.status}" if mv.status != "ready" else "not built"
+            state = f"variant builds {mv.status}" if mv.status != ModelVersionStatus.READY else "not built"
             raise ConflictError(f"variant {pin} of {mv.name}:{mv.version} is not available ({state})")
         if not row.fit or not row.path or not row.sha256 or not row.size:
             raise ConflictError(
@@ -86,7 +87,7 @@ def choose(s: Session, *, mv: ModelVersion, capabilities: dict[str, Any] | None,
             )
         return Choice(pin, f"{pin} pinned by the assignment", row.sha256, row.size)
     if not rows:
-        if mv.status == "building":
+        if mv.status == ModelVersionStatus.BUILDING:
             why = f"variants of {mv.name}:{mv.version} are still building ({mv.build_stage or 'queued'})"
         else:
             why = f"{mv.name}:{mv.version} has no optimized variants"
@@ -294,7 +295,7 @@ class TwinService:
         """
         with self._lock, session_scope(self._engine) as s:
             dev = crud.get_device(s, device_id=device_id)
-            if dev is None or dev.desired is None or device_sync(dev)[0] == "in_sync":
+            if dev is None or dev.desired is None or device_sync(dev)[0] == SyncState.IN_SYNC:
                 return None  # in sync since the caller looked: nothing to fix
             old = self.current(dev.desired)
             version = max(old.version, dev.desired_version, dev.reported_version or 0) + 1
@@ -399,9 +400,9 @@ def resend_reason(
     """
     if not online:
         return None
-    if sync == "drifted":
+    if sync == SyncState.DRIFTED:
         return f"drifted: {reason or 'runs something else'}"
-    if sync == "pending":
+    if sync == SyncState.PENDING:
         waited = now - max(published_at, online_since or 0.0)
         if waited >= policy.pending_after_s:
             return f"still on an older version {waited:.0f}s after the publish ({reason or 'pending'})"
@@ -465,10 +466,12 @@ class TwinConverger:
         due: list[tuple[str, str]] = []
         converged: list[tuple[str, int, int]] = []
         with Session(self._engine) as s:
-            q = select(Device).where(col(Device.desired).is_not(None), col(Device.status) == "online")
+            q = select(Device).where(
+                col(Device.desired).is_not(None), col(Device.status) == DeviceStatus.ONLINE
+            )
             for dev in s.exec(q.order_by(col(Device.id))).all():
                 sync, reason = device_sync(dev)
-                if sync == "in_sync":
+                if sync == SyncState.IN_SYNC:
                     done = self._resends.pop(dev.id, None)
                     if done is not None:
                         converged.append((dev.id, dev.desired_version, done.count))

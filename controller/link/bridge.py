@@ -3,35 +3,45 @@ that turns incoming frames into typed messages for the services.
 
 Nothing here touches the database: handlers only enqueue, so the paho network thread never waits on
 disk or on a lock held by an API request.
+
+Several handlers may listen to one topic kind (:meth:`MqttBridge.on` returns the function that removes
+one again). Each runs once per message, in the order they were added; a message is counted once, with
+the worst outcome its handlers returned (:func:`combine_outcomes`).
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel
 
-from controller.settings import MqttTarget
 from fleet_protocol import ProtocolError, TopicKind, Topics, decode, encode
+from fleet_protocol.endpoint import MqttEndpoint
 from fleet_protocol.messages import Message
-from fleet_protocol.mqtt_tls import describe_connect_error
+from fleet_protocol.paho_client import (
+    Connack,
+    classify_connack,
+    connect_failure,
+    connect_in_background,
+    make_client,
+)
 from fleet_protocol.topics import SPECS
 
 log = logging.getLogger(__name__)
 
 MessageCallback = Callable[[str, bytes], None]
 ConnectCallback = Callable[[], None]
-# A handler returns the outcome to count now, or None when a worker counts it later.
+# A handler returns the outcome to count now, or None when it is not its to count now (a worker
+# counts it later, or another handler of the same kind counts it).
 Handler = Callable[[str, Message], str | None]
+# Returned by MqttBridge.on: removes that one registration.
+Remover = Callable[[], None]
 
 # Outcomes counted per topic kind.
 OK = "ok"
@@ -43,9 +53,25 @@ STORE_FAILED = "store_failed"
 UNKNOWN_ARTIFACT = "unknown_artifact"
 BAD_CHUNK_INDEX = "bad_chunk_index"
 UNKNOWN_KIND = "unknown"
+ERROR = "error"  # a handler raised
 
-# CONNACK codes that no amount of retrying will fix (MQTT 3.1.1: 4, 5; MQTT 5: 0x86, 0x87).
-_AUTH_REFUSED = {4, 5, 134, 135}
+# How bad an outcome is, for combining those of several handlers; any outcome not named here is a
+# drop or failure (rank 2): the message did not get everywhere it was meant to.
+_SEVERITY = {OK: 0, DUPLICATE: 1, ERROR: 3}
+
+
+def combine_outcomes(first: str | None, second: str | None) -> str | None:
+    """The outcome to count for a message two handlers answered ``first`` and ``second``.
+
+    None yields to anything (that handler leaves the counting to a worker or to another handler). Of
+    two outcomes the worse wins: OK < DUPLICATE < any drop or failure < ERROR; between two equally bad
+    ones, the first. So a message one handler stored and another dropped is counted as dropped.
+    """
+    if first is None:
+        return second
+    if second is None:
+        return first
+    return second if _SEVERITY.get(second, 2) > _SEVERITY.get(first, 2) else first
 
 
 class Transport(Protocol):
@@ -121,21 +147,12 @@ class RateLimitedLog:
 class PahoTransport:
     """paho-mqtt 2.x client: background network loop, reconnect with backoff, resubscribe on connect."""
 
-    def __init__(self, target: MqttTarget, *, client_id: str, keepalive: int = 30) -> None:
+    def __init__(self, target: MqttEndpoint, *, client_id: str, keepalive: int = 30) -> None:
         self._target = target
         self._keepalive = keepalive
         # clean_session: correctness never relies on the broker queueing for us (agents resend
         # until acked), and a persistent session would replay a flood after a long outage.
-        self._client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True, protocol=mqtt.MQTTv311
-        )
-        if target.username:
-            password = target.password.get_secret_value() if target.password else None
-            self._client.username_pw_set(target.username, password)
-        if target.tls:
-            # No ca_file: the system's CAs. Hostname checking stays on (paho's default).
-            self._client.tls_set(ca_certs=target.ca_file, certfile=target.cert_file, keyfile=target.key_file)
-        self._client.reconnect_delay_set(min_delay=1, max_delay=30)
+        self._client = make_client(target, client_id=client_id, clean_session=True)
         # paho's default of 20 unacknowledged QoS 1 messages is shared by every device: with chunked
         # model pushes to many devices at once it, not the link, would set the pace.
         self._client.max_inflight_messages_set(1000)
@@ -143,7 +160,6 @@ class PahoTransport:
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
-        self._client.on_socket_open = _no_delay
         self._client.on_connect_fail = self._on_connect_fail
         self._client.on_subscribe = self._on_subscribe
         self._subs: list[tuple[str, int]] = []
@@ -169,8 +185,7 @@ class PahoTransport:
         self._on_message_cb = on_message
         self._on_connect_cb = on_connect
         log.info("connecting to MQTT broker %s:%s", self._target.host, self._target.port)
-        self._client.connect_async(self._target.host, self._target.port, keepalive=self._keepalive)
-        self._client.loop_start()
+        connect_in_background(self._client, self._target, keepalive=self._keepalive)
 
     def stop(self) -> None:
         self._stopping = True
@@ -202,8 +217,9 @@ class PahoTransport:
     def _on_connect(
         self, client: mqtt.Client, _userdata: Any, _flags: Any, reason_code: ReasonCode, _props: Any
     ) -> None:
-        if reason_code.is_failure:
-            if reason_code.value in _AUTH_REFUSED:
+        verdict = classify_connack(reason_code)
+        if verdict is not Connack.ACCEPTED:
+            if verdict is Connack.REFUSED:
                 self.refused = str(reason_code)
                 log.error(
                     "MQTT broker %s:%s refused the controller (%s); check the credentials in "
@@ -231,11 +247,7 @@ class PahoTransport:
                 log.exception("on_connect handler failed")
 
     def _on_connect_fail(self, _client: mqtt.Client, _userdata: Any) -> None:
-        # paho calls this from inside its ``except OSError`` around the connect, without the
-        # exception: sys.exc_info() is how to say *why* (a TLS verify failure above all).
-        self.last_error = describe_connect_error(
-            sys.exc_info()[1], f"MQTT broker {self._target.host}:{self._target.port}"
-        )
+        self.last_error = connect_failure(f"MQTT broker {self._target.host}:{self._target.port}")
         self._error_log.warning("connect", "%s; retrying with backoff", self.last_error)
 
     def _on_subscribe(
@@ -270,7 +282,9 @@ class MqttBridge:
         self.transport = transport
         self.topics = topics
         self.counters = Counters()
-        self._handlers: dict[TopicKind, Handler] = {}
+        # Copy on write: the paho thread reads a kind's tuple without a lock while on() adds to it.
+        self._handlers: dict[TopicKind, tuple[_Registration, ...]] = {}
+        self._handlers_lock = threading.Lock()
         self._connect_listeners: list[ConnectCallback] = []
         self._bad = RateLimitedLog(log)
         self._activity: dict[str, float] = {}
@@ -285,9 +299,28 @@ class MqttBridge:
         error = getattr(self.transport, "last_error", None) or getattr(self.transport, "refused", None)
         return str(error) if error else None
 
-    def on(self, kind: TopicKind, handler: Handler) -> None:
-        """Route decoded messages of ``kind`` to ``handler``."""
-        self._handlers[kind] = handler
+    def on(self, kind: TopicKind, handler: Handler) -> Remover:
+        """Route decoded messages of ``kind`` to ``handler`` too, after the handlers already there.
+
+        Nothing is replaced: every handler of a kind runs once per message, in the order added, and one
+        that raises does not keep the others from running. What they return is combined into the one
+        outcome counted for the message (:func:`combine_outcomes`). Call the returned function to remove
+        this registration again, and only it (the same handler added twice is two registrations); a
+        kind left without handlers is an unexpected topic again.
+        """
+        registration = _Registration(handler)
+        with self._handlers_lock:
+            self._handlers[kind] = (*self._handlers.get(kind, ()), registration)
+
+        def remove() -> None:
+            with self._handlers_lock:
+                rest = tuple(r for r in self._handlers.get(kind, ()) if r is not registration)
+                if rest:
+                    self._handlers[kind] = rest
+                else:
+                    self._handlers.pop(kind, None)
+
+        return remove
 
     def on_connect(self, listener: ConnectCallback) -> None:
         self._connect_listeners.append(listener)
@@ -323,8 +356,8 @@ class MqttBridge:
         kind_name = UNKNOWN_KIND
         try:
             parsed = self.topics.parse(topic)
-            handler = self._handlers.get(parsed.kind) if parsed is not None else None
-            if parsed is None or handler is None:
+            handlers = self._handlers.get(parsed.kind, ()) if parsed is not None else ()
+            if parsed is None or not handlers:
                 self.counters.add(parsed.kind.value if parsed else UNKNOWN_KIND, UNKNOWN_TOPIC)
                 self._bad.warning(
                     "topic:" + topic[:80], "ignoring message on unexpected topic %r", topic[:200]
@@ -344,17 +377,25 @@ class MqttBridge:
                 )
                 return
             self._activity[parsed.device_id] = time.monotonic()
-            outcome = handler(parsed.device_id, msg)
+            outcome: str | None = None
+            for registration in handlers:
+                try:
+                    answer = registration.handler(parsed.device_id, msg)
+                except Exception:
+                    answer = ERROR
+                    log.exception("unexpected error handling a message on %r", topic[:200])
+                outcome = combine_outcomes(outcome, answer)
             if outcome is not None:
                 self.counters.add(kind_name, outcome)
         except Exception:
-            self.counters.add(kind_name, "error")
+            self.counters.add(kind_name, ERROR)
             log.exception("unexpected error handling a message on %r", topic[:200])
 
 
-def _no_delay(_client: mqtt.Client, _userdata: object, sock: object) -> None:
-    """TCP_NODELAY on the broker connection (paho leaves Nagle on): otherwise a small publish (a chunk
-    request, an ack, a desired state) waits for the ACK of the previous small one, which the peer
-    delays by up to 40 ms; measured in bench/transfer.py."""
-    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # TLS sockets too; not unix sockets
+class _Registration:
+    """One ``MqttBridge.on`` call: its identity, not the handler's, is what its remover removes."""
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler

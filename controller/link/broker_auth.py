@@ -29,12 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import SecretStr
 
-from controller.settings import MqttTarget
+from controller.errors import UnavailableError
 from fleet_protocol import Topics
+from fleet_protocol.endpoint import MqttEndpoint
+from fleet_protocol.paho_client import Connack, classify_connack, connect_in_background, make_client
 from fleet_protocol.topics import SPECS
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ _HASH_ITERATIONS = 10_000
 _BENIGN_ERRORS = ("not found", "already exists", "already has", "already in")
 
 
-class BrokerAdminError(Exception):
+class BrokerAdminError(UnavailableError):
     """The broker could not be administered (not reachable, not authorised, or it refused a command)."""
 
 
@@ -122,7 +123,7 @@ class DynsecAdmin:
 
     def __init__(
         self,
-        target: MqttTarget,
+        target: MqttEndpoint,
         topics: Topics,
         *,
         username: str,
@@ -135,16 +136,12 @@ class DynsecAdmin:
         self._username = username
         self._controller_username = controller_username
         self._timeout = timeout_s
-        self._client = mqtt.Client(
-            CallbackAPIVersion.VERSION2,
+        # The broker's address and TLS from ``target``, logged in as the admin user.
+        self._client = make_client(
+            target.with_credentials(username, password),
             client_id=f"edgefleet-broker-admin-{uuid.uuid4().hex[:8]}",
             clean_session=True,
-            protocol=mqtt.MQTTv311,
         )
-        self._client.username_pw_set(username, password.get_secret_value() if password else None)
-        if target.tls:
-            self._client.tls_set(ca_certs=target.ca_file, certfile=target.cert_file, keyfile=target.key_file)
-        self._client.reconnect_delay_set(min_delay=1, max_delay=30)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
@@ -172,8 +169,7 @@ class DynsecAdmin:
             self._target.host,
             self._target.port,
         )
-        self._client.connect_async(self._target.host, self._target.port, keepalive=30)
-        self._client.loop_start()
+        connect_in_background(self._client, self._target, keepalive=30)
         self._thread.start()
 
     def stop(self) -> None:
@@ -330,8 +326,9 @@ class DynsecAdmin:
     def _on_connect(
         self, client: mqtt.Client, _userdata: Any, _flags: Any, reason_code: ReasonCode, _props: Any
     ) -> None:
-        if reason_code.is_failure:
-            if reason_code.value in (4, 5, 134, 135):
+        verdict = classify_connack(reason_code)
+        if verdict is not Connack.ACCEPTED:
+            if verdict is Connack.REFUSED:
                 self.refused = str(reason_code)
                 log.error(
                     "the broker refused the controller's broker-admin user (%s); check "

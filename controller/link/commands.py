@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.errors import DeviceError, NotFoundError, TimedOutError, UnavailableError
 from controller.link.bridge import MqttBridge
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Command, CommandName, CommandResult, Message
@@ -25,12 +26,46 @@ log = logging.getLogger(__name__)
 MAX_PENDING = 256
 
 
-class CommandError(Exception):
+class CommandError(UnavailableError):
     """A command could not be answered; ``reason`` is one of ``timeout``, ``busy``, ``stopping``."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class CommandTimeoutError(CommandError, TimedOutError):
+    """The device did not answer within the timeout (``reason`` is ``timeout``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("timeout", message)
+
+
+class CommandFailedError(DeviceError):
+    """The device answered a command with an error of its own; ``error`` is its words."""
+
+    def __init__(self, message: str, *, error: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+    @staticmethod
+    def of(device_id: str, error: str | None, *, doing: str) -> CommandFailedError:
+        """A device's refusal as the kind of error it is (devices say it in words): an unknown camera,
+        not ready yet (no frame, busy), or any other failure ("device … could not ``doing``: …")."""
+        err = error or "unknown error"
+        if err.startswith("unknown camera"):
+            return UnknownCameraError(f"device {device_id}: {err}", error=err)
+        if "no frame" in err or err.startswith("busy"):
+            return DeviceNotReadyError(f"device {device_id}: {err}", error=err)
+        return CommandFailedError(f"device {device_id} could not {doing}: {err}", error=err)
+
+
+class UnknownCameraError(CommandFailedError, NotFoundError):
+    """The device has no camera of the id the command named."""
+
+
+class DeviceNotReadyError(CommandFailedError, UnavailableError):
+    """The device cannot do it yet (the camera has no frame yet, or it is busy); later it may."""
 
 
 @dataclass
@@ -72,8 +107,7 @@ class CommandService:
             # Wait in short slices so that a stopping controller does not hold a request open.
             while not p.done.wait(max(0.0, min(0.05, deadline - time.monotonic()))):
                 if time.monotonic() >= deadline:
-                    raise CommandError(
-                        "timeout",
+                    raise CommandTimeoutError(
                         f"device {device_id} did not answer the {name.value} command within {timeout:g} s",
                     )
                 if self._stop.is_set():

@@ -19,6 +19,7 @@ from sqlmodel import Session, col, select
 
 from controller.db import crud
 from controller.db.engine import db_json, db_text, session_scope
+from controller.db.states import DeviceStatus
 from controller.db.tables import Device, Event, HealthSample, utcnow
 from controller.link.bridge import DROPPED_QUEUE_FULL, INVALID, OK, STORE_FAILED, MqttBridge
 from fleet_protocol.codec import MESSAGE_FOR_TOPIC
@@ -172,9 +173,9 @@ class StatusService:
         caps_changed = False
         msg, now = item.msg, item.received_at
         if isinstance(msg, Availability):
-            if msg.state == "online":
-                if dev.status != "online":
-                    dev.status, dev.online_since = "online", now
+            if msg.state == "online":  # the wire's Availability state
+                if dev.status != DeviceStatus.ONLINE:
+                    dev.status, dev.online_since = DeviceStatus.ONLINE, now
                     log.info("device %s online", dev.id)
                 dev.last_seen = now
                 if msg.capabilities is not None:
@@ -183,15 +184,15 @@ class StatusService:
                     dev.capabilities = caps
                 if msg.agent_version is not None:
                     dev.agent_version = db_text(msg.agent_version)
-            elif dev.status != "offline":
-                dev.status, dev.offline_since = "offline", now
+            elif dev.status != DeviceStatus.OFFLINE:
+                dev.status, dev.offline_since = DeviceStatus.OFFLINE, now
                 log.info("device %s offline (availability)", dev.id)
         elif isinstance(msg, Heartbeat):
             # NaN/Infinity are valid floats on the wire but not JSON: PostgreSQL refuses them.
             payload = db_json(msg.model_dump(mode="json"))
-            if dev.status != "online":
+            if dev.status != DeviceStatus.ONLINE:
                 # Alive is alive: a heartbeat after a timeout sweep (or a lost birth) means online.
-                dev.status, dev.online_since = "online", now
+                dev.status, dev.online_since = DeviceStatus.ONLINE, now
                 log.info("device %s online (heartbeat)", dev.id)
             dev.last_seen, dev.last_health = now, payload
             s.add(HealthSample(device_id=dev.id, ts=now, payload=payload))
@@ -218,7 +219,7 @@ class StatusService:
         now = utcnow()
         mono = time.monotonic()
         with session_scope(self._engine) as s:
-            online = s.exec(select(Device).where(col(Device.status) == "online")).all()
+            online = s.exec(select(Device).where(col(Device.status) == DeviceStatus.ONLINE)).all()
             for dev in online:
                 ages: list[float] = []
                 act = self._bridge.last_activity(dev.id)
@@ -228,6 +229,6 @@ class StatusService:
                     ages.append((now - dev.last_seen) / timedelta(seconds=1))
                 if ages and min(ages) <= self._timeout:
                     continue
-                dev.status, dev.offline_since = "offline", now
+                dev.status, dev.offline_since = DeviceStatus.OFFLINE, now
                 s.add(dev)
                 log.warning("device %s offline: nothing received for %.0fs", dev.id, self._timeout)

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from controller.db.states import DeviceStatus, RolloutState
 from controller.db.tables import Device
 from controller.link.ingest import StoredBatch
 from controller.observe.energy import latest_per_device
@@ -35,7 +36,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 DB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 ROLLOUT_TABLES = ("rollout", "rollouts")
-ROLLOUT_STATES = ("running", "paused", "succeeded", "failed", "cancelled", "rolled_back")
+ROLLOUT_STATES = tuple(st.value for st in RolloutState)  # every state gets a series, 0 when none
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,9 @@ class _SourcesCollector(Collector):
             rows = conn.execute(sa.select(t.c.id, t.c.status, t.c.last_health)).all()
             rollouts = _rollouts(conn)
         devices = GaugeMetricFamily("edgefleet_devices", "Devices by status", labels=["status"])
-        counts = {"online": 0, "offline": 0}
+        counts = {st.value: 0 for st in DeviceStatus}  # online, offline: plain strings as label values
         for _id, st, _h in rows:
-            counts["online" if st == "online" else "offline"] += 1
+            counts[(DeviceStatus.ONLINE if st == DeviceStatus.ONLINE else DeviceStatus.OFFLINE).value] += 1
         for st, n in counts.items():
             devices.add_metric([st], n)
         yield devices
@@ -136,7 +137,7 @@ class _SourcesCollector(Collector):
         )
         online_ids: list[str] = []
         for dev_id, st, health in rows:
-            if st == "online":
+            if st == DeviceStatus.ONLINE:
                 online_ids.append(dev_id)
             if not isinstance(health, dict):
                 continue

@@ -23,6 +23,7 @@ from sqlmodel import Session
 
 from controller.db import crud
 from controller.db.engine import session_scope
+from controller.db.states import ModelVersionStatus
 from controller.db.tables import ModelVariant, ModelVersion
 from controller.registry.store import ArtifactStore
 from controller.registry.variants import build_variants
@@ -106,7 +107,7 @@ class VariantWorker:
             with session_scope(self._engine) as s:
                 mv = crud.get_model_version_by_id(s, model_version_id=model_version_id)
                 if mv is not None:
-                    mv.status, mv.build_stage = "ready", None
+                    mv.status, mv.build_stage = ModelVersionStatus.READY, None
                     mv.build_error = "variant build queue full: serving fp32 only"
                     s.add(mv)
             log.error("variant build queue full; model version %d serves fp32 only", model_version_id)
@@ -115,19 +116,19 @@ class VariantWorker:
     def queue_pending(self, *, include_unbuilt: bool) -> int:
         """At start: versions left ``building`` and, with ``include_unbuilt``, versions never built."""
         with session_scope(self._engine) as s:
-            todo = list(crud.versions_with_status(s, status="building"))
+            todo = list(crud.versions_with_status(s, status=ModelVersionStatus.BUILDING))
             if include_unbuilt:
                 todo += [
                     mv
                     for mv in crud.versions_without_variants(s)
-                    if mv.status == "ready" and mv.build_error is None
+                    if mv.status == ModelVersionStatus.READY and mv.build_error is None
                 ]
             ids: list[int] = []
             for mv in todo:
                 assert mv.id is not None
                 if mv.id in ids:
                     continue
-                mv.status, mv.build_stage, mv.build_progress = "building", "queued", 0.0
+                mv.status, mv.build_stage, mv.build_progress = ModelVersionStatus.BUILDING, "queued", 0.0
                 s.add(mv)
                 ids.append(mv.id)
         return sum(self.submit(i) for i in ids)
@@ -184,7 +185,13 @@ class VariantWorker:
         out_dir = self._store.build_dir()
         started = time.monotonic()
         log.info("building variants of %s", name)
-        self._set(mv_id, status="building", build_stage="starting", build_progress=0.0, build_error=None)
+        self._set(
+            mv_id,
+            status=ModelVersionStatus.BUILDING,
+            build_stage="starting",
+            build_progress=0.0,
+            build_error=None,
+        )
         try:
             try:
                 reports = builder(
@@ -219,10 +226,10 @@ class VariantWorker:
                     )
                     for v, t in (("fp16", "gpu"), ("int8", "cpu"))
                 ]
-                self._record(mv_id, sha, rows, status="failed", error=error)
+                self._record(mv_id, sha, rows, status=ModelVersionStatus.FAILED, error=error)
                 return True
             rows = [self._row(r, model_path, sha) for r in reports]
-            self._record(mv_id, sha, rows, status="ready", error=None)
+            self._record(mv_id, sha, rows, status=ModelVersionStatus.READY, error=None)
             log.info("variants of %s recorded in %.1f s", name, time.monotonic() - started)
             return True
         finally:
@@ -254,7 +261,7 @@ class VariantWorker:
         )
 
     def _record(
-        self, mv_id: int, sha: str, rows: list[ModelVariant], *, status: str, error: str | None
+        self, mv_id: int, sha: str, rows: list[ModelVariant], *, status: ModelVersionStatus, error: str | None
     ) -> None:
         with session_scope(self._engine) as s:
             mv: ModelVersion | None = crud.get_model_version_by_id(s, model_version_id=mv_id)

@@ -18,6 +18,7 @@ from sqlmodel import Session
 from controller.db import crud
 from controller.db.engine import session_scope
 from controller.db.tables import ModelVersion
+from controller.errors import MalformedError
 from fleet_protocol.messages import ModelManifest
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,9 @@ MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
 
 
-class ModelRejectedError(ValueError):
-    """The model cannot be registered; the message says why."""
+class ModelRejectedError(MalformedError):
+    """The model cannot be registered (not a usable model, or not what its manifest says); the
+    message says why."""
 
 
 def file_sha256(path: Path, *, block: int = 1024 * 1024) -> tuple[str, int]:

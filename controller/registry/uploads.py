@@ -20,7 +20,9 @@ from sqlalchemy.exc import IntegrityError
 
 from controller.db import crud
 from controller.db.engine import session_scope
+from controller.db.states import ModelVersionStatus
 from controller.db.tables import ModelVersion
+from controller.errors import ConflictError, ControllerError, InvalidError, MalformedError, TooLargeError
 from controller.registry.bundled import ModelRejectedError
 from controller.registry.onnx_check import check_manifest_names, infer_manifest, load_checked
 from controller.registry.store import ArtifactStore, IncomingFile, UploadTooLargeError
@@ -33,12 +35,25 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 FIELDS = ("name", "version", "manifest")
 
 
-class UploadError(ValueError):
-    """A request the registry refuses: ``status`` is the HTTP status, the message says why."""
+class UploadError(ControllerError, ValueError):
+    """A request the registry refuses: the subclass says which kind, the message says why."""
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+
+class UploadInvalidError(UploadError, InvalidError):
+    """A form field is missing or not valid (name, version, an empty file)."""
+
+
+class UploadMalformedError(UploadError, MalformedError):
+    """The body cannot be read (not multipart, not UTF-8, a broken manifest) or the file is not a
+    usable model."""
+
+
+class UploadOverLimitError(UploadError, TooLargeError):
+    """The file or a form field is over its size limit."""
+
+
+class UploadConflictError(UploadError, ConflictError):
+    """The name:version exists with other bytes (versions are immutable)."""
 
 
 @dataclass
@@ -59,7 +74,7 @@ async def parse_multipart(
 
     ctype, params = parse_options_header(content_type)
     if ctype != b"multipart/form-data" or b"boundary" not in params:
-        raise UploadError(400, "send the model as multipart/form-data with a 'file' part")
+        raise UploadMalformedError("send the model as multipart/form-data with a 'file' part")
     out = ParsedUpload()
     state: dict[str, Any] = {"name": None, "buf": None, "header": b"", "value": b"", "headers": {}}
     errors: list[UploadError] = []
@@ -83,7 +98,7 @@ async def parse_multipart(
         state["name"] = name
         if name == "file":
             if out.file is not None:
-                raise UploadError(400, "more than one 'file' part")
+                raise UploadMalformedError("more than one 'file' part")
             out.file = store.incoming(limit)
         else:
             state["buf"] = bytearray()
@@ -95,19 +110,19 @@ async def parse_multipart(
             try:
                 out.file.write(chunk)
             except UploadTooLargeError as exc:
-                raise UploadError(413, str(exc)) from None
+                raise UploadOverLimitError(str(exc)) from None
         else:
             buf: bytearray = state["buf"]
             buf += chunk
             if len(buf) > MAX_FIELD_BYTES:
-                raise UploadError(413, f"form field {state['name']!r} is over {MAX_FIELD_BYTES} bytes")
+                raise UploadOverLimitError(f"form field {state['name']!r} is over {MAX_FIELD_BYTES} bytes")
 
     def on_part_end() -> None:
         if state["name"] in FIELDS and state["buf"] is not None:
             try:
                 out.fields[state["name"]] = bytes(state["buf"]).decode("utf-8")
             except UnicodeDecodeError:
-                errors.append(UploadError(400, f"form field {state['name']!r} is not UTF-8"))
+                errors.append(UploadMalformedError(f"form field {state['name']!r} is not UTF-8"))
 
     parser = MultipartParser(
         params[b"boundary"],
@@ -132,7 +147,7 @@ async def parse_multipart(
         raise
     except Exception as exc:
         out.discard()
-        raise UploadError(400, f"malformed multipart body: {exc}") from None
+        raise UploadMalformedError(f"malformed multipart body: {exc}") from None
     if out.file is not None:
         out.file.close()
     return out
@@ -140,10 +155,9 @@ async def parse_multipart(
 
 def check_name(field_name: str, value: str | None) -> str:
     if value is None or value == "":
-        raise UploadError(422, f"form field {field_name!r} is required")
+        raise UploadInvalidError(f"form field {field_name!r} is required")
     if len(value) > 64 or not NAME_RE.match(value):
-        raise UploadError(
-            422,
+        raise UploadInvalidError(
             f"{field_name} {value!r} is not valid: 1-64 characters of letters, digits, '_', '.', '-', "
             "starting with a letter or digit (no path separators)",
         )
@@ -172,7 +186,7 @@ def register_upload(
         name = check_name("name", upload.fields.get("name"))
         version = check_name("version", upload.fields.get("version"))
         if incoming is None or incoming.size == 0:
-            raise UploadError(422, "form field 'file' (the ONNX model) is required and must not be empty")
+            raise UploadInvalidError("form field 'file' (the ONNX model) is required and must not be empty")
         sha, size = incoming.sha256, incoming.size
         with session_scope(engine) as s:
             existing = crud.get_model_version(s, name=name, version=version)
@@ -180,15 +194,14 @@ def register_upload(
                 if existing.sha256 == sha:
                     assert existing.id is not None
                     return Registered(existing.id, created=False)
-                raise UploadError(
-                    409,
+                raise UploadConflictError(
                     f"{name}:{version} already exists with other bytes (sha256 {existing.sha256}); "
                     "versions are immutable: push a new version",
                 )
         try:
             model = load_checked(incoming.path)
         except ModelRejectedError as exc:
-            raise UploadError(400, str(exc)) from None
+            raise UploadMalformedError(str(exc)) from None
         manifest = _manifest(
             model, upload.fields.get("manifest"), name=name, version=version, sha=sha, size=size
         )
@@ -201,7 +214,7 @@ def register_upload(
             size=size,
             manifest=manifest.model_dump(mode="json"),
             path=str(path.resolve()),
-            status="building" if build else "ready",
+            status=ModelVersionStatus.BUILDING if build else ModelVersionStatus.READY,
             build_stage="queued" if build else None,
         )
         try:
@@ -216,7 +229,9 @@ def register_upload(
                 other = crud.get_model_version(s, name=name, version=version)
                 if other is not None and other.sha256 == sha and other.id is not None:
                     return Registered(other.id, created=False)
-            raise UploadError(409, f"{name}:{version} was registered concurrently with other bytes") from None
+            raise UploadConflictError(
+                f"{name}:{version} was registered concurrently with other bytes"
+            ) from None
         log.info("model %s:%s uploaded (sha256 %s, %d bytes)", name, version, sha[:12], size)
         return Registered(mv_id, created=True)
     finally:
@@ -229,18 +244,18 @@ def _manifest(model: Any, raw: str | None, *, name: str, version: str, sha: str,
         try:
             given = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise UploadError(400, f"manifest is not JSON: {exc}") from None
+            raise UploadMalformedError(f"manifest is not JSON: {exc}") from None
         if not isinstance(given, dict):
-            raise UploadError(400, "manifest must be a JSON object")
+            raise UploadMalformedError("manifest must be a JSON object")
         try:
             check_manifest_names(model, given)
         except ModelRejectedError as exc:
-            raise UploadError(400, str(exc)) from None
+            raise UploadMalformedError(str(exc)) from None
     else:
         try:
             given = infer_manifest(model)
         except ModelRejectedError as exc:
-            raise UploadError(400, str(exc)) from None
+            raise UploadMalformedError(str(exc)) from None
     # The server owns identity and content fields, whatever the manifest said.
     given.update(name=name, version=version, sha256=sha, size=size)
     try:
@@ -249,4 +264,4 @@ def _manifest(model: Any, raw: str | None, *, name: str, version: str, sha: str,
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'manifest'}: {e['msg']}" for e in exc.errors()
         )
-        raise UploadError(400, f"manifest is not valid: {problems}") from None
+        raise UploadMalformedError(f"manifest is not valid: {problems}") from None

@@ -17,7 +17,7 @@ down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# Written by hand to match controller/models.py; types spelled out so that the migration does not
+# Written by hand to match controller/db/tables.py; types spelled out so that the migration does not
 # change when the models do.
 TS = sa.DateTime(timezone=True)
 BIGID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")

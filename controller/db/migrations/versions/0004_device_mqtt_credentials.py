@@ -1,5 +1,5 @@
 """Per-device broker credentials: the hash of each device's MQTT password, when it was issued, and
-when it was revoked (controller/broker_auth.py). The password itself is never stored.
+when it was revoked (controller/link/broker_auth.py). The password itself is never stored.
 
 Revision ID: 0004
 Revises: 0003

@@ -1,0 +1,211 @@
+"""``/api/v1/devices``: enrollment and broker credentials, status, health history, labels, and a
+camera's snapshot asked of the device."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response, status
+
+from controller.api.deps import DeviceIdPath, IdPath, RuntimeDep, SessionDep
+from controller.api.presenters import device_public
+from controller.api.schemas import DevicePublic, EnrolledDevice, LabelsBody, RevokedDevice
+from controller.db import crud
+from controller.db.states import DeviceStatus
+from controller.db.tables import DeviceCreate, HealthSamplePublic
+from controller.errors import ConflictError, DeviceError, NotFoundError, UnavailableError
+from controller.link.broker_auth import generate_password, hash_password
+from controller.link.commands import CommandFailedError
+from controller.runtime import ControllerRuntime
+from fleet_protocol import TopicKind
+from fleet_protocol.messages import Availability, CommandName
+
+router = APIRouter(prefix="/api/v1/devices", tags=["devices"])
+
+
+def _unknown(device_id: str) -> NotFoundError:
+    return NotFoundError(f"device {device_id!r} is not known")
+
+
+def _cut_off(rt: ControllerRuntime, device_id: str) -> None:
+    """Say offline for a device the broker has just disconnected: Mosquitto's dynsec kicks a client
+    without publishing its Last Will, which would leave its retained ``online`` birth standing."""
+    rt.bridge.publish_message(
+        device_id, TopicKind.AVAILABILITY, Availability(state="offline", ts=time.time())
+    )
+
+
+@router.post(
+    "",
+    response_model=EnrolledDevice,
+    status_code=status.HTTP_201_CREATED,
+    summary="Enroll a device (idempotent: updates name/labels of an existing one); "
+    "the answer carries the artifact public key the device's agent must be given and, when the "
+    "controller manages broker credentials, the device's MQTT password (shown once; enrolling "
+    "again issues a new one)",
+    responses={503: {"description": "the broker could not be given the device's credentials"}},
+)
+def enroll(body: DeviceCreate, session: SessionDep, rt: RuntimeDep) -> EnrolledDevice:
+    dev = crud.enroll_device(session, device_in=body)
+    password: str | None = None
+    was_online = dev.status == DeviceStatus.ONLINE
+    if rt.broker_admin is not None:
+        password = generate_password()
+        crud.set_mqtt_credentials(session, device=dev, password_hash=hash_password(password))
+        # Broker first: a refused broker (BrokerAdminError, a 503) leaves the database untouched
+        # (not committed).
+        rt.broker_admin.issue(dev.id, password)
+        if was_online:
+            _cut_off(rt, dev.id)
+    session.commit()
+    if "labels" in body.model_fields_set and rt.twin.recompute(dev.id) is not None:
+        session.refresh(dev)
+    public = device_public(dev, rt.ingest.stats(dev.id))
+    return EnrolledDevice(
+        **public.model_dump(),
+        artifact_public_key=rt.signer.public_key,
+        artifact_key_id=rt.signer.key_id,
+        mqtt_username=dev.id if password is not None else None,
+        mqtt_password=password,
+    )
+
+
+@router.post(
+    "/{device_id}/revoke",
+    response_model=RevokedDevice,
+    summary="Revoke a device's broker credentials: deleted on the broker, which disconnects the "
+    "device now and refuses it from then on; its data stays. Enrolling it again issues new ones",
+    responses={
+        404: {"description": "unknown device"},
+        409: {"description": "the controller does not manage broker credentials"},
+        503: {"description": "the broker could not be reached or refused"},
+    },
+)
+def revoke(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -> RevokedDevice:
+    if rt.broker_admin is None:
+        raise ConflictError(
+            "broker credentials are not managed by this controller (EDGEFLEET_MQTT_BROKER_AUTH=none)"
+        )
+    dev = crud.get_device(session, device_id=device_id)
+    if dev is None:
+        raise _unknown(device_id)
+    rt.broker_admin.revoke(dev.id)  # BrokerAdminError: a 503, nothing revoked here
+    revoked_at = crud.revoke_mqtt_credentials(session, device=dev)
+    session.commit()
+    _cut_off(rt, dev.id)
+    return RevokedDevice(id=dev.id, mqtt_username=dev.id, revoked_at=revoked_at)
+
+
+@router.get("", response_model=list[DevicePublic], summary="All devices with status and stats")
+def list_devices(session: SessionDep, rt: RuntimeDep) -> list[DevicePublic]:
+    return [device_public(d, rt.ingest.stats(d.id)) for d in crud.list_devices(session)]
+
+
+@router.get(
+    "/{device_id}",
+    response_model=DevicePublic,
+    summary="One device: status, cameras, models, health, twin versions, ingest stats",
+    responses={404: {"description": "unknown device"}},
+)
+def get_device(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -> DevicePublic:
+    dev = crud.get_device(session, device_id=device_id)
+    if dev is None:
+        raise _unknown(device_id)
+    return device_public(dev, rt.ingest.stats(dev.id))
+
+
+@router.get(
+    "/{device_id}/health",
+    response_model=list[HealthSamplePublic],
+    summary="Heartbeat history, newest first",
+    responses={404: {"description": "unknown device"}},
+)
+def device_health(
+    device_id: DeviceIdPath,
+    session: SessionDep,
+    since: Annotated[datetime | None, Query(description="ISO 8601 or unix seconds")] = None,
+    until: Annotated[datetime | None, Query(description="ISO 8601 or unix seconds (exclusive)")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[HealthSamplePublic]:
+    if crud.get_device(session, device_id=device_id) is None:
+        raise _unknown(device_id)
+    rows = crud.health_history(session, device_id=device_id, since=since, until=until, limit=limit)
+    return [HealthSamplePublic(device_id=r.device_id, ts=r.ts, payload=r.payload) for r in rows]
+
+
+@router.put(
+    "/{device_id}/labels",
+    response_model=DevicePublic,
+    summary="Replace a device's labels; its desired state is derived again from the deployments",
+    responses={404: {"description": "unknown device"}},
+)
+def put_labels(
+    device_id: DeviceIdPath, body: LabelsBody, session: SessionDep, rt: RuntimeDep
+) -> DevicePublic:
+    dev = crud.get_device(session, device_id=device_id)
+    if dev is None:
+        raise _unknown(device_id)
+    dev.labels = dict(body.labels)
+    session.add(dev)
+    session.commit()
+    rt.twin.recompute(device_id)
+    session.refresh(dev)  # what the recompute wrote (its own session)
+    return device_public(dev, rt.ingest.stats(dev.id))
+
+
+@router.get(
+    "/{device_id}/cameras/{camera}/snapshot",
+    summary="The camera's current frame as JPEG (boxes=true draws the latest detections), asked of the device",
+    response_class=Response,
+    responses={
+        200: {"content": {"image/jpeg": {}}},
+        404: {"description": "unknown device or camera"},
+        409: {"description": "device offline"},
+        502: {"description": "the device answered with an error"},
+        503: {"description": "the camera has no frame yet, or the controller is not connected to MQTT"},
+        504: {"description": "the device did not answer in time"},
+    },
+)
+def snapshot(
+    device_id: IdPath,
+    camera: IdPath,
+    session: SessionDep,
+    rt: RuntimeDep,
+    boxes: bool = False,
+    timeout: Annotated[float | None, Query(gt=0, le=60, description="seconds; default from settings")] = None,
+) -> Response:
+    dev = crud.get_device(session, device_id=device_id)
+    # Give the connection back before waiting for the device, which may take up to `timeout`.
+    session.close()
+    if dev is None:
+        raise _unknown(device_id)
+    if dev.status != DeviceStatus.ONLINE:
+        since = f" since {dev.offline_since.isoformat()}" if dev.offline_since is not None else ""
+        raise ConflictError(f"device {device_id} is offline{since}; a snapshot needs the device online")
+    if not rt.bridge.connected:
+        raise UnavailableError("the controller is not connected to the MQTT broker")
+    # CommandError: 503 (busy, stopping) or 504 (no answer in time).
+    res = rt.commands.request(
+        device_id,
+        CommandName.SNAPSHOT,
+        {"camera": camera, "boxes": boxes},
+        timeout=timeout or rt.settings.command_timeout_s,
+    )
+    if not res.ok:
+        # An unknown camera: 404; no frame yet or busy: 503; any other error: 502.
+        raise CommandFailedError.of(device_id, res.error, doing="take a snapshot")
+    try:
+        jpeg = base64.b64decode(str(res.result.get("jpeg_base64", "")), validate=True)
+    except (binascii.Error, ValueError):
+        jpeg = b""
+    if not jpeg.startswith(b"\xff\xd8"):
+        raise DeviceError(f"device {device_id} sent a snapshot that is not a JPEG")
+    headers = {"Cache-Control": "no-store"}
+    for k in ("frame", "width", "height", "boxes", "captured_at"):
+        if k in res.result:
+            headers[f"X-Snapshot-{k.replace('_', '-').title()}"] = str(res.result[k])
+    return Response(content=jpeg, media_type="image/jpeg", headers=headers)

@@ -1,0 +1,89 @@
+"""The fleet as a whole: liveness (``/healthz``), Prometheus ``/metrics``, ingest counters, measured
+energy, and the public key agents verify artifacts with."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Response, status
+
+from controller.api.deps import FilterQuery, RuntimeDep, SessionDep, time_window
+from controller.api.schemas import ArtifactKey, Health, IngestStats
+from controller.db import crud
+from controller.observe.energy import device_energy, fleet_summary, load_payloads
+from controller.observe.metrics import CONTENT_TYPE
+
+router = APIRouter(tags=["fleet"])
+
+
+@router.get(
+    "/healthz",
+    response_model=Health,
+    response_model_exclude_none=True,  # mqtt_error only when there is one
+    summary="Liveness: database reachable, MQTT connected (or why not: mqtt_error)",
+)
+def healthz(rt: RuntimeDep, response: Response) -> Health:
+    db_ok = rt.db_ok()
+    mqtt_ok = rt.bridge.connected
+    if not db_ok:
+        response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    return Health(
+        status="ok" if db_ok and mqtt_ok else "degraded",
+        db=db_ok,
+        mqtt=mqtt_ok,
+        mqtt_error=None if mqtt_ok else rt.bridge.link_error,
+    )
+
+
+@router.get("/metrics", response_class=Response, summary="Prometheus metrics (text format)")
+def metrics(rt: RuntimeDep) -> Response:
+    return Response(content=rt.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get(
+    "/api/v1/stats/ingest", response_model=IngestStats, summary="Ingest counters per topic kind and outcome"
+)
+def ingest_stats(rt: RuntimeDep) -> IngestStats:
+    return IngestStats(
+        counters=rt.bridge.counters.snapshot(),
+        queue_depth=rt.ingest.queue_depth,
+        queue_max=rt.settings.ingest_queue_max,
+        status_queue_depth=rt.status.queue_depth,
+        mqtt_connected=rt.bridge.connected,
+    )
+
+
+@router.get(
+    "/api/v1/energy",
+    summary="Measured energy per device and for the fleet (GPU via NVML, CPU via RAPL); "
+    "null means not measured",
+)
+def energy(
+    session: SessionDep,
+    rt: RuntimeDep,
+    since: Annotated[datetime | None, Query(description="default: until - 1 h")] = None,
+    until: Annotated[datetime | None, Query(description="default: now")] = None,
+    bucket: Annotated[int, Query(ge=10, le=86400, description="series bucket in seconds")] = 300,
+    device: FilterQuery = None,
+) -> dict[str, Any]:
+    since_, until_ = time_window(since, until, timedelta(hours=1))
+    per = load_payloads(rt.engine, since=since_, until=until_, device=device)
+    ids = crud.device_ids(session, device_id=device)
+    devs = [device_energy(d, per.get(d, [])) for d in sorted(set(ids) | set(per))]
+    return {
+        "since": since_.isoformat(),
+        "until": until_.isoformat(),
+        "bucket": bucket,
+        "devices": [d.public() for d in devs],
+        "fleet": fleet_summary(devs, bucket_s=bucket),
+    }
+
+
+@router.get(
+    "/api/v1/keys/artifacts",
+    response_model=ArtifactKey,
+    summary="The public key agents verify artifact signatures with",
+)
+def artifact_key(rt: RuntimeDep) -> ArtifactKey:
+    return ArtifactKey(public_key=rt.signer.public_key, key_id=rt.signer.key_id)

@@ -1,0 +1,153 @@
+"""``edgefleet deploy`` (a deployment and its rollout) and ``edgefleet deployments``: ls, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from controller.cli.client import DEFAULT_API, ApiOption, request
+from controller.cli.rollouts import print_rollout
+
+deployments_app = typer.Typer(help="Deployments: ls, delete.", no_args_is_help=True)
+
+
+def _parse_camera(spec: str) -> dict[str, Any]:
+    """``cam1`` or ``cam1:threshold=0.5,max_fps=5,labels=person+car`` (``*`` for every camera)."""
+    cam, _, opts = spec.partition(":")
+    out: dict[str, Any] = {"camera": cam or "*"}
+    for item in filter(None, opts.split(",")):
+        k, _, v = item.partition("=")
+        if k in ("threshold", "max_fps"):
+            out[k] = float(v)
+        elif k == "labels":
+            out[k] = [x for x in v.split("+") if x]
+        else:
+            raise typer.BadParameter(f"camera option {k!r}: threshold, max_fps or labels")
+    return out
+
+
+def deploy(
+    ref: Annotated[str, typer.Argument(help="MODEL:VERSION")],
+    select: Annotated[str, typer.Option("--select", "-l", help="label selector, e.g. 'site=lobby,!canary'")],
+    cameras: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--cameras", help="camera[:threshold=…,max_fps=…,labels=a+b]; repeat; default every camera"
+        ),
+    ] = None,
+    waves: Annotated[
+        str, typer.Option(help="cumulative wave sizes: counts or percentages")
+    ] = "1,10%,50%,100%",
+    name: Annotated[str | None, typer.Option(help="deployment name (default: derived)")] = None,
+    priority: Annotated[int, typer.Option(help="higher wins where deployments overlap")] = 0,
+    variant: Annotated[str, typer.Option(help="auto, fp32, fp16 or int8")] = "auto",
+    soak: Annotated[float, typer.Option(help="seconds each wave must stay healthy")] = 30.0,
+    max_failure_ratio: Annotated[float, typer.Option(help="allowed failed share of a wave")] = 0.0,
+    min_fps_ratio: Annotated[float, typer.Option(help="FPS after / FPS before, at least")] = 0.5,
+    max_latency_ms: Annotated[
+        float | None,
+        typer.Option(help="bound on p99 inference latency, ms (the median for agents that report no p99)"),
+    ] = None,
+    max_latency_ratio: Annotated[
+        float | None, typer.Option(help="inference latency after / before, at most")
+    ] = None,
+    max_watchdog_restarts: Annotated[
+        int, typer.Option(min=0, help="inference watchdog restarts a device may have in its soak")
+    ] = 0,
+    step_timeout: Annotated[float, typer.Option(help="seconds a device may take to activate")] = 300.0,
+    offline_timeout: Annotated[float, typer.Option(help="seconds offline before it counts as failed")] = 60.0,
+    follow: Annotated[bool, typer.Option(help="show live progress until the rollout finishes")] = True,
+    api: ApiOption = DEFAULT_API,
+) -> None:
+    """Deploy a model version to the devices a selector matches, wave by wave with health gates."""
+    import time
+
+    model, sep, version = ref.partition(":")
+    if not sep or not model or not version:
+        typer.echo("error: give the model as MODEL:VERSION", err=True)
+        raise typer.Exit(2)
+    body: dict[str, Any] = {
+        "model": model,
+        "version": version,
+        "selector": select,
+        "variant": variant,
+        "priority": priority,
+        "waves": [w.strip() for w in waves.split(",") if w.strip()],
+        "gate": {
+            "soak_s": soak,
+            "max_failure_ratio": max_failure_ratio,
+            "min_fps_ratio": min_fps_ratio,
+            "max_latency_ms": max_latency_ms,
+            "max_latency_ratio": max_latency_ratio,
+            "max_watchdog_restarts": max_watchdog_restarts,
+            "step_timeout_s": step_timeout,
+            "offline_timeout_s": offline_timeout,
+        },
+    }
+    if name:
+        body["name"] = name
+    if cameras:
+        body["cameras"] = [_parse_camera(c) for c in cameras]
+    dep = request(api, "POST", "/api/v1/deployments", json=body)
+    typer.echo(f"deployment {dep['name']} (#{dep['id']}) created; rollout plan {dep['rollout']['plan']}")
+    if not follow:
+        return
+    from rich.live import Live
+    from rich.text import Text
+
+    with Live(Text(""), refresh_per_second=2) as live:
+        while True:
+            dep = request(api, "GET", f"/api/v1/deployments/{dep['id']}")
+            ro = dep["rollout"]
+            live.update(
+                Text(
+                    f"rollout {ro['state']}  wave {ro['current_wave']}/{len(ro['plan'])}  "
+                    + "  ".join(f"{k} {v}" for k, v in ro["progress"].items())
+                )
+            )
+            if ro["state"] in ("succeeded", "failed", "cancelled", "rolled_back"):
+                break
+            time.sleep(1.0)
+    print_rollout(dep)
+    if dep["rollout"]["state"] != "succeeded":
+        raise typer.Exit(1)
+
+
+@deployments_app.command("ls")
+def deployments_ls(api: ApiOption = DEFAULT_API) -> None:
+    """List deployments with their layer (selector, priority) and their rollout's state."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("name", "id", "model", "selector", "priority", "state", "rollout")
+    for d in request(api, "GET", "/api/v1/deployments"):
+        table.add_row(
+            d["name"],
+            str(d["id"]),
+            f"{d['model']}:{d['version']}",
+            d["selector"] or "(all)",
+            str(d["priority"]),
+            d["state"],
+            (d.get("rollout") or {}).get("state") or "-",
+        )
+    Console().print(table)
+
+
+@deployments_app.command("delete")
+def deployments_delete(
+    deployment: Annotated[str, typer.Argument(help="deployment name or id")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask")] = False,
+    api: ApiOption = DEFAULT_API,
+) -> None:
+    """Delete a deployment: its devices fall back to their next layer (a lower-priority deployment or
+    the direct assignment); a rollout still running is cancelled first."""
+    dep = request(api, "GET", f"/api/v1/deployments/{deployment}")
+    if not yes:
+        typer.confirm(
+            f"delete {dep['name']} ({dep['model']}:{dep['version']}, select '{dep['selector']}')? "
+            "its devices fall back to their next layer",
+            abort=True,
+        )
+    request(api, "DELETE", f"/api/v1/deployments/{dep['id']}")
+    typer.echo(f"deployment {dep['name']} (#{dep['id']}) deleted; its devices fall back to their next layer")

@@ -1,0 +1,103 @@
+"""``edgefleet devices``: ls, show, label."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from controller.cli.client import DEFAULT_API, ApiOption, request
+
+devices_app = typer.Typer(help="Devices: list, show, label.", no_args_is_help=True)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "-"
+
+
+@devices_app.command("ls")
+def devices_ls(
+    select: Annotated[str | None, typer.Option("--select", "-l", help="label selector")] = None,
+    api: ApiOption = DEFAULT_API,
+) -> None:
+    """List devices with status, labels and what each camera is assigned."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from controller.fleet.selectors import SelectorError, parse_selector
+
+    try:
+        sel = parse_selector(select) if select else None
+    except SelectorError as exc:
+        typer.echo(f"error: selector: {exc}", err=True)
+        raise typer.Exit(2) from None
+    table = Table("id", "status", "labels", "desired", "reported", "cameras")
+    for d in request(api, "GET", "/api/v1/devices"):
+        if sel is not None and not sel.matches(d.get("labels") or {}):
+            continue
+        cams = ", ".join(
+            f"{cam}={a['model']}:{a['version']}" + (f" ({a['deployment']})" if a.get("deployment") else "")
+            for cam, a in sorted((d.get("assignments") or {}).items())
+        )
+        table.add_row(
+            d["id"],
+            d["status"],
+            _labels(d.get("labels") or {}),
+            str(d["desired_version"]),
+            "-" if d.get("reported_version") is None else str(d["reported_version"]),
+            cams or "-",
+        )
+    Console().print(table)
+
+
+@devices_app.command("show")
+def devices_show(
+    device: Annotated[str, typer.Argument(help="device id")], api: ApiOption = DEFAULT_API
+) -> None:
+    """One device: status, labels, per camera assignment (with the layer that won) and what it runs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    d = request(api, "GET", f"/api/v1/devices/{device}")
+    console = Console()
+    console.print(
+        f"[bold]{d['id']}[/]  {d['status']}  labels {_labels(d.get('labels') or {})}  "
+        f"desired v{d['desired_version']}  reported v{d.get('reported_version')}  "
+        f"twin {d.get('sync', '?')}" + (f" ({d['sync_reason']})" if d.get("sync_reason") else "")
+    )
+    table = Table("camera", "assigned", "layer", "variant", "runs", "state", "error")
+    models = d.get("models") or {}
+    for cam in sorted(set(d.get("assignments") or {}) | set(models)):
+        a = (d.get("assignments") or {}).get(cam) or {}
+        m = models.get(cam) or {}
+        table.add_row(
+            cam,
+            f"{a['model']}:{a['version']}" if a else "-",
+            a.get("deployment") or a.get("source") or "-",
+            a.get("variant") or "-",
+            m.get("model") or "-",
+            m.get("state") or "-",
+            m.get("error") or "",
+        )
+    console.print(table)
+
+
+@devices_app.command("label")
+def devices_label(
+    device: Annotated[str, typer.Argument(help="device id")],
+    changes: Annotated[list[str], typer.Argument(help="key=value to set, key- to remove")],
+    api: ApiOption = DEFAULT_API,
+) -> None:
+    """Set or remove labels (merged into the current ones); the device's desired state follows."""
+    labels = dict(request(api, "GET", f"/api/v1/devices/{device}").get("labels") or {})
+    for c in changes:
+        if "=" in c:
+            k, _, v = c.partition("=")
+            labels[k] = v
+        elif c.endswith("-") and len(c) > 1:
+            labels.pop(c[:-1], None)
+        else:
+            typer.echo(f"error: {c!r}: give key=value to set or key- to remove", err=True)
+            raise typer.Exit(2)
+    d = request(api, "PUT", f"/api/v1/devices/{device}/labels", json={"labels": labels})
+    typer.echo(f"{d['id']}: {_labels(d.get('labels') or {})}")
