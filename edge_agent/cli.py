@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -16,10 +17,19 @@ log = logging.getLogger(__name__)
 EXIT_CONFIG = 2
 
 
-def run(config: Path, validate_config: bool = False) -> int:
+def run(
+    config: Path,
+    validate_config: bool = False,
+    *,
+    stack_check: Callable[[logging.Logger], str | None] | None = None,
+) -> int:
     """Run the agent from a YAML config until SIGINT/SIGTERM; returns the process exit code.
 
     With ``validate_config`` only check the file: print ``OK`` (exit 0) or the field errors (exit 2).
+    Exit 2 too when the installed GPU inference stack does not fit together: ``stack_check`` (default
+    :func:`edge_agent.gpu_stack.startup_check`) logs the versions and returns the refusal, if any.
+    Exit 3 when the link failed for good; exit 4 (``EXIT_CUDA_FATAL``) after a sticky CUDA error: the
+    GPU context of this process is unusable, so the service manager must start a fresh one.
     """
     try:
         settings = load_settings(config)
@@ -34,10 +44,19 @@ def run(config: Path, validate_config: bool = False) -> int:
         level=settings.log_level,
         format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
     )
+    if stack_check is None:
+        from edge_agent.gpu_stack import startup_check
+
+        stack_check = startup_check
+    refusal = stack_check(log)  # logs the versions; on a mismatched GPU stack, says what to install
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return EXIT_CONFIG
     from edge_agent.agent import Agent, describe
+    from edge_agent.backends import CudaFatalError
 
     log.info("starting agent %s", describe(settings))
-    agent = Agent(settings)
+    agent = Agent.from_settings(settings)
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         log.info("signal %s: stopping", signal.Signals(signum).name)
@@ -46,4 +65,10 @@ def run(config: Path, validate_config: bool = False) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _stop)
         signal.signal(signal.SIGTERM, _stop)
-    return agent.run()
+    try:
+        return agent.run()
+    except CudaFatalError as exc:
+        # The agent turns one met on its threads into its exit code; this is for one that reaches
+        # the main thread (then the agent did not shut down cleanly: the process exits all the same).
+        log.critical("sticky CUDA error: %s", exc)
+        return exc.exit_code

@@ -13,12 +13,16 @@ only thread that runs them, after it has run what was prepared for them. The cam
 windows start afresh at the swap and count only the new model's results, so the stats (and the
 rollout gate judging them) describe the model that runs now.
 
-Watchdog: a run that takes longer than ``hang_timeout_s`` is a hang. A hung thread cannot be killed in
-Python, so it is abandoned: the pipeline's generation moves on, the stuck (daemon) thread exits when
-its run ever returns and its late result is dropped, its backend is never closed under it. A fresh
-backend is made for the model and a new inference thread started. :class:`RestartLimiter` bounds
-the restarts; past the bound the pipeline is marked failed and retried with capped backoff. Every
-step goes to ``on_watchdog`` for the agent to report.
+Hang detection is handed to :class:`~edge_agent.inference_watchdog.InferenceWatchdog`, which owns
+the inference thread: the pipeline tells it when each run starts and ends, and it abandons a run that
+hangs and starts a fresh thread (with a fresh backend) within the bounds of a ``RestartLimiter``.
+
+Two backend errors are not ordinary run errors. A :class:`~edge_agent.backends.CudaFatalError` from
+``run()``, from the backend factory or from the warm-up is never retried or reloaded: it goes to
+``watchdog.fatal`` (the agent publishes a final event, sets the stop event and exits with
+``exc.exit_code``). A :class:`~edge_agent.backends.ProviderFallback` from ``run()`` loses that batch
+only: it goes to :attr:`Pipeline.on_provider_fallback` (an event) and the next batch runs on the
+provider the backend moved to; it is neither a hang nor a restart.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edge_agent.backends import BackendFactory, InferenceBackend
+from edge_agent.backends import BackendFactory, CudaFatalError, InferenceBackend, ProviderFallback
 from edge_agent.capture import CameraWorker, Frame
+from edge_agent.inference_watchdog import FatalCallback, InferenceWatchdog, WatchdogCallback
 from edge_agent.queues import DropOldestQueue, HandoffQueue
-from edge_agent.watchdog import RestartLimiter, WatchdogAction, WatchdogNote
+from edge_agent.watchdog import RestartLimiter
 from fleet_protocol.messages import (
     Box,
     CameraState,
@@ -74,12 +79,12 @@ class PreprocessorLike(Protocol):
 PreprocessorFactory = Callable[[InputSpec], PreprocessorLike]
 DecodeFn = Callable[[ModelManifest, Mapping[str, np.ndarray], Sequence[Any], float], Sequence[Sequence[Any]]]
 
+# (the model whose run lost a batch, the fallback with the previous and new provider); called on the
+# inference thread.
+FallbackCallback = Callable[["LoadedModel", ProviderFallback], None]
 
-WatchdogCallback = Callable[[WatchdogNote], None]
-
-# Abandoned inference threads still stuck, beyond which no new one is started: each may hold a
-# session and its buffers; past this the pipeline stays failed and says why.
-_MAX_STUCK_THREADS = 8
+# Results between the inference thread and the publisher (default bound of ``Pipeline.out``).
+OUT_QUEUE_SIZE = 256
 
 
 class ModelLoadError(Exception):
@@ -124,15 +129,6 @@ class _Prepared:
     metas: list[Any]
 
 
-@dataclass(frozen=True)
-class _Busy:
-    """The run in progress on the inference thread of generation ``gen``."""
-
-    gen: int
-    since: float  # time.monotonic()
-    prepared: _Prepared
-
-
 # Per-camera stats windows: the median over the last MEDIAN_WINDOW inference times, the p99 over the
 # last LATENCY_WINDOW (200: enough samples that p99 is not simply the maximum of a handful, while at
 # 2 FPS it still covers under two minutes), the rate over the last FPS_WINDOW frames.
@@ -163,7 +159,8 @@ class _CamStats:
 
 
 class Pipeline:
-    """Owns the camera workers, the model slots and the inference thread."""
+    """Owns the camera workers, the model slots, and the prepare and inference stages (whose thread
+    :attr:`watchdog` starts, and replaces when a run hangs)."""
 
     def __init__(
         self,
@@ -173,15 +170,19 @@ class Pipeline:
         wake: threading.Event,
         backend_factory: BackendFactory,
         max_batch: int = 4,
-        out_queue_size: int = 256,
+        out: DropOldestQueue[FrameDetections] | None = None,
         preprocessor_factory: PreprocessorFactory | None = None,
         decode_fn: DecodeFn | None = None,
         hang_timeout_s: float | None = None,
         restart_limiter: RestartLimiter | None = None,
         on_watchdog: WatchdogCallback | None = None,
+        on_fatal: FatalCallback | None = None,
+        on_provider_fallback: FallbackCallback | None = None,
     ) -> None:
-        """``hang_timeout_s`` None: no watchdog. ``restart_limiter`` default: 3 restarts in 10 min,
-        then retries 10 s doubling to 10 min."""
+        """``out`` None: a fresh queue of OUT_QUEUE_SIZE (the agent passes its own, built before the
+        publisher that drains it). ``hang_timeout_s`` None: no watchdog. ``restart_limiter`` default: 3
+        restarts in 10 min, then retries 10 s doubling to 10 min. ``on_fatal`` (also settable later as
+        ``watchdog.on_fatal``) gets a CudaFatalError once; ``on_provider_fallback`` a ProviderFallback."""
         if preprocessor_factory is None:
             from edge_agent.preprocess import Preprocessor
 
@@ -198,42 +199,40 @@ class Pipeline:
         self._wake = wake
         self.max_batch = max_batch
         # Inference -> publisher. Drop policy: oldest (see DropOldestQueue).
-        self.out: DropOldestQueue[FrameDetections] = DropOldestQueue(out_queue_size)
+        self.out: DropOldestQueue[FrameDetections] = (
+            out if out is not None else DropOldestQueue(OUT_QUEUE_SIZE)
+        )
         self._lock = threading.Lock()
         self._slots: dict[str, tuple[LoadedModel, CameraParams]] = {}
         self._retired: list[LoadedModel] = []
         self._stats = {c: _CamStats() for c in self.cameras}
         self._error_log_at = 0.0
+        self.on_provider_fallback = on_provider_fallback
         # Prepare -> inference. Drop policy: none; the prepare thread waits (see HandoffQueue).
         self._prepared: HandoffQueue[_Prepared] = HandoffQueue(1)
         self._prep_thread = threading.Thread(target=self._prepare_loop, name="prepare", daemon=True)
-        # Watchdog state. ``_gen`` names the live inference thread; a thread of an older generation
-        # was abandoned and must not touch anything shared when (if ever) its run returns.
-        self.hang_timeout_s = hang_timeout_s
-        self._limiter = restart_limiter or RestartLimiter(
-            max_restarts=3, window_s=600.0, backoff_min_s=10.0, backoff_max_s=600.0
+        # Runs the inference thread (run_inference) and replaces it when a run hangs.
+        self.watchdog: InferenceWatchdog[LoadedModel] = InferenceWatchdog(
+            self,
+            stop=stop,
+            hang_timeout_s=hang_timeout_s,
+            limiter=restart_limiter,
+            on_note=on_watchdog,
+            on_fatal=on_fatal,
         )
-        self._on_watchdog = on_watchdog
-        self._gen = 0
-        self._busy: _Busy | None = None
-        self._ok_gen = -1  # the generation of the last run that completed
-        # Abandoned threads with the backend each was stuck in: such a backend is closed only once
-        # its thread has returned (closing a session under a running call could crash the process).
-        self._stuck: list[tuple[threading.Thread | None, InferenceBackend]] = []
-        self.late_results = 0  # results of abandoned runs that came back anyway, dropped
-        self.watchdog_restarts = 0
-        self._watch_state: dict[str, Any] = {"failed": False}
-        self._retry_now = False
-        self._failed_model: LoadedModel | None = None  # the model whose run hung last
-        self._thread: threading.Thread | None = self._inference_thread(0)
-        self._watch_thread = threading.Thread(target=self._watch_loop, name="watchdog", daemon=True)
 
     # ------------------------------------------------------------------ models
 
     def load(self, path: Path, manifest: ModelManifest) -> LoadedModel:
-        """Load ``path`` and run one warm-up inference through preprocess, backend and decoder."""
+        """Load ``path`` and run one warm-up inference through preprocess, backend and decoder.
+
+        A CudaFatalError is reported to the watchdog (which stops the agent) and re-raised as is,
+        never wrapped in ModelLoadError."""
         try:
             backend = self._backend_factory(path, manifest)
+        except CudaFatalError as exc:
+            self.watchdog.fatal(exc, "load")
+            raise
         except Exception as exc:
             raise ModelLoadError(f"load failed: {exc}") from exc
         try:
@@ -242,6 +241,10 @@ class Pipeline:
             tensor, meta = pre(warm)
             outputs = backend.run(tensor[None])
             self._decode(manifest, outputs, [meta], manifest.default_threshold)
+        except CudaFatalError as exc:
+            # Not closed: freeing a session in a dead CUDA context can crash; the process exits anyway.
+            self.watchdog.fatal(exc, "warm-up")
+            raise
         except Exception as exc:
             backend.close()
             raise ModelLoadError(f"warm-up failed: {exc}") from exc
@@ -296,10 +299,7 @@ class Pipeline:
         for cam in self.cameras.values():
             cam.start()
         self._prep_thread.start()
-        assert self._thread is not None
-        self._thread.start()
-        if self.hang_timeout_s is not None:
-            self._watch_thread.start()
+        self.watchdog.start()
 
     def join(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -307,9 +307,8 @@ class Pipeline:
             if not cam.join(max(0.1, deadline - time.monotonic())):
                 log.warning("capture thread of %s did not stop in time", cam.id)
         self._prep_thread.join(max(0.1, deadline - time.monotonic()))
-        if self._watch_thread.is_alive():
-            self._watch_thread.join(max(0.1, deadline - time.monotonic()))
-        thread = self._thread  # abandoned (stuck) threads are daemons and are not waited for
+        self.watchdog.join(max(0.1, deadline - time.monotonic()))
+        thread = self.watchdog.inference_thread
         if thread is not None and thread.is_alive():
             thread.join(max(0.1, deadline - time.monotonic()))
         if (thread is not None and thread.is_alive()) or self._prep_thread.is_alive():
@@ -323,7 +322,7 @@ class Pipeline:
             self._retired.clear()
         for m in models.values():
             self._close_backend(m.backend)
-        self._release_returned()
+        self.watchdog.release_returned()
 
     def restart(self) -> None:
         """Reopen every source and reset the counters (command restart_pipeline); a pipeline the
@@ -334,17 +333,10 @@ class Pipeline:
             # Fresh counters, and fresh windows still bound to the model each camera runs.
             running = {c: m for c, (m, _) in self._slots.items()}
             self._stats = {c: _CamStats(window=_ModelWindow(model=running.get(c))) for c in self.cameras}
-            self._retry_now = True
+        self.watchdog.request_retry()
 
     def watchdog_status(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                **self._watch_state,
-                "hang_timeout_s": self.hang_timeout_s,
-                "restarts": self.watchdog_restarts,
-                "late_results_dropped": self.late_results,
-                "stuck_threads": sum(1 for t, _ in list(self._stuck) if t is not None and t.is_alive()),
-            }
+        return self.watchdog.status()
 
     # ------------------------------------------------------------------ stats
 
@@ -444,14 +436,11 @@ class Pipeline:
                 out.append(_Prepared(model=model, items=chunk, batch=batch, metas=metas))
         return out
 
-    def _inference_thread(self, gen: int) -> threading.Thread:
-        name = "inference" if gen == 0 else f"inference-{gen}"
-        return threading.Thread(target=self._run, args=(gen,), name=name, daemon=True)
-
     def _live(self, gen: int) -> bool:
-        return self._gen == gen and not self._stop.is_set()
+        return self.watchdog.is_current(gen) and not self._stop.is_set()
 
-    def _run(self, gen: int) -> None:
+    def run_inference(self, gen: int) -> None:
+        """The inference thread of generation ``gen`` (started and replaced by the watchdog)."""
         while self._live(gen):
             prepared = self._prepared.get(0.1)
             if prepared is not None:
@@ -464,13 +453,17 @@ class Pipeline:
                 else:
                     try:
                         self._infer(prepared, stats, gen)
+                    except CudaFatalError as exc:
+                        # Even from an abandoned run: the context of the whole process is dead.
+                        self.watchdog.fatal(exc, "run")
+                        return
                     except Exception:
                         log.exception("inference round failed")
-            if self._gen != gen:
+            if not self.watchdog.is_current(gen):
                 log.warning("abandoned inference thread %s returned; exiting", gen)
                 return
             self._close_retired()
-        if self._gen == gen:
+        if self.watchdog.is_current(gen):
             self._close_retired()
 
     def _close_retired(self) -> None:
@@ -481,11 +474,8 @@ class Pipeline:
             self._close_backend(m.backend)
             log.info("closed %s", m.key)
 
-    def _hung(self, backend: InferenceBackend) -> bool:
-        return any(backend is b for _, b in list(self._stuck))
-
     def _close_backend(self, backend: InferenceBackend) -> None:
-        if self._hung(backend):
+        if self.watchdog.stuck_in(backend):
             return  # a stuck run may still be inside it
         try:
             backend.close()
@@ -494,30 +484,30 @@ class Pipeline:
 
     def _infer(self, prepared: _Prepared, stats: dict[str, _CamStats], gen: int) -> None:
         model, items, metas = prepared.model, prepared.items, prepared.metas
-        with self._lock:
-            if self._gen != gen:
-                return
-            self._busy = _Busy(gen, time.monotonic(), prepared)
+        if not self.watchdog.run_started(gen, model, tuple(f.camera for f, _ in items)):
+            return
         t0 = time.perf_counter()
         error: Exception | None = None
         try:
             outputs = model.backend.run(prepared.batch)
             threshold = min(p.threshold for _, p in items)
             decoded = self._decode(model.manifest, outputs, metas, threshold)
+        except CudaFatalError:
+            self.watchdog.run_finished(gen, ok=False)
+            raise  # to run_inference, which stops: no retry, no reload
         except Exception as exc:
             error = exc
-        with self._lock:
-            if self._gen != gen:
-                # The watchdog gave up on this run and restarted; whatever it returned is stale.
-                self.late_results += 1
-                return
-            self._busy = None
-            if error is None:
-                self._ok_gen = gen
+        if not self.watchdog.run_finished(gen, ok=error is None):
+            return  # the watchdog gave up on this run and restarted; whatever it returned is stale
         if error is not None:
             for f, _ in items:
                 stats[f.camera].errors += 1
-            self._log_error("inference on %s failed: %s", model.key, error)
+            if isinstance(error, ProviderFallback):
+                # The batch is lost, the backend goes on (on error.provider): report, run the next one.
+                log.warning("inference on %s: %s", model.key, error)
+                self._provider_fallback(model, error)
+            else:
+                self._log_error("inference on %s failed: %s", model.key, error)
             return
         ms = (time.perf_counter() - t0) * 1000.0
         done = time.monotonic()
@@ -547,182 +537,62 @@ class Pipeline:
                 st.last = result
             self.out.put(result)
 
-    # ------------------------------------------------------------------ watchdog thread
-
-    def _watch_loop(self) -> None:
-        assert self.hang_timeout_s is not None
-        interval = min(1.0, self.hang_timeout_s / 4)
-        while not self._stop.wait(interval):
-            try:
-                self._watch_once()
-            except Exception:
-                # The watchdog must outlive whatever it watches.
-                log.exception("watchdog round failed")
-
-    def _watch_once(self) -> None:
-        assert self.hang_timeout_s is not None
-        now = time.monotonic()
-        stuck: threading.Thread | None = None
-        with self._lock:
-            busy = self._busy
-            if busy is not None and busy.gen == self._gen and now - busy.since > self.hang_timeout_s:
-                # Abandon it: from here on the stuck thread's generation is not the live one.
-                self._gen += 1
-                self._busy = None
-                stuck, self._thread = self._thread, None
-            else:
-                busy = None
-            retry_now, self._retry_now = self._retry_now, False
-            ran_ok = self._ok_gen == self._gen
-        if busy is not None:
-            self._on_hang(busy, now - busy.since, stuck)
+    def _provider_fallback(self, model: LoadedModel, fallback: ProviderFallback) -> None:
+        callback = self.on_provider_fallback
+        if callback is None:
             return
-        if retry_now:
-            self._limiter.retry_now()
-        if self._limiter.retry_due():
-            self._retry()
-        elif ran_ok and self._limiter.healthy():
-            model = self._failed_model
-            self._failed_model = None
-            self._note(
-                WatchdogAction.RECOVERED,
-                f"inference on {model.key if model else 'the pipeline'} completes again",
-                model,
-            )
+        try:
+            callback(model, fallback)
+        except Exception:
+            log.exception("provider-fallback callback failed")
 
-    def _on_hang(self, busy: _Busy, stuck_s: float, thread: threading.Thread | None) -> None:
-        model = busy.prepared.model
-        self._stuck.append((thread, model.backend))
+    # ------------------------------------------------------------------ watchdog host
+
+    def reload(self, model: LoadedModel) -> str | None:
+        """A fresh backend for ``model`` (its old one is stuck in a hung run) if it still serves a
+        camera; why not, or None."""
         with self._lock:
-            stats = self._stats
-        for f, _ in busy.prepared.items:
-            if f.camera in stats:
-                stats[f.camera].errors += 1
-        reason = (
-            f"inference on {model.key} ({model.backend.provider}) hung: no result after {stuck_s:.1f} s "
-            f"(bound {self.hang_timeout_s:g} s)"
-        )
-        self._failed_model = model
-        decision = self._limiter.on_hang()
-        if decision.action == WatchdogAction.RESTARTED:
-            problem = self._start_inference(model)
-            if problem is None:
-                self._note(WatchdogAction.RESTARTED, reason, model, stuck_s=stuck_s)
-                return
-            reason = f"{reason}; restart failed: {problem}"
-            delay = self._limiter.fail()
-        else:
-            reason = (
-                f"{reason}; {decision.restarts_in_window} restarts in the last "
-                f"{self._limiter.window_s:g} s already"
-            )
-            delay = decision.retry_in_s or 0.0
-        self._note(WatchdogAction.FAILED, reason, model, stuck_s=stuck_s, retry_in_s=delay)
-
-    def _retry(self) -> None:
-        self._limiter.retrying()
-        model = self._failed_model
-        problem = self._start_inference(model)
-        if problem is None:
-            self._note(WatchdogAction.RETRY, "starting inference again after a failure", model)
-            return
-        delay = self._limiter.fail()
-        self._note(WatchdogAction.FAILED, f"retry failed: {problem}", model, retry_in_s=delay)
-
-    def _start_inference(self, model: LoadedModel | None) -> str | None:
-        """A fresh backend for ``model`` if it still serves and hung, and a new inference thread;
-        why not, or None."""
-        stuck = sum(1 for t, _ in self._stuck if t is not None and t.is_alive())
-        if stuck >= _MAX_STUCK_THREADS:
-            return f"{stuck} abandoned inference threads are still stuck"
+            serving = any(m is model for m, _ in self._slots.values())
+        if not serving:
+            return None
+        if model.path is None:
+            return f"no model file to reload {model.key} from"
+        try:
+            backend = self._backend_factory(model.path, model.manifest)
+        except CudaFatalError:
+            raise  # never a reload failure to retry: the watchdog stops the agent
+        except Exception as exc:
+            return f"reloading {model.key} failed: {exc}"
         with self._lock:
-            serving = model is not None and any(m is model for m, _ in self._slots.values())
-        if model is not None and serving and self._hung(model.backend):
-            if model.path is None:
-                return f"no model file to reload {model.key} from"
-            try:
-                backend = self._backend_factory(model.path, model.manifest)
-            except Exception as exc:
-                return f"reloading {model.key} failed: {exc}"
-            with self._lock:
-                model.backend = backend
-            log.info("watchdog: %s reloaded on %s", model.key, backend.provider)
-        self._release_returned()
-        # What was prepared before the hang may be old by now: newer frames are waiting upstream.
+            model.backend = backend
+        log.info("watchdog: %s reloaded on %s", model.key, backend.provider)
+        return None
+
+    def backends_in_use(self) -> list[InferenceBackend]:
+        with self._lock:
+            return [m.backend for m, _ in self._slots.values()]
+
+    def drop_prepared(self) -> None:
+        """What was prepared before a hang may be old by now: newer frames are waiting upstream."""
         dropped = self._prepared.drain()
         with self._lock:
             for p in dropped:
                 for f, _ in p.items:
                     if f.camera in self._stats:
                         self._stats[f.camera].skipped += 1
-            thread = self._inference_thread(self._gen)
-            self._thread = thread
-            self.watchdog_restarts += 1
-        thread.start()
-        return None
 
-    def _release_returned(self) -> None:
-        """Close the backends whose stuck run has returned since, unless a model still uses one."""
+    def count_errors(self, cameras: Sequence[str]) -> None:
         with self._lock:
-            in_use = [m.backend for m, _ in self._slots.values()]
-        keep: list[tuple[threading.Thread | None, InferenceBackend]] = []
-        done: list[InferenceBackend] = []
-        for t, b in self._stuck:
-            if (t is None or not t.is_alive()) and all(b is not u for u in in_use):
-                done.append(b)
-            else:
-                keep.append((t, b))
-        self._stuck = keep
-        for b in done:
-            try:
-                b.close()
-            except Exception:
-                log.exception("closing an abandoned backend failed")
+            stats = self._stats
+        for camera in cameras:
+            if camera in stats:
+                stats[camera].errors += 1
 
-    def _cameras_of(self, model: LoadedModel | None) -> tuple[str, ...]:
+    def cameras_of(self, model: LoadedModel | None) -> tuple[str, ...]:
         with self._lock:
             return tuple(sorted(c for c, (m, _) in self._slots.items() if m is model))
 
-    def _note(
-        self,
-        action: WatchdogAction,
-        reason: str,
-        model: LoadedModel | None,
-        *,
-        stuck_s: float | None = None,
-        retry_in_s: float | None = None,
-    ) -> None:
-        lim = self._limiter
-        note = WatchdogNote(
-            action=action,
-            reason=reason,
-            model=model.key if model else None,
-            cameras=self._cameras_of(model),
-            stuck_s=round(stuck_s, 3) if stuck_s is not None else None,
-            restarts_in_window=lim.restarts_in_window(),
-            max_restarts=lim.max_restarts,
-            window_s=lim.window_s,
-            retry_in_s=retry_in_s,
-        )
-        failed = action == WatchdogAction.FAILED
-        with self._lock:
-            self._watch_state = {
-                "failed": failed,
-                "last_action": action.value,
-                "reason": reason,
-                "retry_in_s": retry_in_s,
-            }
-        if failed:
-            log.error("watchdog: pipeline failed: %s; next try in %.1f s", reason, retry_in_s or 0.0)
-        elif action == WatchdogAction.RESTARTED:
-            log.error("watchdog: %s; restarted", reason)
-        else:
-            log.info("watchdog: %s: %s", action.value, reason)
-        if self._on_watchdog is not None:
-            try:
-                self._on_watchdog(note)
-            except Exception:
-                log.exception("watchdog callback failed")
+    # ------------------------------------------------------------------ helpers and accessors
 
     def _log_error(self, fmt: str, *args: object) -> None:
         now = time.monotonic()

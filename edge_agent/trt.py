@@ -1,26 +1,34 @@
 """TensorRT on the device: engine cache, the native TensorRT backend, and the runtime seam.
 
-Engines are specific to the GPU, its compute capability and the TensorRT version, so they are built
-on the device and cached under an :class:`EngineKey` of (model sha256, GPU name, compute capability,
-TensorRT version, precision). A cached engine that does not deserialize is evicted, reported and
-rebuilt.
+Engines are specific to the GPU, its compute capability and the TensorRT version, and to how they
+were built (optimization profile, builder flags, workspace), so they are built on the device and
+cached under an :class:`EngineKey` of (model sha256, GPU name, compute capability, TensorRT version,
+precision, build fingerprint). A cached engine that does not deserialize is evicted, reported and
+rebuilt; one that deserializes but cannot be run here (data-dependent output shapes) is kept and
+reported, and the model runs on onnxruntime instead.
 
 Everything that touches TensorRT or CUDA sits behind :class:`TrtRuntime`: :class:`TensorRtRuntime`
 is the real one (``tensorrt`` + ``cuda-python``, both from the ``gpu`` extra, imported lazily), tests
 pass a fake. Nothing here imports ``tensorrt`` at module import time: on a CPU device the module
 loads and :func:`load_tensorrt_runtime` says why TensorRT cannot be used.
+
+Builds themselves run out of process (:mod:`edge_agent.engine_build`); the pure functions here
+(:func:`optimization_profile`, :func:`ort_trt_profile_options`, :func:`resolve_precision`,
+:func:`int8_qdq_problem`, :func:`build_fingerprint`) are what the native path and onnxruntime's
+TensorRT execution provider share, so both build the same thing for the same request.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -46,6 +54,49 @@ class BuildCancelled(TrtError):
     """The build was cancelled (the agent is stopping)."""
 
 
+class UnsupportedEngine(TrtError):
+    """The engine is fine but the native runner cannot run it (e.g. data-dependent output shapes).
+
+    Not a reason to evict or rebuild: the same engine would fail the same way. The model runs on
+    onnxruntime instead, and the reason is reported.
+    """
+
+
+class ProfileNotExpressible(TrtError):
+    """The optimization profile cannot be passed to onnxruntime's TensorRT EP as provider options."""
+
+
+# --------------------------------------------------------------------------- precision
+
+TRT_MAJOR_SUPPORTED = 10
+
+
+def resolve_precision(variant: str, setting: str = "auto") -> Precision:
+    """The engine precision for a model variant: what the controller chose is what gets built (G8).
+
+    ``setting`` (``inference.trt_precision``) wins when it names a precision; with ``auto`` an
+    ``fp16`` variant builds FP16, an ``int8`` variant INT8, and anything else (``fp32``, which the
+    controller sends precisely when FP16 was judged unfit for the model) a plain FP32 engine (TF32
+    tensor cores allowed, TensorRT's default), never FP16.
+    """
+    if setting in PRECISIONS:
+        return setting  # type: ignore[return-value]
+    if variant in ("fp16", "int8"):
+        return variant  # type: ignore[return-value]
+    return "fp32"
+
+
+def builder_flags(precision: Precision) -> tuple[str, ...]:
+    """The ``trt.BuilderFlag`` names a build of ``precision`` sets: the only place they are decided,
+    so the cache key (:func:`build_fingerprint`) and the build (:meth:`TensorRtRuntime.build_engine`)
+    cannot disagree. FP32 sets none (TF32 is on by default in TensorRT 10)."""
+    if precision == "fp16":
+        return ("FP16",)
+    if precision == "int8":
+        return ("INT8", "FP16")  # layers without INT8 kernels may fall back to FP16, not FP32
+    return ()
+
+
 # --------------------------------------------------------------------------- cache keys
 
 
@@ -56,18 +107,50 @@ def _slug(text: str, max_len: int = 40) -> str:
 
 @dataclass(frozen=True)
 class EngineKey:
-    """What makes an engine reusable: the same model bytes, on the same GPU, TensorRT and precision."""
+    """What makes an engine reusable: the same model bytes, on the same GPU, TensorRT and precision,
+    built the same way (``build``: :func:`build_fingerprint` of the optimization profile, builder
+    flags, workspace and device details; "" for keys made before it existed).
+
+    Prefer :meth:`for_build`, which fills ``build`` from the runtime and the build options.
+    """
 
     model_sha256: str
     gpu_name: str
     compute_capability: str
     trt_version: str
     precision: Precision
+    build: str = ""
+
+    @classmethod
+    def for_build(
+        cls,
+        runtime: TrtRuntime,
+        model_sha256: str,
+        precision: Precision,
+        options: BuildOptions,
+        *,
+        calibrated: bool = False,
+    ) -> EngineKey:
+        """The key of the engine ``runtime`` builds from these options (G11)."""
+        return cls(
+            model_sha256,
+            runtime.gpu_name,
+            runtime.compute_capability,
+            runtime.version,
+            precision,
+            build=build_fingerprint(
+                options,
+                precision,
+                calibrated=calibrated,
+                device=str(getattr(runtime, "device_fingerprint", "")),
+            ),
+        )
 
     def digest(self) -> str:
-        canonical = "\x1f".join(
-            (self.model_sha256, self.gpu_name, self.compute_capability, self.trt_version, self.precision)
-        )
+        fields = [self.model_sha256, self.gpu_name, self.compute_capability, self.trt_version, self.precision]
+        if self.build:
+            fields.append(self.build)  # keys without it keep their old digest (and file name)
+        canonical = "\x1f".join(fields)
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
     def file_name(self) -> str:
@@ -89,6 +172,32 @@ class Eviction:
     reason: str
 
 
+def atomic_write(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` so that a crash or kill leaves the old file or the new one, never a
+    part: a temporary file in the same folder, fsync, rename, fsync of the folder."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return path
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every filesystem allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 class EngineCache:
     """Serialized engines on disk, one file per :class:`EngineKey`; bounded in bytes, oldest out.
 
@@ -97,7 +206,7 @@ class EngineCache:
     never half an engine under the final name. Thread-safe.
     """
 
-    def __init__(self, directory: Path, *, max_bytes: int = 4 * 2**30) -> None:
+    def __init__(self, directory: Path, *, max_bytes: int = 4 * 2**30, sweep_stale: bool = True) -> None:
         if max_bytes <= 0:
             raise ValueError("max_bytes must be > 0")
         self.dir = directory
@@ -105,8 +214,9 @@ class EngineCache:
         self._lock = threading.Lock()
         self.evictions: list[Eviction] = []
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(f"*{ENGINE_SUFFIX}.tmp*"):
-            stale.unlink(missing_ok=True)  # a write cut short by a crash
+        if sweep_stale:  # not in a build process: another build may be writing its temporary file
+            for stale in self.dir.glob(f"*{ENGINE_SUFFIX}.tmp*"):
+                stale.unlink(missing_ok=True)  # a write cut short by a crash
 
     def path(self, key: EngineKey) -> Path:
         return self.dir / key.file_name()
@@ -132,18 +242,15 @@ class EngineCache:
         if not data:
             raise ValueError("refusing to cache an empty engine")
         path = self.path(key)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
         with self._lock:
-            try:
-                with tmp.open("wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            atomic_write(path, data)
             self._enforce_bound(keep=path)
         return path
+
+    def enforce_bound(self, keep: EngineKey | None = None) -> None:
+        """Apply the size bound now (after a build process wrote ``keep``'s engine into the folder)."""
+        with self._lock:
+            self._enforce_bound(keep=self.path(keep) if keep is not None else None)
 
     def evict(self, key: EngineKey, reason: str) -> Eviction:
         """Remove ``key``'s engine (it is corrupt or will not load) and record why."""
@@ -164,7 +271,7 @@ class EngineCache:
                 total += p.stat().st_size
         return total
 
-    def _enforce_bound(self, *, keep: Path) -> None:
+    def _enforce_bound(self, *, keep: Path | None) -> None:
         files = []
         for p in self.dir.glob(f"*{ENGINE_SUFFIX}"):
             with contextlib.suppress(OSError):
@@ -239,6 +346,262 @@ class BuildOptions:
     workspace_mb: int = 1024
     progress: ProgressFn | None = None
     cancel: threading.Event | None = None
+    opt_batch: int = 1
+    """The batch TensorRT tunes kernels for (profile kOPT), clamped to [1, max_batch]: 1, the common
+    case of one camera per model (G20); the number of cameras sharing the model where that is known."""
+    builder_optimization_level: int | None = None
+    """TensorRT's 0-5 (default 3); lower builds faster on a Jetson, higher may run faster."""
+    timing_cache: Path | None = None
+    """A TensorRT timing cache file, read before and written (atomically) after a build (G21)."""
+
+
+# --------------------------------------------------------------------------- build config (pure)
+
+Dim = int | str | None
+"""A model input dimension: an int > 0 is fixed; None, a name (ONNX dim_param) or <= 0 is dynamic."""
+
+
+@dataclass(frozen=True)
+class InputProfile:
+    """Optimization profile shapes of one model input: the range every engine must accept."""
+
+    name: str
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+
+
+def _fixed(d: Dim) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and d > 0
+
+
+def optimization_profile(
+    inputs: Mapping[str, Sequence[Dim]],
+    *,
+    sample_shape: Sequence[int] | None,
+    max_batch: int,
+    opt_batch: int = 1,
+) -> list[InputProfile]:
+    """min/opt/max shapes for every dynamic model input, from the manifest's sample shape and batch.
+
+    One function for the native builder and onnxruntime's TensorRT EP (``trt_profile_*_shapes``),
+    so that an engine covers every batch the pipeline sends (1..``max_batch``) and nothing is ever
+    rebuilt inside ``run()`` (G4); kernels are tuned for ``opt_batch`` (G20). A fixed batch stays
+    fixed (min = opt = max); dynamic non-batch dims take the manifest's size (the preprocessor
+    always produces exactly that); a fixed non-batch dim that contradicts the manifest is an error.
+    A model without dynamic inputs needs no profile: the result is then empty.
+    """
+    if max_batch < 1:
+        raise ValueError("max_batch must be >= 1")
+    opt_b = min(max(1, opt_batch), max_batch)
+    out: list[InputProfile] = []
+    for name, shape in inputs.items():
+        dims = list(shape)
+        if not dims:
+            continue  # a scalar input has nothing to profile
+        if all(_fixed(d) for d in dims):
+            continue
+        rest_model = dims[1:]
+        if sample_shape is None or len(sample_shape) != len(rest_model):
+            raise TrtError(
+                f"input {name} has dynamic dims {_fmt(dims)} and the manifest gives no "
+                f"{len(rest_model)}-dimensional sample shape to fill them"
+            )
+        rest: list[int] = []
+        for d, s in zip(rest_model, sample_shape, strict=True):
+            if _fixed(d):
+                if int(d) != int(s):  # type: ignore[arg-type]
+                    raise TrtError(
+                        f"input {name} is {_fmt(dims)} but the manifest's input is {tuple(sample_shape)}"
+                    )
+                rest.append(int(d))  # type: ignore[arg-type]
+            else:
+                rest.append(int(s))
+        if _fixed(dims[0]):
+            lo = opt = hi = int(dims[0])  # type: ignore[arg-type]
+        else:
+            lo, opt, hi = 1, opt_b, max_batch
+        out.append(InputProfile(name, (lo, *rest), (opt, *rest), (hi, *rest)))
+    return out
+
+
+def _fmt(dims: Sequence[Dim]) -> str:
+    return "[" + ",".join(str(d) if _fixed(d) else "?" for d in dims) + "]"
+
+
+def ort_trt_profile_options(profiles: Sequence[InputProfile]) -> dict[str, str]:
+    """onnxruntime TensorRT EP provider options for explicit profiles (``{}`` for a static model).
+
+    Format (onnxruntime ``ParseProfileShapes``): ``"input1:1x3x320x320,input2:..."``; onnxruntime
+    splits each entry at the first ``:`` and the list at ``,``, so an input whose name contains either
+    cannot be named at all (TF models: ``image_tensor:0``): :class:`ProfileNotExpressible` then, and
+    the build process instead widens onnxruntime's implicit profile by warm-up runs at batch 1 and
+    ``max_batch`` (see :mod:`edge_agent.engine_build`).
+    """
+    if not profiles:
+        return {}
+    bad = [p.name for p in profiles if ":" in p.name or "," in p.name or not p.name]
+    if bad:
+        raise ProfileNotExpressible(
+            f"onnxruntime's trt_profile_*_shapes cannot name input(s) {bad}: the option is split at ':' and ','"
+        )
+
+    def fmt(pick: Callable[[InputProfile], tuple[int, ...]]) -> str:
+        return ",".join(f"{p.name}:{'x'.join(str(d) for d in pick(p))}" for p in profiles)
+
+    return {
+        "trt_profile_min_shapes": fmt(lambda p: p.min),
+        "trt_profile_opt_shapes": fmt(lambda p: p.opt),
+        "trt_profile_max_shapes": fmt(lambda p: p.max),
+    }
+
+
+def onnx_input_shapes(onnx_path: Path) -> dict[str, tuple[Dim, ...]]:
+    """The model's graph inputs (initializers excluded) and their dims, read with ``onnx`` (no
+    weights loaded, no session created): what :func:`optimization_profile` takes."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    out: dict[str, tuple[Dim, ...]] = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        dims: list[Dim] = []
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value > 0:
+                dims.append(int(d.dim_value))
+            else:
+                dims.append(d.dim_param or None)
+        out[vi.name] = tuple(dims)
+    return out
+
+
+def ort_trt_profile_options_for(
+    onnx_path: Path, *, sample_shape: Sequence[int], max_batch: int, opt_batch: int = 1
+) -> dict[str, str]:
+    """:func:`ort_trt_profile_options` of the model file at ``onnx_path`` (the backends' entry point)."""
+    return ort_trt_profile_options(
+        optimization_profile(
+            onnx_input_shapes(onnx_path), sample_shape=sample_shape, max_batch=max_batch, opt_batch=opt_batch
+        )
+    )
+
+
+def build_fingerprint(
+    options: BuildOptions, precision: Precision, *, calibrated: bool = False, device: str = ""
+) -> str:
+    """A short digest of everything besides the model, GPU, TensorRT version and precision that
+    makes an engine what it is (G11): the profile inputs (max/opt batch, sample shape), the builder
+    flags, workspace, optimization level, whether INT8 scales came from calibration, and device
+    details (SM count, memory: Jetson modules share one name and compute capability). Progress,
+    cancel and the timing cache path change how a build runs, not what it builds: left out."""
+    canonical = json.dumps(
+        {
+            "max_batch": options.max_batch,
+            "opt_batch": min(max(1, options.opt_batch), options.max_batch),
+            "sample_shape": list(options.sample_shape) if options.sample_shape is not None else None,
+            "workspace_mb": options.workspace_mb,
+            "opt_level": options.builder_optimization_level,
+            "flags": list(builder_flags(precision)),
+            "int8_scales": ("calibrated" if calibrated else "qdq") if precision == "int8" else None,
+            "device": device,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- INT8 on the GPU (G12)
+
+_QOPERATOR_OPS = frozenset(
+    {
+        "QLinearConv",
+        "QLinearMatMul",
+        "QLinearAdd",
+        "QLinearMul",
+        "QLinearAveragePool",
+        "QLinearGlobalAveragePool",
+        "QLinearConcat",
+        "QLinearLeakyRelu",
+        "QLinearSigmoid",
+        "QLinearSoftmax",
+        "QGemm",
+        "ConvInteger",
+        "MatMulInteger",
+        "DynamicQuantizeLinear",
+        "DynamicQuantizeMatMul",
+        "MatMulIntegerToFloat",
+    }
+)
+
+
+def int8_qdq_problem(onnx_path: Path) -> str | None:
+    """Why this INT8 model must not go to TensorRT (native or onnxruntime's TensorRT EP), or None.
+
+    TensorRT takes INT8 only as explicit, symmetric quantization: QuantizeLinear/DequantizeLinear
+    pairs with signed INT8 zero points that are all 0 (its ONNX parser rejects UINT8 Q/DQ and asserts
+    "TRT only supports symmetric quantization - zeroPt must be all zeros"); onnxruntime documents
+    GPU quantization as S8S8 only; a DequantizeLinear of an INT32 (quantized) bias is refused by
+    TensorRT's parser too. So an acceptable model is what ``quantize_static`` makes with QInt8
+    activations and weights and ``extra_options={"ActivationSymmetric": True, "WeightSymmetric":
+    True, "QuantizeBias": False}``. QOperator models (QLinearConv, ConvInteger, ...) and U8S8 QDQ
+    (what a CPU-tuned ``quantize_static`` produces) are CPU models: refused here with the reason,
+    so the agent runs them on onnxruntime's CPU/CUDA path instead of fragmenting a TensorRT graph.
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as exc:
+        return f"cannot read the model: {exc}"
+    consts: dict[str, Any] = {i.name: i for i in model.graph.initializer}
+    elem: dict[str, int] = {i.name: i.data_type for i in model.graph.initializer}
+    nodes = list(model.graph.node)
+    for n in nodes:
+        if n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value" and n.output:
+                    consts[n.output[0]] = a.t
+                    elem[n.output[0]] = a.t.data_type
+    qoperators = sorted({n.op_type for n in nodes if n.op_type in _QOPERATOR_OPS})
+    if qoperators:
+        return (
+            f"QOperator INT8 ({', '.join(qoperators)}) is a CPU format; TensorRT needs symmetric "
+            "QuantizeLinear/DequantizeLinear (S8S8)"
+        )
+    qdq = [n for n in nodes if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    if not qdq:
+        return "no QuantizeLinear/DequantizeLinear nodes: nothing tells TensorRT the INT8 scales"
+    int8 = onnx.TensorProto.INT8
+    for n in qdq:
+        label = f"{n.op_type} {n.name or (n.output[0] if n.output else '?')}"
+        zp = n.input[2] if len(n.input) > 2 and n.input[2] else None
+        if zp is None:
+            if n.op_type == "QuantizeLinear":
+                return f"{label} has no zero point, so by ONNX it quantizes to UINT8; TensorRT needs INT8"
+            src = n.input[0]
+            if src in elem and elem[src] != int8:
+                return f"{label} dequantizes {onnx.TensorProto.DataType.Name(elem[src])}; TensorRT needs INT8"
+            continue
+        if zp not in consts:
+            return f"{label}: zero point {zp} is computed at run time; TensorRT needs constant zeros"
+        t = consts[zp]
+        if t.data_type == onnx.TensorProto.INT32:
+            return (
+                f"{label} dequantizes INT32 (a quantized bias); TensorRT dequantizes only 8-bit tensors "
+                "(quantize with QuantizeBias=False)"
+            )
+        if t.data_type != int8:
+            why = " (asymmetric U8 activations)" if t.data_type == onnx.TensorProto.UINT8 else ""
+            return (
+                f"{label}: zero point is {onnx.TensorProto.DataType.Name(t.data_type)}{why}; "
+                "TensorRT needs INT8 zero points, all 0"
+            )
+        if np.any(numpy_helper.to_array(t) != 0):
+            return f"{label}: zero point is not 0 (asymmetric); TensorRT supports symmetric INT8 only"
+    return None
 
 
 class TrtRuntime(Protocol):
@@ -268,6 +631,11 @@ class EngineOutcome:
     evicted: list[Eviction] = field(default_factory=list)
 
 
+OutOfProcessBuild = Callable[[Calibration | None], None]
+"""Builds ``key``'s engine into the cache in another process and returns when it is there; raises
+:class:`BuildCancelled` or another :class:`TrtError` (see :mod:`edge_agent.engine_build`)."""
+
+
 def obtain_engine(
     runtime: TrtRuntime,
     cache: EngineCache,
@@ -278,11 +646,17 @@ def obtain_engine(
     options: BuildOptions | None = None,
     on_build_start: Callable[[], None] | None = None,
     on_evict: Callable[[Eviction], None] | None = None,
+    build: OutOfProcessBuild | None = None,
 ) -> tuple[TrtEngine, EngineOutcome]:
     """The engine for ``key``: from the cache when it loads, else built, cached and loaded.
 
     ``calib`` may be a function: it is called only when a build is needed (gathering calibration
-    frames from a camera takes seconds; a cache hit needs none).
+    frames from a camera takes seconds; a cache hit needs none). ``build``: build in another
+    process (which writes the engine into ``cache`` atomically) instead of calling
+    ``runtime.build_engine`` here; the engine is then read back from the cache.
+
+    An engine that loads but cannot be run natively (:class:`UnsupportedEngine`) is neither evicted
+    nor rebuilt: the error goes straight to the caller, which falls back to onnxruntime.
     """
     options = options or BuildOptions()
     outcome = EngineOutcome(key=key, cache_hit=False)
@@ -290,6 +664,8 @@ def obtain_engine(
     if cached is not None:
         try:
             engine = runtime.load_engine(cached)
+        except UnsupportedEngine:
+            raise
         except Exception as exc:
             ev = cache.evict(key, f"cached engine does not load: {exc}")
             outcome.evicted.append(ev)
@@ -302,13 +678,22 @@ def obtain_engine(
         on_build_start()
     t0 = time.monotonic()
     calibration = calib() if callable(calib) else calib
-    data = runtime.build_engine(onnx_path, key.precision, calibration, options)
+    if build is not None:
+        build(calibration)
+        data = cache.lookup(key)
+        if data is None:
+            raise TrtError("the engine build process finished but left no engine in the cache")
+        cache.enforce_bound(keep=key)
+    else:
+        data = runtime.build_engine(onnx_path, key.precision, calibration, options)
+        if not data:
+            raise TrtError("the TensorRT builder returned no engine")
+        cache.store(key, data)
     outcome.build_s = time.monotonic() - t0
-    if not data:
-        raise TrtError("the TensorRT builder returned no engine")
-    cache.store(key, data)
     try:
         engine = runtime.load_engine(data)
+    except UnsupportedEngine:
+        raise  # the engine stays cached: the next start falls back at once, without a rebuild
     except Exception as exc:
         ev = cache.evict(key, f"freshly built engine does not load: {exc}")
         outcome.evicted.append(ev)
@@ -374,13 +759,33 @@ def load_tensorrt_runtime(device: int = 0) -> tuple[TensorRtRuntime | None, str]
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def _major(version: str) -> int | None:
+    m = re.match(r"\s*(\d+)", version)
+    return int(m.group(1)) if m else None
+
+
 class TensorRtRuntime:
-    """``tensorrt`` + ``cuda-python`` on CUDA device ``device``."""
+    """``tensorrt`` + ``cuda-python`` on CUDA device ``device``.
 
-    def __init__(self, device: int = 0) -> None:
-        import tensorrt as trt
+    ``trt_module`` / ``cudart_module``: the seam for tests (a fake of the TensorRT 10 Python API and
+    of cuda-python's runtime); by default the real packages are imported.
+    """
 
-        cudart = _import_cudart()
+    def __init__(self, device: int = 0, *, trt_module: Any = None, cudart_module: Any = None) -> None:
+        if trt_module is None:
+            import tensorrt
+
+            trt_module = tensorrt
+        trt = trt_module
+        cudart = cudart_module if cudart_module is not None else _import_cudart()
+        self.version: str = str(trt.__version__)
+        if _major(self.version) != TRT_MAJOR_SUPPORTED:
+            # TensorRT 11 removed BuilderFlag.FP16/INT8, calibrators and weakly typed networks; 8.x
+            # has no IProgressMonitor and builds implicit-batch networks from create_network(0).
+            raise TrtError(
+                f"TensorRT {self.version} is installed; the native engine path is written for TensorRT "
+                f"{TRT_MAJOR_SUPPORTED}.x (onnxruntime is used instead)"
+            )
         self._trt = trt
         self._cudart = cudart
         self.device = device
@@ -389,7 +794,10 @@ class TensorRtRuntime:
         name = props.name
         self.gpu_name: str = (name.decode() if isinstance(name, bytes) else str(name)).rstrip("\x00")
         self.compute_capability: str = f"{props.major}.{props.minor}"
-        self.version: str = str(trt.__version__)
+        sms = getattr(props, "multiProcessorCount", None)
+        mem = getattr(props, "totalGlobalMem", None)
+        # Jetson AGX, NX and Nano Orin are all "Orin", compute capability 8.7: engines are tuned per module.
+        self.device_fingerprint: str = f"sm{sms}-{int(mem) // 2**20}MiB" if sms and mem else ""
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
 
@@ -398,6 +806,10 @@ class TensorRtRuntime:
     ) -> bytes:
         trt = self._trt
         _cuda_check(self._cudart, self._cudart.cudaSetDevice(self.device))  # the build thread's device
+        if precision == "int8" and (calib is None or not calib.batches):
+            problem = int8_qdq_problem(onnx_path)  # explicit quantization only: symmetric INT8 Q/DQ
+            if problem is not None:
+                raise TrtError(f"INT8 on TensorRT refused: {problem}")
         builder = trt.Builder(self._logger)
         network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
         parser = trt.OnnxParser(network, self._logger)
@@ -406,22 +818,29 @@ class TensorRtRuntime:
             raise TrtError(f"the ONNX parser refused {onnx_path.name}: {errors or 'no detail'}")
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mb * 2**20)
-        profile = self._profile(builder, network, options)
-        if profile is not None:
+        if options.builder_optimization_level is not None:
+            config.builder_optimization_level = int(options.builder_optimization_level)
+        for flag in builder_flags(precision):  # exactly the precision asked for: fp32 sets no FP16 (G8)
+            value = getattr(trt.BuilderFlag, flag, None)
+            if value is None:
+                raise TrtError(f"TensorRT {self.version} has no BuilderFlag.{flag}; cannot build {precision}")
+            config.set_flag(value)
+        inputs = [network.get_input(i) for i in range(network.num_inputs)]
+        profiles = optimization_profile(
+            {t.name: tuple(int(d) for d in t.shape) for t in inputs},
+            sample_shape=options.sample_shape,
+            max_batch=options.max_batch,
+            opt_batch=options.opt_batch,
+        )
+        if profiles:
+            profile = builder.create_optimization_profile()
+            for ip in profiles:
+                profile.set_shape(ip.name, ip.min, ip.opt, ip.max)
             config.add_optimization_profile(profile)
         calibrator = None
-        if precision in ("fp16", "int8") and builder.platform_has_fast_fp16:
-            config.set_flag(trt.BuilderFlag.FP16)
-        if precision == "int8":
-            if not builder.platform_has_fast_int8:
-                raise TrtError("this GPU has no fast INT8")
-            config.set_flag(trt.BuilderFlag.INT8)
-            if calib is not None and calib.batches:
-                calibrator = _make_calibrator(trt, self._cudart, calib)
-                config.int8_calibrator = calibrator
-                if profile is not None:
-                    config.set_calibration_profile(profile)
-            # Without calibration frames only a Q/DQ (explicitly quantized) model builds in INT8.
+        if precision == "int8" and calib is not None and calib.batches:
+            calibrator = self._attach_calibrator(builder, config, inputs, calib, dynamic=bool(profiles))
+        timing_cache = _attach_timing_cache(config, options.timing_cache)
         monitor = None
         if options.progress is not None or options.cancel is not None:
             monitor = _make_progress_monitor(trt, options.progress, options.cancel)
@@ -431,29 +850,46 @@ class TensorRtRuntime:
             raise BuildCancelled("engine build cancelled")
         if serialized is None:
             raise TrtError("the TensorRT builder failed (see the agent log for TensorRT's messages)")
-        del calibrator, monitor  # they must outlive the build, no longer
+        if options.timing_cache is not None:
+            _save_timing_cache(config, options.timing_cache)
+        del calibrator, monitor, timing_cache  # they must outlive the build, no longer
         return bytes(memoryview(serialized))
 
-    def _profile(self, builder: Any, network: Any, options: BuildOptions) -> Any:
-        dynamic = False
-        profile = builder.create_optimization_profile()
-        for i in range(network.num_inputs):
-            tensor = network.get_input(i)
-            shape = list(tensor.shape)
-            if all(d > 0 for d in shape):
-                continue
-            dynamic = True
-            rest = shape[1:]
-            if any(d <= 0 for d in rest):
-                if options.sample_shape is None or len(options.sample_shape) != len(rest):
-                    raise TrtError(f"input {tensor.name} has dynamic dims {shape} and no sample shape")
-                rest = [d if d > 0 else s for d, s in zip(rest, options.sample_shape, strict=True)]
-            if shape[0] > 0:
-                lo = opt = hi = shape[0]
-            else:
-                lo, opt, hi = 1, options.max_batch, options.max_batch
-            profile.set_shape(tensor.name, [lo, *rest], [opt, *rest], [hi, *rest])
-        return profile if dynamic else None
+    def _attach_calibrator(
+        self, builder: Any, config: Any, inputs: list[Any], calib: Calibration, *, dynamic: bool
+    ) -> Any:
+        """INT8 entropy calibration whose device buffer is exactly the shape TensorRT reads (G9).
+
+        With runtime dimensions TensorRT calibrates at the calibration profile's kOPT ("MIN and MAX
+        values will be overwritten by kOPT", NvInfer.h), and reads that many bytes from the pointer
+        ``get_batch`` returns. So the calibration profile is exactly the calibration batches' shape,
+        not the inference profile (whose kOPT was ``max_batch``: reads past a one-sample buffer).
+        """
+        trt = self._trt
+        if len(inputs) != 1:
+            raise TrtError(f"INT8 calibration feeds one input; this model has {len(inputs)}")
+        tensor = inputs[0]
+        shapes = {tuple(int(d) for d in b.shape) for b in calib.batches}
+        if len(shapes) != 1:
+            raise TrtError(f"calibration batches differ in shape: {sorted(shapes)}")
+        (shape,) = shapes
+        net_shape = tuple(int(d) for d in tensor.shape)
+        if len(shape) != len(net_shape) or any(
+            d > 0 and d != s for d, s in zip(net_shape, shape, strict=True)
+        ):
+            raise TrtError(f"calibration batches are {shape}; the network input {tensor.name} is {net_shape}")
+        dtype = np.dtype(trt.nptype(tensor.dtype))
+        if any(b.dtype != dtype for b in calib.batches):
+            raise TrtError(f"calibration batches must be {dtype} like the network input {tensor.name}")
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        calibrator = _make_calibrator(trt, self._cudart, calib, nbytes)
+        config.int8_calibrator = calibrator
+        if dynamic:
+            calib_profile = builder.create_optimization_profile()
+            calib_profile.set_shape(tensor.name, shape, shape, shape)
+            if config.set_calibration_profile(calib_profile) is False:
+                raise TrtError(f"TensorRT refused the calibration profile {shape} for {tensor.name}")
+        return calibrator
 
     def load_engine(self, data: bytes) -> TrtEngine:
         _cuda_check(self._cudart, self._cudart.cudaSetDevice(self.device))
@@ -461,6 +897,42 @@ class TensorRtRuntime:
         if engine is None:
             raise TrtError("TensorRT could not deserialize the engine (corrupt, or another GPU/version)")
         return _CudaEngine(self._trt, self._cudart, engine, self.device)
+
+
+def _attach_timing_cache(config: Any, path: Path | None) -> Any:
+    """Reuse the tactic timings of earlier builds on this GPU (G21): a rebuild after a model update
+    takes seconds instead of minutes. A cache from another device or TensorRT is not trusted
+    (``ignore_mismatch=False``); an unreadable one starts empty."""
+    if path is None:
+        return None
+    blob = b""
+    with contextlib.suppress(OSError):
+        blob = path.read_bytes()
+    cache = config.create_timing_cache(blob)
+    if blob and (cache is None or not config.set_timing_cache(cache, False)):
+        log.warning("timing cache %s does not fit this GPU/TensorRT; starting an empty one", path.name)
+        cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, False)
+    elif not blob:
+        config.set_timing_cache(cache, False)
+    return cache
+
+
+def _save_timing_cache(config: Any, path: Path) -> None:
+    try:
+        cache = config.get_timing_cache()
+        if cache is None:
+            return
+        atomic_write(path, bytes(memoryview(cache.serialize())))
+    except Exception as exc:  # a timing cache only saves time later; never fail a good build on it
+        log.warning("could not save the TensorRT timing cache %s: %s", path, exc)
+
+
+def timing_cache_path(cache_dir: Path, key: EngineKey) -> Path:
+    """Where the TensorRT timing cache of ``key``'s GPU lives: one per GPU name, compute capability
+    and TensorRT version, shared by every model built there (not an engine: no size bound)."""
+    cc = _slug(key.compute_capability, 8)
+    return cache_dir / f"timing-{_slug(key.gpu_name)}-sm{cc}-trt{_slug(key.trt_version, 16)}.cache"
 
 
 def _make_progress_monitor(trt: Any, progress: ProgressFn | None, cancel: threading.Event | None) -> Any:
@@ -498,24 +970,31 @@ def _make_progress_monitor(trt: Any, progress: ProgressFn | None, cancel: thread
     return Monitor()
 
 
-def _make_calibrator(trt: Any, cudart: Any, calib: Calibration) -> Any:
+def _make_calibrator(trt: Any, cudart: Any, calib: Calibration, nbytes: int) -> Any:
+    """Feeds ``calib``'s batches; the device buffer is ``nbytes``, exactly one calibration batch."""
+    bad = [b.nbytes for b in calib.batches if b.nbytes != nbytes]
+    if bad:
+        raise TrtError(f"calibration batches of {bad[0]} bytes; TensorRT reads {nbytes} per batch")
+
     class Calibrator(trt.IInt8EntropyCalibrator2):  # type: ignore[misc,name-defined]
         def __init__(self) -> None:
             trt.IInt8EntropyCalibrator2.__init__(self)
             self._batches = list(calib.batches)
             self._next = 0
-            self._nbytes = max(b.nbytes for b in self._batches)
+            self._nbytes = nbytes
             self._ptr = _cuda_check(cudart, cudart.cudaMalloc(self._nbytes))
             self._cache: bytes | None = None
 
         def get_batch_size(self) -> int:
-            return calib.batch_size
+            return calib.batch_size  # ignored by TensorRT 10 (explicit batch); kOPT decides
 
         def get_batch(self, names: list[str]) -> list[int] | None:
             if self._next >= len(self._batches):
                 return None
             host = np.ascontiguousarray(self._batches[self._next])  # the model input's own dtype
             self._next += 1
+            if host.nbytes != self._nbytes:
+                return None  # unreachable (checked above); never let TensorRT read past the buffer
             _cuda_check(
                 cudart,
                 cudart.cudaMemcpy(
@@ -554,10 +1033,29 @@ class _CudaEngine:
         dims = tuple(int(d) for d in engine.get_tensor_shape(self.input_name))
         self.input_shape: tuple[int | str | None, ...] = tuple(d if d >= 0 else None for d in dims)
         self.dynamic_batch: bool = dims[0] < 0
+        self._check_output_shapes(dims)
         self._dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
         self._stream = _cuda_check(cudart, cudart.cudaStreamCreate())
         self._buffers: dict[str, tuple[Any, int]] = {}
         self._thread_device_set: set[int] = set()
+
+    def _check_output_shapes(self, dims: tuple[int, ...]) -> None:
+        """Refuse at load, not at the first frame, an engine whose outputs have data-dependent shapes
+        (NonZero, NonMaxSuppression: -1 even once every input shape is set) (G10). This runner has
+        no ``IOutputAllocator``; the model runs on onnxruntime (whose TensorRT EP has one)."""
+        ctx = self._ctx
+        if any(d < 0 for d in dims):
+            shapes = self._engine.get_tensor_profile_shape(self.input_name, 0)  # [min, opt, max]
+            biggest = tuple(int(d) for d in shapes[2])
+            if not ctx.set_input_shape(self.input_name, biggest):
+                raise TrtError(f"the engine refuses its own profile max {biggest} for {self.input_name}")
+        for name in self.output_names:
+            shape = tuple(int(d) for d in ctx.get_tensor_shape(name))
+            if any(d < 0 for d in shape):
+                raise UnsupportedEngine(
+                    f"output {name} has a data-dependent shape {shape} (e.g. NonZero or NMS in the graph); "
+                    "the native TensorRT runner does not support it"
+                )
 
     def _buffer(self, name: str, nbytes: int) -> Any:
         have = self._buffers.get(name)
@@ -587,7 +1085,7 @@ class _CudaEngine:
         for name in self.output_names:
             shape = tuple(int(d) for d in ctx.get_tensor_shape(name))
             if any(d < 0 for d in shape):
-                raise TrtError(f"output {name} has a data-dependent shape {shape}; not supported")
+                raise UnsupportedEngine(f"output {name} has a data-dependent shape {shape}; not supported")
             arr = np.empty(shape, dtype=self._dtypes[name])
             ctx.set_tensor_address(name, int(self._buffer(name, arr.nbytes)))
             outs[name] = arr

@@ -262,6 +262,11 @@ def isa_of(flags: Sequence[str] | None) -> Int8Isa | None:
     return "no-vnni" if "avx2" in flags else None
 
 
+def is_jetson(capabilities: Capabilities) -> bool:
+    """A Jetson reports its integrated GPU as ``Jetson …`` (edge_agent/jetson.py), NVML or not."""
+    return any(g.name.startswith("Jetson") for g in capabilities.gpus)
+
+
 def choose_variant(reports: Sequence[VariantReport], capabilities: Capabilities) -> tuple[str, str]:
     """The variant a device should run, and a sentence saying why (shown in the API).
 
@@ -292,6 +297,14 @@ def choose_variant(reports: Sequence[VariantReport], capabilities: Capabilities)
             tail = "; the device builds its TensorRT engine from it" if trt else ""
             return "fp16", f"{head}; fp16 fit: {_figures(fp16, by_name.get('fp32'), speed=False)}{tail}"
         return "fp32", f"{head}; fp16 {_unfit(fp16)}, so fp32"
+    if gpu is not None and is_jetson(capabilities):
+        # The INT8 variant is QOperator/QDQ judged on an x86 CPU for onnxruntime's CPU kernels: a Jetson
+        # running without its GPU providers (CPU-only onnxruntime) gets fp32, which always runs, and a
+        # Jetson with them took the branch above.
+        return "fp32", (
+            f"Jetson ({gpu.name}) without its GPU providers (providers: {shown}); the int8 variant is "
+            "for x86 CPUs only, so fp32"
+        )
     head = f"CPU-only device (providers: {shown})"
     int8 = by_name.get("int8")
     if int8 is not None and int8.fit:

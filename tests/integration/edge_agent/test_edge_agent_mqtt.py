@@ -100,7 +100,7 @@ def test_agent_fetches_model_then_streams_person_detections_acked_to_empty_outbo
     ctl = StandInController(broker.host, broker.port, "site-a", {manifest.sha256: PED / "model.onnx"})
     try:
         ctl.publish_desired(desired(1, {"cam1": camera_with(manifest)}))
-        agent = start(Agent(agent_settings("site-a", broker, tmp_path / "a")), run_agent)
+        agent = start(Agent.from_settings(agent_settings("site-a", broker, tmp_path / "a")), run_agent)
 
         def running() -> bool:
             rep = ctl.latest_reported()
@@ -184,7 +184,7 @@ def test_broker_outage_loses_no_seq(
     ctl = StandInController(own_broker.host, own_broker.port, "site-b", {})
     try:
         ctl.publish_desired(desired(1, {"cam1": camera_with(manifest)}))
-        agent = start(Agent(agent_settings("site-b", own_broker, data)), run_agent)
+        agent = start(Agent.from_settings(agent_settings("site-b", own_broker, data)), run_agent)
         wait_for(lambda: len(ctl.frames()) >= 5, 40, "detections before the outage")
 
         own_broker.stop()
@@ -209,7 +209,7 @@ def test_refused_credentials_stop_the_agent_with_an_error_code(tmp_path: Path) -
     locked = MosquittoBroker(tmp_path / "locked", extra_conf="allow_anonymous false\n")
     locked.start()
     try:
-        agent = Agent(agent_settings("site-locked", locked, tmp_path / "c", cameras=False))
+        agent = Agent.from_settings(agent_settings("site-locked", locked, tmp_path / "c", cameras=False))
         result: list[int] = []
         runner = threading.Thread(target=lambda: result.append(agent.run()), name="agent-run")
         runner.start()
@@ -225,7 +225,9 @@ def test_garbage_on_every_agent_topic_is_dropped_and_the_agent_carries_on(
 ) -> None:
     ctl = StandInController(broker.host, broker.port, "site-g", {})
     try:
-        agent = start(Agent(agent_settings("site-g", broker, tmp_path / "g", cameras=False)), run_agent)
+        agent = start(
+            Agent.from_settings(agent_settings("site-g", broker, tmp_path / "g", cameras=False)), run_agent
+        )
         wait_for(lambda: agent.transport.connected, 10, "agent connected")
         client = mqtt.Client(CallbackAPIVersion.VERSION2)
         client.connect(broker.host, broker.port)
@@ -243,7 +245,7 @@ def test_garbage_on_every_agent_topic_is_dropped_and_the_agent_carries_on(
             return bool(rep and rep.desired_version == 7)
 
         wait_for(applied, 10, "a valid desired state applied after the garbage")
-        errors = agent.diagnostics()["protocol_errors"]
+        errors = agent.commands.diagnostics()["protocol_errors"]
         assert sum(errors.values()) >= 12
         assert agent.fetcher.bad_chunks >= 4
     finally:

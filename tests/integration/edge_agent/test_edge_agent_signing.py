@@ -53,7 +53,7 @@ def site(broker: MosquittoBroker, tmp_path: Path, request: pytest.FixtureRequest
     (data / "models").mkdir(parents=True)
     shutil.copyfile(MODEL_A / "model.onnx", data / "models" / f"{a.sha256}.onnx")
     ctl = StandInController(broker.host, broker.port, device, {b.sha256: MODEL_B / "model.onnx"})
-    agent = Agent(agent_settings(device, broker, data))
+    agent = Agent.from_settings(agent_settings(device, broker, data))
     try:
         ctl.publish_desired(desired(1, {"cam1": camera_with(a)}))
         agent.start()

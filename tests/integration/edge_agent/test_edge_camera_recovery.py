@@ -115,7 +115,7 @@ def test_file_camera_gone_goes_down_backs_off_and_comes_back_while_the_other_kee
                 {"id": "camB", "source": str(clip_b), "loop": True},
             ],
         )
-        agent = Agent(settings)
+        agent = Agent.from_settings(settings)
         agents.append(agent)
         agent.start()
         wait_for(
@@ -247,7 +247,7 @@ def test_http_mjpeg_camera_down_when_server_stops_and_up_when_it_returns(
                 {"id": "file", "source": str(FOOTAGE), "loop": True},
             ],
         )
-        agent = Agent(settings)
+        agent = Agent.from_settings(settings)
         agents.append(agent)
         agent.start()
         ipcam, file_cam = agent.pipeline.cameras["ipcam"], agent.pipeline.cameras["file"]
@@ -301,7 +301,7 @@ def test_rtsp_camera_whose_server_is_gone_is_down_and_retried_without_leaking_it
             ],
         )
         start = time.monotonic()
-        agent = Agent(settings)
+        agent = Agent.from_settings(settings)
         agents.append(agent)
         agent.start()
         gate = agent.pipeline.cameras["gate"]

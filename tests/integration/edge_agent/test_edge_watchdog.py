@@ -140,7 +140,7 @@ def test_hung_inference_is_abandoned_restarted_rate_limited_and_recovers(
         env={},
     )
     ctl = StandInController(broker.host, broker.port, "wd-1", {manifest.sha256: model_file})
-    agent = Agent(settings, backend_factory=factory)
+    agent = Agent.from_settings(settings, backend_factory=factory)
     try:
         ctl.publish_desired(desired(1, {"cam1": camera_with(manifest)}))
         agent.start()
@@ -208,7 +208,7 @@ def test_hung_inference_is_abandoned_restarted_rate_limited_and_recovers(
         assert "car" not in labels(), "a result of an abandoned run was published"
         assert agent.pipeline.camera_states()["cam1"] == CameraState.UP
         assert not agent.stop_event.is_set() and agent.exit_code == 0, "the agent kept running"
-        diag = agent.diagnostics()
+        diag = agent.commands.diagnostics()
         assert diag["watchdog"]["restarts"] == sum(1 for a in actions(ctl) if a in ("restarted", "retry"))
     finally:
         agent.shutdown()

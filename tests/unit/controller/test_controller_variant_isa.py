@@ -15,7 +15,7 @@ from controller.db.tables import ModelVariant, ModelVersion
 from controller.fleet.twin import _reports, choose
 from controller.registry.builder import VariantWorker
 from controller.registry.variants import Int8Isa, VariantReport, choose_variant, cpu_isa, isa_of
-from fleet_protocol.messages import Capabilities
+from fleet_protocol.messages import Capabilities, GpuInfo
 
 PROVIDERS = ["CPUExecutionProvider"]
 VNNI_DEVICE = Capabilities(execution_providers=PROVIDERS, cpu_flags=["avx2", "avx512f", "avx512_vnni"])
@@ -113,14 +113,39 @@ def test_old_agent_keeps_int8_and_the_reason_says_its_isa_is_unknown() -> None:
 
 
 def test_gpu_devices_are_not_affected_by_cpu_flags() -> None:
-    from fleet_protocol.messages import GpuInfo
-
     cuda = Capabilities(
         gpus=[GpuInfo(index=0, name="NVIDIA T4", compute_capability="7.5")],
         execution_providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
         cpu_flags=["avx2"],
     )
     assert choose_variant(_reports_with("vnni"), cuda)[0] == "fp16"
+
+
+@pytest.mark.parametrize(
+    "providers",
+    [
+        ["CPUExecutionProvider"],
+        ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+    ],
+    ids=["cpu-onnxruntime", "gpu-providers"],
+)
+def test_a_jetson_never_gets_the_cpu_only_int8_variant(providers: list[str]) -> None:
+    # As edge_agent/jetson.py reports an Orin without NVML: its integrated GPU by name, portable int8 too.
+    jetson = Capabilities(
+        arch="aarch64",
+        gpus=[GpuInfo(index=0, name="Jetson AGX Orin (integrated GPU)", compute_capability="8.7")],
+        execution_providers=providers,
+        cpu_flags=["neon", "dotprod"],
+    )
+    for reports in (_reports_with("vnni"), _reports_with("no-vnni", reduce_range=True)):
+        variant, reason = choose_variant(reports, jetson)
+        assert variant != "int8", reason
+    variant, reason = choose_variant(_reports_with(None), jetson)
+    if "TensorrtExecutionProvider" in providers:
+        assert variant == "fp16"
+    else:
+        assert variant == "fp32"
+        assert "Jetson AGX Orin" in reason and "int8 variant is for x86 CPUs only" in reason
 
 
 # --------------------------------------------------------------------------- persisted and read back

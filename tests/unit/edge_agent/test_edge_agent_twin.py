@@ -186,7 +186,7 @@ class Harness:
 
     def agent(self, **extra: object) -> tuple[Agent, FakeTransport]:
         t = FakeTransport()
-        a = Agent(
+        a = Agent.from_settings(
             settings(self.data_dir, **extra),
             transport=t,
             source_opener=lambda c: Frames(),
@@ -317,7 +317,7 @@ def test_birth_heartbeat_and_acks(harness: Harness) -> None:
     )
     t.deliver(TopicKind.TWIN_DESIRED, desired(1, manifest))
     wait_for(lambda: agent.outbox.next_seq > 5, what="batches and events in the outbox")
-    hb = agent.heartbeat()
+    hb = agent.heartbeats.heartbeat()
     assert hb.cameras[0].camera == "cam1" and hb.outbox_pending >= 0
     top = agent.outbox.next_seq - 1
     t.deliver(TopicKind.ACKS, Ack(upto=top))

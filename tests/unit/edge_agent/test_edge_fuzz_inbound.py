@@ -147,7 +147,7 @@ def rig(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[tuple[Agen
     data = tmp_path / "data"
     cfg = agent_settings(data, artifacts={"request_timeout_s": 0.5, "max_retries": 10_000})
     link = OfflineLink(cfg, Topics(cfg.topic_prefix))
-    agent = Agent(
+    agent = Agent.from_settings(
         cfg, transport=link, source_opener=lambda c: Frames(), backend_factory=lambda p, m: FakeBackend()
     )
     agent.start()
@@ -304,7 +304,7 @@ def test_the_agent_shrugs_off_bad_input_on_every_inbound_topic(
     link.deliver(TopicKind.HEARTBEAT, b"\x00")
 
     # Still working: a newer desired state is applied, a command answered, detections keep coming.
-    version = agent._received_version + 1
+    version = agent.twin._received_version + 1
     link.deliver(TopicKind.TWIN_DESIRED, encode(_desired(version, local)))
     wait_for(
         lambda: _running(link, version, "local:1"), timeout=20, what=f"v{version} applied after the fuzzing"

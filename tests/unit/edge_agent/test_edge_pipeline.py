@@ -257,7 +257,7 @@ def test_a_hung_run_is_abandoned_its_backend_replaced_and_its_late_result_droppe
         assert len(made) == 2 and p.model_of("c0").backend is made[1]  # type: ignore[union-attr]
         fresh = results(p, 3)
         release.set()
-        wait_for(lambda: p.late_results == 1)
+        wait_for(lambda: p.watchdog.late_results == 1)
         later = results(p, 3)
         assert all(d.label == "person" for r in fresh + later for d in r.detections)
         assert p.watchdog_status()["restarts"] == 1

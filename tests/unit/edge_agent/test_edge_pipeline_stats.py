@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_agent.agent import Agent
+from edge_agent.heartbeat import build_heartbeat
 from edge_agent.pipeline import LATENCY_WINDOW, MEDIAN_WINDOW, CameraParams, Pipeline, latency_summary
 from fleet_protocol import decode, encode
 from fleet_protocol.messages import CameraStats, Heartbeat
@@ -160,23 +160,13 @@ def test_window_is_bounded() -> None:
 # --------------------------------------------------------------------------- the heartbeat
 
 
-class _Stub:
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
-
-
 def test_heartbeat_carries_per_camera_p99_and_the_worst_of_them() -> None:
     cams = [
         CameraStats(camera="c0", state="up", fps=5.0, inference_ms=10.0, inference_p99_ms=40.0, model="a:1"),
         CameraStats(camera="c1", state="up", fps=5.0, inference_ms=12.0, inference_p99_ms=90.5, model="a:1"),
         CameraStats(camera="c2", state="up"),
     ]
-    fake = _Stub(
-        health=_Stub(system=lambda: {"uptime_s": 1.0}),
-        pipeline=_Stub(stats=lambda: cams, out=_Stub(dropped=0)),
-        outbox=_Stub(pending=lambda: 0, dropped=0),
-    )
-    hb = Agent.heartbeat(fake)  # type: ignore[arg-type]
+    hb = build_heartbeat({"uptime_s": 1.0}, cams, outbox_pending=0, outbox_dropped=0, queue_dropped=0)
     assert hb.inference_ms == 12.0 and hb.inference_p99_ms == 90.5
     back = decode(TopicKind.HEARTBEAT, encode(hb))
     assert isinstance(back, Heartbeat)

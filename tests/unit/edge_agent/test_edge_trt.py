@@ -384,7 +384,8 @@ def test_tensorrt_ep_gets_the_engine_cache_and_fp16_flag(tmp_path: Path) -> None
     assert opts["trt_timing_cache_enable"] == "True"
     assert opts["trt_fp16_enable"] == "True" and opts["trt_int8_enable"] == "False"
     assert (tmp_path / "ort_cache").is_dir()
-    assert (cuda, cpu) == ("CUDAExecutionProvider", "CPUExecutionProvider")
+    assert cuda[0] == "CUDAExecutionProvider" and cuda[1]["cudnn_conv_algo_search"] == "HEURISTIC"
+    assert cpu == "CPUExecutionProvider"
     assert be.provider == "TensorrtExecutionProvider" and be.fallback_reason is None
     _be32, calls32 = ort_backend(tmp_path, ALL, ALL, variant="fp32")
     assert calls32[0]["providers"][0][1]["trt_fp16_enable"] == "False"
@@ -394,7 +395,10 @@ def test_cuda_only_gets_cuda_and_cpu_only_gets_cpu(tmp_path: Path) -> None:
     be, calls = ort_backend(
         tmp_path, ["CUDAExecutionProvider", "CPUExecutionProvider"], ["CUDAExecutionProvider"]
     )
-    assert calls[0]["providers"] == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert [p[0] if isinstance(p, tuple) else p for p in calls[0]["providers"]] == [
+        "CUDAExecutionProvider",
+        "CPUExecutionProvider",
+    ]
     assert be.provider == "CUDAExecutionProvider"
     be, calls = ort_backend(
         tmp_path, ["CPUExecutionProvider", "AzureExecutionProvider"], ["CPUExecutionProvider"]
@@ -515,7 +519,9 @@ def agent_rt(tmp_path: Path) -> Iterator[tuple[Agent, Transport, FakeRuntime]]:
     data.mkdir()
     rt = FakeRuntime()
     t = Transport()
-    agent = Agent(agent_settings(data), transport=t, source_opener=lambda c: Frames(), trt_runtime=rt)
+    agent = Agent.from_settings(
+        agent_settings(data), transport=t, source_opener=lambda c: Frames(), trt_runtime=rt
+    )
     agent.start()
     yield agent, t, rt
     if rt.gate is not None:
@@ -538,14 +544,14 @@ def test_the_old_model_serves_throughout_a_build_that_fails_then_onnxruntime_tak
     agent, t, rt = agent_rt
     old = store_model(agent.data_dir, "old")
     new = store_model(agent.data_dir, "new")
-    agent._accept_desired(desired(1, old), persist=False)
+    agent.twin.accept(desired(1, old), persist=False)
     wait_for(lambda: frames_of(agent, "old:1") >= 0, what="old model serving")
     model = agent.pipeline.model_of("cam1")
     assert model is not None and model.backend.provider == "TensorRT"
 
     rt.gate = threading.Event()
     rt.fail_with = "out of GPU memory while building"
-    agent._accept_desired(desired(2, new), persist=False)
+    agent.twin.accept(desired(2, new), persist=False)
     wait_for(lambda: len(rt.builds) == 2, what="the second build to start")
     wait_for(
         lambda: any(e.data["phase"] == "started" and e.data["model"] == "new:1" for e in builds(t)),
@@ -578,7 +584,7 @@ def test_model_build_events_arrive_in_order_with_progress_and_duration(
 ) -> None:
     agent, t, rt = agent_rt
     model = store_model(agent.data_dir, "m")
-    agent._accept_desired(desired(1, model), persist=False)
+    agent.twin.accept(desired(1, model), persist=False)
     wait_for(lambda: any(e.kind == "model_activate" for e in t.of(Event)), what="activation")
     events = [e for e in t.of(Event) if e.kind in ("model_build", "model_activate")]
     assert [e.data.get("phase", e.kind) for e in events] == [
@@ -598,3 +604,603 @@ def test_model_build_events_arrive_in_order_with_progress_and_duration(
     loading = [r.cameras["cam1"] for r in t.of(ReportedState) if r.cameras["cam1"].state == "loading"]
     assert [r.progress_pct for r in loading if r.progress_pct] == [25.0, 50.0, 75.0, 100.0]
     assert len(rt.builds) == 1
+
+
+# --------------------------------------------------------------------------- the real runtime, at a fake TensorRT 10
+# TensorRtRuntime and _CudaEngine run for real against a fake of the TensorRT 10 Python API (names and
+# signatures as in NVIDIA/TensorRT python/src/infer/pyCore.cpp, release/10.3 and 10.13) and of
+# cuda-python's runtime. The fake builder behaves as TensorRT does where it matters: it calibrates at
+# the calibration profile's kOPT and reads that many bytes from the calibrator's device pointer.
+
+
+class FakeCudart:
+    class cudaError_t:
+        cudaSuccess = 0
+
+    class cudaMemcpyKind:
+        cudaMemcpyHostToDevice = 1
+        cudaMemcpyDeviceToHost = 2
+
+    def __init__(self) -> None:
+        self.allocations: dict[int, int] = {}
+        self._next = 0x10000
+
+    def cudaSetDevice(self, device: int) -> tuple[int]:
+        return (0,)
+
+    def cudaGetDeviceProperties(self, device: int) -> tuple[int, Any]:
+        props = type("Props", (), {"name": b"Orin\x00", "major": 8, "minor": 7})()
+        props.multiProcessorCount, props.totalGlobalMem = 8, 8 * 2**30
+        return (0, props)
+
+    def cudaMalloc(self, nbytes: int) -> tuple[int, int]:
+        ptr, self._next = self._next, self._next + nbytes + 4096
+        self.allocations[ptr] = nbytes
+        return (0, ptr)
+
+    def cudaMemcpy(self, dst: int, src: int, nbytes: int, kind: int) -> tuple[int]:
+        assert nbytes <= self.allocations[dst], "host-to-device copy past the buffer"
+        return (0,)
+
+    def cudaFree(self, ptr: int) -> tuple[int]:
+        return (0,)
+
+    def cudaStreamCreate(self) -> tuple[int, int]:
+        return (0, 7)
+
+    def cudaStreamDestroy(self, stream: int) -> tuple[int]:
+        return (0,)
+
+
+class FakeTensor:
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str = "UINT8") -> None:
+        self.name, self.shape, self.dtype = name, shape, dtype
+
+
+class FakeProfile:
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[tuple[int, ...], ...]] = {}
+
+    def set_shape(self, name: str, lo: Any, opt: Any, hi: Any) -> None:
+        self.shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
+
+
+class FakeTimingCache:
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+
+    def serialize(self) -> bytes:
+        return b"TIMING:" + str(int(self.blob.split(b":")[1]) + 1 if self.blob else 1).encode()
+
+
+class FakeConfig:
+    def __init__(self) -> None:
+        self.flags: list[str] = []
+        self.pools: dict[str, int] = {}
+        self.profiles: list[FakeProfile] = []
+        self.calibration_profile: FakeProfile | None = None
+        self.int8_calibrator: Any = None
+        self.progress_monitor: Any = None
+        self.builder_optimization_level = 3
+        self.timing: FakeTimingCache | None = None
+        self.created_timing: list[bytes] = []
+
+    def set_memory_pool_limit(self, pool: str, nbytes: int) -> None:
+        self.pools[pool] = nbytes
+
+    def set_flag(self, flag: str) -> None:
+        self.flags.append(flag)
+
+    def add_optimization_profile(self, profile: FakeProfile) -> int:
+        self.profiles.append(profile)
+        return len(self.profiles) - 1
+
+    def set_calibration_profile(self, profile: FakeProfile) -> bool:
+        self.calibration_profile = profile
+        return True
+
+    def create_timing_cache(self, blob: bytes) -> FakeTimingCache:
+        self.created_timing.append(bytes(blob))
+        return FakeTimingCache(bytes(blob))
+
+    def set_timing_cache(self, cache: FakeTimingCache, ignore_mismatch: bool) -> bool:
+        assert ignore_mismatch is False
+        self.timing = cache
+        return True
+
+    def get_timing_cache(self) -> FakeTimingCache | None:
+        return self.timing
+
+
+class FakeTrt:
+    """The parts of ``tensorrt`` (10.x) that TensorRtRuntime and _CudaEngine use."""
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, level: int) -> None:
+            pass
+
+    class MemoryPoolType:
+        WORKSPACE = "WORKSPACE"
+
+    class BuilderFlag:
+        FP16, INT8, TF32 = "FP16", "INT8", "TF32"
+
+    class TensorIOMode:
+        INPUT, OUTPUT = "INPUT", "OUTPUT"
+
+    class IProgressMonitor:
+        def __init__(self) -> None:
+            pass
+
+    class IInt8EntropyCalibrator2:
+        def __init__(self) -> None:
+            pass
+
+    def __init__(self, cudart: FakeCudart, inputs: list[FakeTensor], version: str = "10.3.0") -> None:
+        self.__version__ = version
+        self.cudart = cudart
+        self.inputs = inputs
+        self.configs: list[FakeConfig] = []
+        self.parsed: list[str] = []
+        self.calibration_reads: list[tuple[tuple[int, ...], int]] = []  # (shape read, bytes allocated)
+        self.engine: Any = None
+        fake = self
+
+        class Runtime:
+            def __init__(self, logger: Any) -> None:
+                pass
+
+            def deserialize_cuda_engine(self, data: bytes) -> Any:
+                return fake.engine
+
+        class Network:
+            num_inputs = len(inputs)
+
+            def get_input(self, i: int) -> FakeTensor:
+                return fake.inputs[i]
+
+        class OnnxParser:
+            num_errors = 0
+
+            def __init__(self, network: Any, logger: Any) -> None:
+                pass
+
+            def parse_from_file(self, path: str) -> bool:
+                fake.parsed.append(path)
+                return True
+
+        class Builder:
+            def __init__(self, logger: Any) -> None:
+                pass
+
+            def create_network(self, flags: int) -> Network:
+                return Network()
+
+            def create_builder_config(self) -> FakeConfig:
+                fake.configs.append(FakeConfig())
+                return fake.configs[-1]
+
+            def create_optimization_profile(self) -> FakeProfile:
+                return FakeProfile()
+
+            def build_serialized_network(self, network: Any, config: FakeConfig) -> bytes:
+                if config.progress_monitor is not None:
+                    config.progress_monitor.phase_start("Building engine", None, 2)
+                    for step in range(2):
+                        config.progress_monitor.step_complete("Building engine", step)
+                    config.progress_monitor.phase_finish("Building engine")
+                cal = config.int8_calibrator
+                if cal is not None:
+                    tensor = fake.inputs[0]
+                    if any(d < 0 for d in tensor.shape):  # runtime dims: calibrate at kOPT
+                        assert config.calibration_profile is not None, "no calibration profile"
+                        shape = config.calibration_profile.shapes[tensor.name][1]
+                    else:
+                        shape = tensor.shape
+                    itemsize = np.dtype(fake.nptype(tensor.dtype)).itemsize
+                    while (ptrs := cal.get_batch([tensor.name])) is not None:
+                        fake.calibration_reads.append((shape, fake.cudart.allocations[ptrs[0]]))
+                        assert int(np.prod(shape)) * itemsize <= fake.cudart.allocations[ptrs[0]], (
+                            f"TensorRT reads {shape} from a {fake.cudart.allocations[ptrs[0]]}-byte buffer"
+                        )
+                return f"PLAN:{'+'.join(config.flags) or 'fp32'}".encode()
+
+        self.Runtime, self.OnnxParser, self.Builder = Runtime, OnnxParser, Builder
+
+    @staticmethod
+    def nptype(dtype: str) -> type:
+        return {"UINT8": np.uint8, "FLOAT": np.float32, "INT32": np.int32}[dtype]
+
+
+NHWC_DYNAMIC = [FakeTensor("x", (-1, 16, 16, 3))]
+
+
+def fake_runtime(inputs: list[FakeTensor] = NHWC_DYNAMIC, version: str = "10.3.0") -> tuple[Any, FakeTrt]:
+    from edge_agent.trt import TensorRtRuntime
+
+    cudart = FakeCudart()
+    trt = FakeTrt(cudart, inputs, version)
+    return TensorRtRuntime(0, trt_module=trt, cudart_module=cudart), trt
+
+
+def qdq_model(tmp_path: Path, name: str, **quant: Any) -> Path:
+    """A small conv model quantized by onnxruntime's own quantize_static (the controller's tool)."""
+    from onnx import numpy_helper
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        quantize_static,
+    )
+
+    rng = np.random.default_rng(0)
+    src = tmp_path / "fp32.onnx"
+    if not src.exists():
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])
+        w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+        b = numpy_helper.from_array(rng.standard_normal((4,)).astype(np.float32), "b")
+        nodes = [
+            helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["c"], ["y"]),
+        ]
+        model = helper.make_model(
+            helper.make_graph(nodes, "g", [x], [y], [w, b]), opset_imports=[helper.make_opsetid("", 13)]
+        )
+        model.ir_version = 8
+        onnx.save(model, str(src))
+    if not quant:
+        return src
+
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.left = 4
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            self.left -= 1
+            return None if self.left < 0 else {"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+
+    dst = tmp_path / f"{name}.onnx"
+    fmt = quant.pop("fmt", QuantFormat.QDQ)
+    quantize_static(
+        str(src),
+        str(dst),
+        Reader(),
+        quant_format=fmt,
+        per_channel=True,
+        calibrate_method=CalibrationMethod.MinMax,
+        **quant,
+    )
+    return dst
+
+
+def test_g8_the_precision_the_controller_chose_is_the_precision_built(tmp_path: Path) -> None:
+    from edge_agent.trt import builder_flags, resolve_precision
+
+    # fp32 is what the controller sends when FP16 was judged unfit: it must not turn into FP16.
+    assert [resolve_precision(v) for v in ("fp32", "fp16", "int8", "something-new")] == [
+        "fp32",
+        "fp16",
+        "int8",
+        "fp32",
+    ]
+    assert resolve_precision("fp32", "fp16") == "fp16" and resolve_precision("int8", "fp32") == "fp32"
+    rt, trt = fake_runtime()
+    model = tf_od_onnx(tmp_path / "m.onnx")
+    options = BuildOptions(max_batch=4, sample_shape=(16, 16, 3))
+    plans = {p: rt.build_engine(model, p, None, options) for p in ("fp32", "fp16")}
+    assert [c.flags for c in trt.configs] == [[], ["FP16"]]
+    assert plans == {"fp32": b"PLAN:fp32", "fp16": b"PLAN:FP16"}
+    assert builder_flags("int8") == ("INT8", "FP16") and builder_flags("fp32") == ()
+
+
+def test_g9_int8_calibration_on_a_dynamic_batch_reads_exactly_the_buffer_it_gets(tmp_path: Path) -> None:
+    rt, trt = fake_runtime()
+    model = tf_od_onnx(tmp_path / "m.onnx")
+    calib = Calibration([np.full((1, 16, 16, 3), i, np.uint8) for i in range(3)])
+    options = BuildOptions(max_batch=4, sample_shape=(16, 16, 3))
+    assert rt.build_engine(model, "int8", calib, options) == b"PLAN:INT8+FP16"
+    (config,) = trt.configs
+    # Inference profile: batches 1..4, tuned for 1 (G20). Calibration profile: exactly the batches' shape.
+    assert config.profiles[0].shapes["x"] == ((1, 16, 16, 3), (1, 16, 16, 3), (4, 16, 16, 3))
+    assert config.calibration_profile is not None
+    assert config.calibration_profile.shapes["x"] == ((1, 16, 16, 3),) * 3
+    assert trt.calibration_reads == [((1, 16, 16, 3), 16 * 16 * 3)] * 3
+    # Batches that do not fit the network are refused before TensorRT sees a pointer.
+    bad = Calibration([np.zeros((1, 8, 8, 3), np.uint8)])
+    with pytest.raises(TrtError, match="calibration batches are"):
+        rt.build_engine(model, "int8", bad, options)
+    with pytest.raises(TrtError, match="must be uint8"):
+        rt.build_engine(model, "int8", Calibration([np.zeros((1, 16, 16, 3), np.float32)]), options)
+    assert len(trt.calibration_reads) == 3
+
+
+def test_g9_a_static_model_calibrates_without_a_calibration_profile(tmp_path: Path) -> None:
+    rt, trt = fake_runtime([FakeTensor("x", (2, 16, 16, 3))])
+    calib = Calibration([np.zeros((2, 16, 16, 3), np.uint8)])
+    rt.build_engine(
+        tf_od_onnx(tmp_path / "m.onnx"), "int8", calib, BuildOptions(max_batch=4, sample_shape=(16, 16, 3))
+    )
+    (config,) = trt.configs
+    assert config.profiles == [] and config.calibration_profile is None
+    assert trt.calibration_reads == [((2, 16, 16, 3), 2 * 16 * 16 * 3)]
+
+
+class FakeCudaEngine:
+    """A deserialized engine whose detector ends in NonMaxSuppression: ``boxes`` is [-1, 4]."""
+
+    def __init__(self, output_shape: tuple[int, ...]) -> None:
+        self.output_shape = output_shape
+        self.num_io_tensors = 2
+
+    def get_tensor_name(self, i: int) -> str:
+        return ["x", "boxes"][i]
+
+    def get_tensor_mode(self, name: str) -> str:
+        return "INPUT" if name == "x" else "OUTPUT"
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        return (-1, 16, 16, 3) if name == "x" else (-1, *self.output_shape[1:])
+
+    def get_tensor_dtype(self, name: str) -> str:
+        return "UINT8" if name == "x" else "FLOAT"
+
+    def get_tensor_profile_shape(self, name: str, profile: int) -> list[tuple[int, ...]]:
+        return [(1, 16, 16, 3), (1, 16, 16, 3), (4, 16, 16, 3)]
+
+    def create_execution_context(self) -> Any:
+        engine = self
+
+        class Ctx:
+            input_shape: tuple[int, ...] | None = None
+
+            def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+                self.input_shape = tuple(shape)
+                return True
+
+            def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+                assert self.input_shape is not None, "output shapes need the input shape first"
+                return engine.output_shape
+
+        return Ctx()
+
+
+def test_g10_data_dependent_outputs_are_refused_at_load_and_not_rebuilt(tmp_path: Path) -> None:
+    from edge_agent.trt import UnsupportedEngine, obtain_engine
+
+    rt, trt = fake_runtime()
+    trt.engine = FakeCudaEngine((-1, 4))
+    with pytest.raises(UnsupportedEngine, match=r"output boxes has a data-dependent shape \(-1, 4\)"):
+        rt.load_engine(b"PLAN")
+    trt.engine = FakeCudaEngine((4, 100, 4))  # batch-dependent only: fine
+    engine = rt.load_engine(b"PLAN")
+    assert engine.dynamic_batch and engine.input_name == "x"
+
+    class NmsRuntime(FakeRuntime):
+        def load_engine(self, data: bytes) -> FakeEngine:
+            raise UnsupportedEngine("output boxes has a data-dependent shape (-1, 4)")
+
+    nms = NmsRuntime()
+    cache = EngineCache(tmp_path / "engines")
+    model = tf_od_onnx(tmp_path / "m.onnx")
+    for _ in range(2):  # a build, then a restart: no eviction, no second build
+        with pytest.raises(UnsupportedEngine):
+            obtain_engine(nms, cache, model, KEY)
+    assert len(nms.builds) == 1 and cache.lookup(KEY) is not None and cache.evictions == []
+    # The agent's factory falls back to onnxruntime with the reason, and does not rebuild either.
+    notes: list[BuildNote] = []
+    for _ in range(2):
+        backend = factory(tmp_path, nms).make(model, manifest_for(model), LoadRequest(notify=notes.append))
+        assert isinstance(backend, OnnxRuntimeBackend)
+    assert len(nms.builds) == 2  # one per model key (the factory's key differs from KEY)
+    assert any("data-dependent" in n.reason for n in notes if n.phase == "fallback")
+
+
+def test_g11_the_key_covers_profile_batch_and_builder_flags() -> None:
+    rt = FakeRuntime()
+    base = BuildOptions(max_batch=4, sample_shape=(320, 320, 3))
+    key = EngineKey.for_build(rt, "a" * 64, "fp16", base)
+    changed = [
+        EngineKey.for_build(rt, "a" * 64, "fp16", replace(base, max_batch=1)),
+        EngineKey.for_build(rt, "a" * 64, "fp16", replace(base, opt_batch=4)),
+        EngineKey.for_build(rt, "a" * 64, "fp16", replace(base, sample_shape=(416, 416, 3))),
+        EngineKey.for_build(rt, "a" * 64, "fp16", replace(base, workspace_mb=512)),
+        EngineKey.for_build(rt, "a" * 64, "fp16", replace(base, builder_optimization_level=1)),
+        EngineKey.for_build(rt, "a" * 64, "fp32", base),
+        EngineKey.for_build(rt, "a" * 64, "int8", base),
+        EngineKey.for_build(rt, "a" * 64, "int8", base, calibrated=True),
+    ]
+    names = {key.file_name(), *(k.file_name() for k in changed)}
+    assert len(names) == 1 + len(changed)
+    # How a build runs (progress, cancel, timing cache) is not what it builds.
+    same = replace(base, progress=lambda pct: None, cancel=threading.Event(), timing_cache=Path("/t.cache"))
+    assert EngineKey.for_build(rt, "a" * 64, "fp16", same) == key
+    # opt_batch is clamped like the profile: above max_batch it is max_batch.
+    assert EngineKey.for_build(rt, "a" * 64, "fp16", replace(base, opt_batch=9)) == EngineKey.for_build(
+        rt, "a" * 64, "fp16", replace(base, opt_batch=4)
+    )
+    # Jetson modules share a name and compute capability: the device details tell them apart.
+    nano, agx = FakeRuntime(), FakeRuntime()
+    nano.device_fingerprint, agx.device_fingerprint = "sm8-7620MiB", "sm16-62800MiB"  # type: ignore[attr-defined]
+    assert EngineKey.for_build(nano, "a" * 64, "fp16", base) != EngineKey.for_build(
+        agx, "a" * 64, "fp16", base
+    )
+    # A key made the old way (no build fingerprint) keeps its old file name: old caches stay valid.
+    assert KEY.build == "" and KEY.file_name().endswith(
+        hashlib.sha256("\x1f".join(("a" * 64, KEY.gpu_name, "8.9", "10.3.0", "fp16")).encode()).hexdigest()[
+            :16
+        ]
+        + ".engine"
+    )
+
+
+def test_g11_a_max_batch_change_builds_a_new_engine_instead_of_reusing_one_that_rejects_batches(
+    tmp_path: Path,
+) -> None:
+    from edge_agent.trt import obtain_engine
+
+    rt = FakeRuntime()
+    cache = EngineCache(tmp_path / "engines")
+    model = tf_od_onnx(tmp_path / "m.onnx")
+    for max_batch in (1, 4, 1):
+        options = BuildOptions(max_batch=max_batch, sample_shape=(16, 16, 3))
+        obtain_engine(rt, cache, model, EngineKey.for_build(rt, "a" * 64, "fp16", options), options=options)
+    assert len(rt.builds) == 2 and len(cache.entries()) == 2
+
+
+def test_g4_g20_explicit_profiles_for_both_engines_from_the_manifest(tmp_path: Path) -> None:
+    from edge_agent.trt import (
+        InputProfile,
+        ProfileNotExpressible,
+        onnx_input_shapes,
+        optimization_profile,
+        ort_trt_profile_options,
+        ort_trt_profile_options_for,
+    )
+
+    # ped_ssdlite-like: [?, ?, ?, 3]; the manifest says 300x300; the pipeline batches up to 4 cameras.
+    profiles = optimization_profile({"images": (None, "h", -1, 3)}, sample_shape=(300, 300, 3), max_batch=4)
+    assert profiles == [InputProfile("images", (1, 300, 300, 3), (1, 300, 300, 3), (4, 300, 300, 3))]
+    assert ort_trt_profile_options(profiles) == {
+        "trt_profile_min_shapes": "images:1x300x300x3",
+        "trt_profile_opt_shapes": "images:1x300x300x3",
+        "trt_profile_max_shapes": "images:4x300x300x3",
+    }
+    two = optimization_profile(
+        {"images": ("N", 3, 320, 320)}, sample_shape=(3, 320, 320), max_batch=4, opt_batch=2
+    )
+    assert two[0].opt == (2, 3, 320, 320)
+    assert optimization_profile({"images": (1, 3, 416, 416)}, sample_shape=(3, 416, 416), max_batch=4) == []
+    assert ort_trt_profile_options([]) == {}
+    assert optimization_profile({"x": (2, -1, 8, 3)}, sample_shape=(8, 8, 3), max_batch=4)[0].max == (
+        2,
+        8,
+        8,
+        3,
+    )
+    with pytest.raises(TrtError, match="manifest"):
+        optimization_profile({"x": (-1, 3, 320, 320)}, sample_shape=(3, 416, 416), max_batch=4)
+    with pytest.raises(TrtError, match="sample shape"):
+        optimization_profile({"x": (-1, -1, -1, 3)}, sample_shape=None, max_batch=4)
+    # onnxruntime splits the option at ':' and ',': a TF input name cannot be expressed.
+    tf = optimization_profile({"image_tensor:0": (-1, -1, -1, 3)}, sample_shape=(300, 300, 3), max_batch=4)
+    with pytest.raises(ProfileNotExpressible, match="image_tensor:0"):
+        ort_trt_profile_options(tf)
+    # From a model file: the dynamic batch of the TF-OD test model.
+    model = tf_od_onnx(tmp_path / "m.onnx")
+    assert onnx_input_shapes(model) == {"x": ("N", 16, 16, 3)}
+    assert (
+        ort_trt_profile_options_for(model, sample_shape=(16, 16, 3), max_batch=4)["trt_profile_max_shapes"]
+        == "x:4x16x16x3"
+    )
+    # The native builder uses the very same profile.
+    rt, trt = fake_runtime([FakeTensor("images", (-1, -1, -1, 3))])
+    rt.build_engine(model, "fp16", None, BuildOptions(max_batch=4, sample_shape=(300, 300, 3)))
+    assert trt.configs[0].profiles[0].shapes["images"] == (profiles[0].min, profiles[0].opt, profiles[0].max)
+
+
+def test_g12_gpu_int8_only_as_symmetric_qdq_tensorrt_accepts(tmp_path: Path) -> None:
+    from onnxruntime.quantization import QuantFormat, QuantType
+
+    from edge_agent.trt import int8_qdq_problem
+
+    s8 = {"activation_type": QuantType.QInt8, "weight_type": QuantType.QInt8}
+    ok = qdq_model(
+        tmp_path,
+        "trt",
+        **s8,
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+    )
+    assert int8_qdq_problem(ok) is None
+    refused = {
+        # What the controller's CPU variants are (controller/registry/variants.py): U8S8, QDQ or QOperator.
+        "u8s8 qdq": (
+            qdq_model(
+                tmp_path,
+                "u8",
+                activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                extra_options={"QuantizeBias": False},
+            ),
+            "UINT8",
+        ),
+        "qoperator": (
+            qdq_model(
+                tmp_path,
+                "qop",
+                fmt=QuantFormat.QOperator,
+                activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+            ),
+            "QLinearConv",
+        ),
+        "asymmetric s8": (qdq_model(tmp_path, "asym", **s8, extra_options={"QuantizeBias": False}), "not 0"),
+        "int32 bias": (
+            qdq_model(
+                tmp_path, "bias", **s8, extra_options={"ActivationSymmetric": True, "WeightSymmetric": True}
+            ),
+            "INT32",
+        ),
+        "no q/dq": (qdq_model(tmp_path, "fp32"), "no QuantizeLinear"),
+    }
+    for what, (path, reason) in refused.items():
+        problem = int8_qdq_problem(path)
+        assert problem is not None and reason in problem, (what, problem)
+    # The native build refuses before TensorRT parses anything (no calibration: Q/DQ is the only way).
+    rt, trt = fake_runtime([FakeTensor("x", (-1, 3, 8, 8), "FLOAT")])
+    with pytest.raises(TrtError, match=r"INT8 on TensorRT refused: .*UINT8"):
+        rt.build_engine(
+            refused["u8s8 qdq"][0], "int8", None, BuildOptions(max_batch=1, sample_shape=(3, 8, 8))
+        )
+    assert trt.parsed == []
+    assert (
+        rt.build_engine(ok, "int8", None, BuildOptions(max_batch=1, sample_shape=(3, 8, 8)))
+        == b"PLAN:INT8+FP16"
+    )
+
+
+def test_g21_the_timing_cache_carries_over_between_builds(tmp_path: Path) -> None:
+    from edge_agent.trt import timing_cache_path
+
+    rt, trt = fake_runtime()
+    model = tf_od_onnx(tmp_path / "m.onnx")
+    key = EngineKey.for_build(rt, "a" * 64, "fp16", BuildOptions())
+    path = timing_cache_path(tmp_path / "engines", key)
+    assert path.parent == tmp_path / "engines" and "orin" in path.name and "trt10.3.0" in path.name
+    path.parent.mkdir()
+    options = BuildOptions(
+        max_batch=4, sample_shape=(16, 16, 3), timing_cache=path, builder_optimization_level=2
+    )
+    rt.build_engine(model, "fp16", None, options)
+    assert trt.configs[0].created_timing == [b""] and path.read_bytes() == b"TIMING:1"
+    rt.build_engine(model, "fp16", None, options)  # the next build starts from the first one's timings
+    assert trt.configs[1].created_timing == [b"TIMING:1"] and path.read_bytes() == b"TIMING:2"
+    assert trt.configs[1].builder_optimization_level == 2
+    assert trt.configs[1].pools == {"WORKSPACE": 1024 * 2**20}
+    assert not list(path.parent.glob("*.tmp*"))
+
+
+def test_g21_build_progress_reaches_the_caller_and_cancel_stops_the_build(tmp_path: Path) -> None:
+    from edge_agent.trt import BuildCancelled
+
+    rt, _ = fake_runtime()
+    model = tf_od_onnx(tmp_path / "m.onnx")
+    seen: list[float] = []
+    rt.build_engine(
+        model, "fp16", None, BuildOptions(max_batch=1, sample_shape=(16, 16, 3), progress=seen.append)
+    )
+    assert seen == [50.0, 100.0]
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(BuildCancelled):
+        rt.build_engine(model, "fp16", None, BuildOptions(max_batch=1, sample_shape=(16, 16, 3), cancel=stop))
+
+
+def test_g1_the_native_path_refuses_a_tensorrt_it_was_not_written_for() -> None:
+    for version in ("11.1.0", "8.6.1"):
+        with pytest.raises(TrtError, match=f"TensorRT {version} is installed"):
+            fake_runtime(version=version)
+    rt, _ = fake_runtime(version="10.13.2.6")
+    assert rt.gpu_name == "Orin" and rt.compute_capability == "8.7" and rt.device_fingerprint == "sm8-8192MiB"

@@ -1,0 +1,73 @@
+"""Parts split out of the agent, each without the rest: the twin's engine-build hand-over to the
+backend factory, and the command queue's refusal when it is full."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from edge_agent.backends import LoadRequest
+from edge_agent.commands import QUEUE_SIZE, CommandRunner
+from edge_agent.twin import EngineBuilds
+from fleet_protocol.codec import decode
+from fleet_protocol.messages import Command, CommandResult, ModelManifest
+from fleet_protocol.topics import TopicKind
+from tests.unit.edge_agent.test_edge_pipeline import SHA_A, SHA_B, manifest
+
+
+class Factory:
+    """Records how each backend was asked for."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, LoadRequest | None]] = []
+
+    def __call__(self, path: Path, m: ModelManifest) -> str:
+        self.calls.append(("plain", m.name, None))
+        return "plain"
+
+    def make(self, path: Path, m: ModelManifest, req: LoadRequest) -> str:
+        self.calls.append(("make", m.name, req))
+        return "made"
+
+
+def test_only_the_announced_load_gets_its_build_request() -> None:
+    factory = Factory()
+    builds = EngineBuilds(factory)  # type: ignore[arg-type]
+    req = LoadRequest(variant="int8")
+    with builds.announce(SHA_A, req):
+        builds(Path("a.onnx"), manifest("a", SHA_A))
+        builds(Path("b.onnx"), manifest("b", SHA_B))  # e.g. the watchdog reloading another model
+    builds(Path("a.onnx"), manifest("a", SHA_A))  # after the load: a reload of the same model
+    assert factory.calls == [("make", "a", req), ("plain", "b", None), ("plain", "a", None)]
+
+
+class Link:
+    connected = True
+
+    def __init__(self) -> None:
+        self.sent: list[CommandResult] = []
+
+    def publish(self, kind: TopicKind, payload: bytes) -> bool:
+        msg = decode(kind, payload)
+        assert isinstance(msg, CommandResult)
+        self.sent.append(msg)
+        return True
+
+
+def test_a_full_command_queue_refuses_at_once_with_busy() -> None:
+    link = Link()
+    runner = CommandRunner(
+        device_id="dev-1",
+        pipeline=None,  # type: ignore[arg-type]
+        publisher=None,  # type: ignore[arg-type]
+        transport=link,  # type: ignore[arg-type]
+        outbox=None,  # type: ignore[arg-type]
+        fetcher=None,  # type: ignore[arg-type]
+        health=None,  # type: ignore[arg-type]
+        applied_version=lambda: -1,
+        stop=threading.Event(),
+    )
+    for i in range(QUEUE_SIZE + 1):
+        runner.on_message(Command(id=f"c{i}", name="diagnostics"))
+    (refused,) = link.sent
+    assert refused.id == f"c{QUEUE_SIZE}" and not refused.ok and "busy" in (refused.error or "")
