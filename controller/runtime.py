@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from typing import Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -36,6 +37,14 @@ from fleet_protocol import TopicKind, Topics
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
+
+
+class Worker(Protocol):
+    """A background service of the controller: started once, ended by the runtime's stop event."""
+
+    def start(self) -> None: ...
+
+    def join(self, timeout: float = ...) -> None: ...
 
 
 class ControllerRuntime:
@@ -137,6 +146,16 @@ class ControllerRuntime:
             stop=self.stop_event,
             on_built=self.twin.recompute_for_model,
         )
+        # Started in this order, joined in reverse after the stop event.
+        self.workers: list[Worker] = [
+            self.ingest,
+            self.status,
+            self.artifacts,
+            self.variants,
+            self.rollouts,
+            self.converger,
+            self.retention,
+        ]
         for kind in (TopicKind.DETECTIONS, TopicKind.EVENTS):
             self.bridge.on(kind, self.ingest.submit)
         for kind in (TopicKind.AVAILABILITY, TopicKind.HEARTBEAT, TopicKind.TWIN_REPORTED):
@@ -154,20 +173,15 @@ class ControllerRuntime:
         register_bundled_models(self.engine, self.settings.models_dir)
         self.store.collect_garbage(self.engine)
         # Workers first: the bridge's first messages (retained births) need somewhere to go.
-        self.ingest.start()
-        self.status.start()
-        self.artifacts.start()
-        self.variants.start()
+        for worker in self.workers:
+            worker.start()
         self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
-        self.rollouts.start()
-        self.converger.start()
         self.metrics.bind(
             bridge=self.bridge,
             ingest=self.ingest,
             engine=self.engine,
             ingest_queue_max=self.settings.ingest_queue_max,
         )
-        self.retention.start()
         if self.broker_admin is not None:
             self.broker_admin.start()
             # Before the bridge subscribes, so its first subscriptions are allowed; a broker that is
@@ -184,14 +198,9 @@ class ControllerRuntime:
             log.exception("stopping the MQTT bridge failed")
         if self.broker_admin is not None:
             self.broker_admin.stop()
-        self.stop_event.set()
-        self.ingest.join(STOP_TIMEOUT_S)
-        self.status.join(STOP_TIMEOUT_S)
-        self.artifacts.join(STOP_TIMEOUT_S)
-        self.variants.join(STOP_TIMEOUT_S)
-        self.rollouts.join(STOP_TIMEOUT_S)
-        self.converger.join(STOP_TIMEOUT_S)
-        self.retention.join(STOP_TIMEOUT_S)
+        self.stop_event.set()  # every worker waits on this one event
+        for worker in reversed(self.workers):
+            worker.join(STOP_TIMEOUT_S)
         self.engine.dispose()
         log.info("controller stopped")
 

@@ -17,6 +17,8 @@ ID_MAX = 64
 # For pydantic fields and FastAPI path/query parameters (length checked separately by max_length).
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# How the rule reads in an error message.
+ID_RULE = "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 def valid_id(value: str) -> bool:

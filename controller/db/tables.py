@@ -16,6 +16,7 @@ from sqlmodel import JSON, Field, SQLModel
 
 from controller.db.states import DeploymentState, DeviceStatus, MemberState, ModelVersionStatus, RolloutState
 from controller.types import check_labels
+from fleet_protocol.ids import ID_RULE
 from fleet_protocol.topics import valid_device_id
 
 
@@ -64,7 +65,7 @@ class DeviceCreate(DeviceBase):
     @classmethod
     def _valid_id(cls, v: str) -> str:
         if not valid_device_id(v):
-            raise ValueError("device id must match ^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+            raise ValueError(f"device id must match {ID_RULE}")
         return v
 
     @field_validator("name")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,12 +25,12 @@ from controller.errors import ConflictError, ControllerError, InvalidError, Malf
 from controller.registry.bundled import ModelRejectedError
 from controller.registry.onnx_check import check_manifest_names, infer_manifest, load_checked
 from controller.registry.store import ArtifactStore, IncomingFile, UploadTooLargeError
+from fleet_protocol.ids import valid_id
 from fleet_protocol.messages import ModelManifest
 
 log = logging.getLogger(__name__)
 
 MAX_FIELD_BYTES = 1024 * 1024
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 FIELDS = ("name", "version", "manifest")
 
 
@@ -156,7 +155,7 @@ async def parse_multipart(
 def check_name(field_name: str, value: str | None) -> str:
     if value is None or value == "":
         raise UploadInvalidError(f"form field {field_name!r} is required")
-    if len(value) > 64 or not NAME_RE.match(value):
+    if not valid_id(value):
         raise UploadInvalidError(
             f"{field_name} {value!r} is not valid: 1-64 characters of letters, digits, '_', '.', '-', "
             "starting with a letter or digit (no path separators)",
