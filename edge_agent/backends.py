@@ -503,6 +503,13 @@ def cached_provider_probe() -> ProviderProbe:
 SessionFactory = Callable[..., Any]
 """``(path: str, *, sess_options, providers) -> session``; onnxruntime.InferenceSession by default."""
 
+OrtValueFactory = Callable[[tuple[int, ...], Any, str, int], Any]
+"""``(shape, numpy dtype, device_type, device_id) -> OrtValue``;
+``onnxruntime.OrtValue.ortvalue_from_shape_and_type`` by default (the seam for tests)."""
+
+_BOUND_INPUT_SHAPES = 8
+"""Device input buffers kept per backend (one per batch shape seen: 1..max_batch in practice)."""
+
 
 def _provider_name(spec: ProviderSpec) -> str:
     return spec[0] if isinstance(spec, tuple) else spec
@@ -519,6 +526,14 @@ class OnnxRuntimeBackend:
     a run-time provider failure instead raises :class:`ProviderFallback` after the session has been
     moved to the next provider, so the change is reported and ``provider`` stays true. A sticky CUDA
     error raises :class:`CudaFatalError`.
+
+    On the CUDA and TensorRT providers a run goes through onnxruntime's IOBinding (G18): the batch is
+    copied into an input buffer on the device that is kept per input shape and bound to one binding
+    reused across runs, outputs are bound to the device and copied to the host once, together, after
+    the run. ``session.run`` with numpy instead allocates the device input afresh on every run. On the
+    CPU provider ``session.run`` stays: there is no device to copy to, IOBinding buys nothing.
+    ``use_io_binding`` forces the choice (True: IOBinding on any provider, e.g. to check the binding
+    code against the CPU provider; False: never); ``io_binding`` says what the last run used.
     """
 
     def __init__(
@@ -538,6 +553,8 @@ class OnnxRuntimeBackend:
         cuda_options: Mapping[str, str] | None = None,
         provider_problems: Mapping[str, str] | None = None,
         providers: Sequence[ProviderSpec] | None = None,
+        use_io_binding: bool | None = None,
+        ort_value_factory: OrtValueFactory | None = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -593,6 +610,14 @@ class OnnxRuntimeBackend:
         first = self.input_shape[0] if self.input_shape else 1
         self.dynamic_batch: bool = not isinstance(first, int) or first <= 0
         self.output_names: list[str] = [o.name for o in self._session.get_outputs()]
+        self._use_io_binding = use_io_binding
+        self._device_id = device_id
+        self._ort_value: OrtValueFactory = ort_value_factory or ort.OrtValue.ortvalue_from_shape_and_type
+        self._binding: Any = None
+        self._bound_inputs: dict[tuple[tuple[int, ...], str], Any] = {}  # (shape, dtype) -> OrtValue
+        self._cpu_input_reason: str | None = None  # why the input is bound from host memory instead
+        self.io_binding: bool = False
+        """Whether the last run went through IOBinding."""
         log.info(
             "loaded %s on %s (asked %s; input %s %s, dynamic batch: %s)",
             path.name,
@@ -609,18 +634,83 @@ class OnnxRuntimeBackend:
         except Exception:
             return []
 
+    def _binding_wanted(self) -> bool:
+        # CPU provider: session.run already hands onnxruntime the numpy memory; IOBinding buys nothing.
+        wanted = self.provider in GPU_PROVIDERS if self._use_io_binding is None else self._use_io_binding
+        session = self._session
+        return (
+            wanted
+            and callable(getattr(session, "io_binding", None))
+            and callable(getattr(session, "run_with_iobinding", None))
+        )
+
+    def _device_type(self) -> str:
+        return "cuda" if self.provider in GPU_PROVIDERS else "cpu"
+
+    def _drop_binding(self) -> None:
+        """Forget the binding and its device buffers (the session was re-created, or a run failed)."""
+        self._binding = None
+        self._bound_inputs.clear()
+
+    def _device_input(self, x: np.ndarray, device: str, device_id: int) -> Any:
+        """The kept device buffer (OrtValue) for ``x``'s shape and dtype, None when none can be made."""
+        if self._cpu_input_reason is not None:
+            return None
+        key = (tuple(int(d) for d in x.shape), x.dtype.str)
+        value = self._bound_inputs.get(key)
+        if value is None:
+            try:
+                value = self._ort_value(key[0], x.dtype, device, device_id)
+            except Exception as exc:
+                self._cpu_input_reason = f"no {device} input buffer ({type(exc).__name__}: {exc})"
+                log.warning("IOBinding: %s; binding the input from host memory", self._cpu_input_reason)
+                return None
+            if len(self._bound_inputs) >= _BOUND_INPUT_SHAPES:
+                self._bound_inputs.clear()
+            self._bound_inputs[key] = value
+        return value
+
+    def _run_bound(self, batch: np.ndarray) -> list[Any]:
+        """One run through IOBinding: the input in a device buffer kept for its shape, outputs on the
+        device, copied to the host once after the run."""
+        device, device_id = self._device_type(), self._device_id
+        if self._binding is None:
+            self._binding = self._session.io_binding()
+        binding = self._binding
+        x = np.ascontiguousarray(batch)
+        value = self._device_input(x, device, device_id)
+        if value is not None:
+            value.update_inplace(x)  # the one host-to-device copy of the batch, into the kept buffer
+            # Bound again every run: where the input's consumer sits on another device, onnxruntime
+            # copies at bind time, so only a fresh bind is sure to see the new data.
+            binding.bind_ortvalue_input(self.input_name, value)
+        else:
+            binding.bind_cpu_input(self.input_name, x)  # onnxruntime copies it to the device in the run
+        # Outputs bound again every run (by device, unallocated): a binding still holding the last
+        # run's outputs fails at another batch size ("The output OrtValue provided for output ... has
+        # shape {1,100} but the computed output shape for this run is {2,100}") or with data-dependent
+        # output shapes (NMS in the graph). onnxruntime allocates them from its arena.
+        for name in self.output_names:
+            binding.bind_output(name, device, device_id)
+        self._session.run_with_iobinding(binding)
+        return list(binding.copy_outputs_to_cpu())
+
     def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        bound = self._binding_wanted()
         try:
-            outs = self._session.run(None, {self.input_name: batch})
+            outs = self._run_bound(batch) if bound else self._session.run(None, {self.input_name: batch})
         except Exception as exc:
+            self._drop_binding()
             self._after_run_failure(exc)
             raise
+        self.io_binding = bound
         got = self._session_providers()
         if got and got[0] != self.provider:  # a session whose own fallback is still on switched
             self._note_switch(got[0], "onnxruntime switched providers inside run()")
         return {name: np.asarray(v) for name, v in zip(self.output_names, outs, strict=True)}
 
     def _note_switch(self, new: str, reason: str) -> str:
+        self._drop_binding()  # it belongs to the session onnxruntime has just re-created
         previous, self.provider = self.provider, new
         self.fallback_reason = f"{previous} failed at run time, now {new}: {reason}"
         log.error("%s", self.fallback_reason)
@@ -662,6 +752,7 @@ class OnnxRuntimeBackend:
 
     def close(self) -> None:
         # onnxruntime frees the session with its last reference; nothing else holds it.
+        self._drop_binding()
         self.__dict__.pop("_session", None)
 
 

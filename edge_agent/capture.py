@@ -7,18 +7,28 @@ DOWN once, with the reason; it is then reopened with capped exponential backoff 
 doubling up to ``reconnect_max_s``) until frames flow again (UP). Every camera has its own thread,
 so one camera's outage never stalls the others. Sources sit behind a seam (:data:`SourceOpener`) so
 tests drive cameras with fakes.
+
+Decoding (``CameraConfig.decode``, G18): ``software`` is OpenCV's own decoder on the CPU. ``auto`` and
+``hardware`` use NVIDIA's decoder (NVDEC) through a GStreamer pipeline opened with OpenCV's
+``CAP_GSTREAMER`` when :func:`plan_decode` finds it usable here (OpenCV built with GStreamer, which the
+PyPI wheels are not; the decoder element present, by ``gst-inspect-1.0``, once per process). Otherwise
+``hardware`` keeps the camera down with the reason and ``auto`` decodes in software, the reason given
+once in the camera_up event and kept in :attr:`CameraWorker.decode_note`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import subprocess
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import PurePath
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -54,6 +64,22 @@ class VideoSource(Protocol):
 
 SourceOpener = Callable[[CameraConfig], VideoSource]
 StateCallback = Callable[[str, CameraState, str], None]
+
+
+class Capture(Protocol):
+    """The part of ``cv2.VideoCapture`` used here."""
+
+    def isOpened(self) -> bool: ...
+
+    def read(self) -> tuple[bool, np.ndarray | None]: ...
+
+    def get(self, prop_id: int) -> float: ...
+
+    def release(self) -> None: ...
+
+
+CaptureFactory = Callable[..., Capture]
+"""``cv2.VideoCapture`` (the seam for tests)."""
 
 
 class SourceError(Exception):
@@ -92,29 +118,304 @@ class Frame:
     image: np.ndarray
 
 
-class CvVideoSource:
-    """cv2.VideoCapture over a file, rtsp://, http(s):// MJPEG, or a USB index."""
+# --------------------------------------------------------------------------- hardware decode (G18)
 
-    def __init__(self, config: CameraConfig) -> None:
+Codec = Literal["h264", "h265"]
+Platform = Literal["dgpu", "jetson"]
+
+# Demuxer per file extension (GStreamer's gst-plugins-good elements); the parser then picks the video pad.
+_DEMUXERS = {
+    ".mp4": "qtdemux",
+    ".m4v": "qtdemux",
+    ".mov": "qtdemux",
+    ".mkv": "matroskademux",
+    ".webm": "matroskademux",
+    ".ts": "tsdemux",
+    ".m2ts": "tsdemux",
+    ".mts": "tsdemux",
+    ".avi": "avidemux",
+}
+RTSP_LATENCY_MS = 200
+"""rtspsrc's jitter buffer (GStreamer's default is 2000 ms: two seconds behind a live camera)."""
+
+
+class UnsupportedSource(ValueError):
+    """The source has no hardware decode pipeline here (the message says why; it never holds the URL)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HwPipeline:
+    """A GStreamer description for ``cv2.VideoCapture(..., cv2.CAP_GSTREAMER)``.
+
+    ``description`` holds the source as given, credentials included: never log it."""
+
+    description: str
+    decoder: str
+    elements: tuple[str, ...]  # every element it names, decoder first: what must be installed
+
+
+def _quoted(value: str) -> str:
+    """A gst-launch property value in double quotes (spaces, ``&`` and ``!`` in URLs and paths)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def hw_pipeline(
+    source: str, *, codec: Codec, platform: Platform, latency_ms: int = RTSP_LATENCY_MS
+) -> HwPipeline:
+    """The hardware decode pipeline of an ``rtsp://`` source or a file (pure).
+
+    dGPU: GStreamer's nvcodec decoder (``nvh264dec``/``nvh265dec``, gst-plugins-bad), whose system
+    memory output ``videoconvert`` turns into BGR. Jetson: ``nvv4l2decoder`` into NVMM memory,
+    ``nvvidconv`` to BGRx in system memory, then ``videoconvert`` to the BGR OpenCV reads (the pipeline
+    NVIDIA documents for OpenCV on a Jetson). A live camera's appsink keeps only the newest frame
+    (``drop=true max-buffers=1``); a file's blocks the decoder instead, so no frame is lost and the
+    capture thread paces it as it does any file. ``sync=false``: the capture thread does the pacing.
+    """
+    depay, parse = f"rtp{codec}depay", f"{codec}parse"
+    if platform == "jetson":
+        decoder = "nvv4l2decoder"
+        decode = [decoder, "nvvidconv", "video/x-raw,format=BGRx", "videoconvert"]
+    else:
+        decoder = f"nv{codec}dec"
+        decode = [decoder, "videoconvert"]
+    if source.lower().startswith(("rtsp://", "rtsps://")):
+        head = [f"rtspsrc location={_quoted(source)} latency={int(latency_ms)}", depay]
+        sink = "appsink drop=true max-buffers=1 sync=false"
+    elif "://" not in source and not source.isdigit():
+        ext = PurePath(source).suffix.lower()
+        demux = _DEMUXERS.get(ext)
+        if demux is None:
+            known = ", ".join(sorted({e.lstrip(".") for e in _DEMUXERS}))
+            raise UnsupportedSource(
+                f"no hardware decode pipeline for {ext or 'extensionless'} files (containers: {known})"
+            )
+        head = [f"filesrc location={_quoted(source)}", demux]
+        sink = "appsink max-buffers=2 sync=false"
+    else:
+        raise UnsupportedSource("hardware decode takes rtsp:// sources and files")
+    stages = [*head, parse, *decode, "video/x-raw,format=BGR", sink]
+    names = [stage.split(" ", 1)[0] for stage in stages]
+    elements = (decoder, *(n for n in names if "/" not in n and n != decoder))  # caps are not elements
+    return HwPipeline(" ! ".join(stages), decoder, elements)
+
+
+def opencv_has_gstreamer(build_information: str) -> bool:
+    """Whether ``cv2.getBuildInformation()`` says OpenCV was built with GStreamer (``GStreamer: YES``)."""
+    return re.search(r"^\s*GStreamer:\s*YES\b", build_information, re.MULTILINE) is not None
+
+
+def gst_inspect(element: str, timeout_s: float = 5.0) -> str | None:
+    """None when ``gst-inspect-1.0 <element>`` finds the element, else why not."""
+    try:
+        done = subprocess.run(
+            ["gst-inspect-1.0", element], capture_output=True, timeout=timeout_s, check=False
+        )
+    except FileNotFoundError:
+        return "gst-inspect-1.0 is not installed (GStreamer tools), so no element can be checked"
+    except subprocess.TimeoutExpired:
+        return f"gst-inspect-1.0 {element} did not answer within {timeout_s:g} s"
+    except OSError as exc:
+        return f"gst-inspect-1.0 {element} could not run: {exc}"
+    if done.returncode != 0:
+        return f"GStreamer element {element} is not installed (gst-inspect-1.0 {element} exited {done.returncode})"
+    return None
+
+
+def _cv_build_information() -> str:
+    import cv2
+
+    return str(cv2.getBuildInformation())
+
+
+def _on_jetson() -> bool:
+    from edge_agent.jetson import detect_jetson
+
+    return detect_jetson() is not None
+
+
+_NO_GSTREAMER = (
+    "OpenCV is built without GStreamer (cv2.getBuildInformation() says GStreamer: NO; the PyPI opencv "
+    "wheels are; JetPack's OpenCV and source builds with -DWITH_GSTREAMER=ON have it)"
+)
+
+
+class DecodeProbe:
+    """What hardware decode needs on this device, each asked once and cached (thread-safe: every
+    camera's capture thread shares one). The three lookups are the seams for tests."""
+
+    def __init__(
+        self,
+        *,
+        build_information: Callable[[], str] = _cv_build_information,
+        inspect: Callable[[str], str | None] = gst_inspect,
+        on_jetson: Callable[[], bool] = _on_jetson,
+    ) -> None:
+        self._build_information = build_information
+        self._inspect = inspect
+        self._on_jetson = on_jetson
+        self._lock = threading.Lock()
+        self._gstreamer_asked = False
+        self._gstreamer: str | None = None
+        self._platform: Platform | None = None
+        self._elements: dict[str, str | None] = {}
+
+    def gstreamer_problem(self) -> str | None:
+        """None when OpenCV can open GStreamer pipelines, else why not."""
+        with self._lock:
+            if not self._gstreamer_asked:
+                self._gstreamer_asked = True
+                try:
+                    ok = opencv_has_gstreamer(self._build_information())
+                except Exception as exc:
+                    self._gstreamer = f"cannot read OpenCV's build information: {exc}"
+                else:
+                    self._gstreamer = None if ok else _NO_GSTREAMER
+            return self._gstreamer
+
+    def platform(self) -> Platform:
+        with self._lock:
+            if self._platform is None:
+                try:
+                    self._platform = "jetson" if self._on_jetson() else "dgpu"
+                except Exception:
+                    self._platform = "dgpu"
+            return self._platform
+
+    def element_problem(self, element: str) -> str | None:
+        """None when GStreamer has ``element``, else why not."""
+        with self._lock:
+            if element not in self._elements:
+                try:
+                    self._elements[element] = self._inspect(element)
+                except Exception as exc:
+                    self._elements[element] = f"cannot check GStreamer element {element}: {exc}"
+            return self._elements[element]
+
+
+_default_probe: DecodeProbe | None = None
+_default_probe_lock = threading.Lock()
+
+
+def default_probe() -> DecodeProbe:
+    """The process's probe: gst-inspect runs once per element, whatever the number of cameras."""
+    global _default_probe
+    with _default_probe_lock:
+        if _default_probe is None:
+            _default_probe = DecodeProbe()
+        return _default_probe
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """How a camera's source is decoded: ``pipeline`` set for hardware decode, else ``reason`` says
+    why not (empty for ``decode: software``, which asks for nothing else)."""
+
+    mode: str
+    pipeline: HwPipeline | None = None
+    platform: Platform | None = None
+    reason: str = ""
+
+    @property
+    def hardware(self) -> bool:
+        return self.pipeline is not None
+
+
+def plan_decode(config: CameraConfig, probe: DecodeProbe) -> DecodePlan:
+    """The decode plan of ``config`` on this device (no side effect besides the cached probe).
+
+    ``software`` asks the probe nothing. For ``auto``/``hardware``, in order: a source hardware decode
+    takes, OpenCV with GStreamer, a pipeline for the source, every element of it installed."""
+    mode = config.decode
+    if mode == "software":
+        return DecodePlan(mode)
+    if not (config.is_rtsp or config.is_file):
+        return DecodePlan(
+            mode, reason=f"hardware decode takes rtsp:// and files, not {redact_source(config.source)}"
+        )
+    problem = probe.gstreamer_problem()
+    if problem is not None:
+        return DecodePlan(mode, reason=problem)
+    platform = probe.platform()
+    try:
+        pipeline = hw_pipeline(config.source, codec=config.codec, platform=platform)
+    except UnsupportedSource as exc:
+        return DecodePlan(mode, platform=platform, reason=str(exc))
+    for element in pipeline.elements:
+        problem = probe.element_problem(element)
+        if problem is not None:
+            return DecodePlan(mode, platform=platform, reason=problem)
+    return DecodePlan(mode, pipeline=pipeline, platform=platform)
+
+
+class CvVideoSource:
+    """cv2.VideoCapture over a file, rtsp://, http(s):// MJPEG, or a USB index.
+
+    ``decode`` says what decodes it (``software``, or ``hardware:<element>``); ``decode_note`` is for
+    the camera_up event: which hardware decoder is used, or why ``auto`` decodes in software.
+    ``probe``: the seam for tests (default: the process's :func:`default_probe`);
+    ``capture``: ``cv2.VideoCapture`` unless a test passes a fake.
+    """
+
+    def __init__(
+        self, config: CameraConfig, *, probe: DecodeProbe | None = None, capture: CaptureFactory | None = None
+    ) -> None:
         import cv2
 
-        src: str | int = int(config.source) if config.source.isdigit() else config.source
-        if config.is_file:
-            if not os.path.exists(config.source):
-                raise SourceError(f"file not found: {config.source}")
-            cap = cv2.VideoCapture(config.source)
-        elif isinstance(src, int):
-            cap = cv2.VideoCapture(src)
-        else:
-            # Network reads must not block the thread forever, or stop could hang on a dead camera.
-            params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, 10_000, cv2.CAP_PROP_READ_TIMEOUT_MSEC, 10_000]
-            cap = cv2.VideoCapture(src, cv2.CAP_ANY, params)
-        if not cap.isOpened():
-            cap.release()
-            raise SourceError(f"cannot open {redact_source(config.source)}")
+        self._cv2: Any = cv2
+        self._capture: CaptureFactory = capture or cv2.VideoCapture
+        self.decode = "software"
+        self.decode_note = ""
+        if config.is_file and not os.path.exists(config.source):
+            raise SourceError(f"file not found: {config.source}")
+        cap: Capture | None = None
+        if config.decode != "software":
+            cap = self._open_hardware(config, probe or default_probe())
+        if cap is None:
+            cap = self._open_software(config)
         self._cap = cap
         fps = float(cap.get(cv2.CAP_PROP_FPS) or 0.0)
         self.fps: float | None = fps if 0.0 < fps < 1000.0 else None
+
+    def _open_hardware(self, config: CameraConfig, probe: DecodeProbe) -> Capture | None:
+        """The opened hardware pipeline; None: decode in software (``auto``); SourceError (``hardware``)."""
+        plan = plan_decode(config, probe)
+        where = redact_source(config.source)
+        if plan.pipeline is None:
+            if config.decode == "hardware":
+                raise SourceError(f"hardware decode unavailable for {where}: {plan.reason}")
+            self.decode_note = f"software decode (decode: auto): {plan.reason}"
+            return None
+        cap = self._capture(plan.pipeline.description, self._cv2.CAP_GSTREAMER)
+        if cap.isOpened():
+            self.decode = f"hardware:{plan.pipeline.decoder}"
+            self.decode_note = f"hardware decode: {plan.pipeline.decoder} ({plan.platform})"
+            return cap
+        cap.release()
+        reason = (
+            f"the GStreamer pipeline with {plan.pipeline.decoder} did not open {where} "
+            f"(is the stream {config.codec}?)"
+        )
+        if config.decode == "hardware":
+            raise SourceError(f"hardware decode: {reason}")
+        self.decode_note = f"software decode (decode: auto): {reason}"
+        return None
+
+    def _open_software(self, config: CameraConfig) -> Capture:
+        """Exactly the path every camera took before ``decode`` existed."""
+        cv2 = self._cv2
+        src: str | int = int(config.source) if config.source.isdigit() else config.source
+        if config.is_file:
+            cap = self._capture(config.source)
+        elif isinstance(src, int):
+            cap = self._capture(src)
+        else:
+            # Network reads must not block the thread forever, or stop could hang on a dead camera.
+            params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, 10_000, cv2.CAP_PROP_READ_TIMEOUT_MSEC, 10_000]
+            cap = self._capture(src, cv2.CAP_ANY, params)
+        if not cap.isOpened():
+            cap.release()
+            raise SourceError(f"cannot open {redact_source(config.source)}")
+        return cap
 
     def read(self) -> np.ndarray | None:
         ok, frame = self._cap.read()
@@ -155,6 +456,11 @@ class CameraWorker:
         self.retries: deque[RetryAttempt] = deque(maxlen=64)
         self.down_since: float | None = None  # time.monotonic() of the last UP -> DOWN
         self.next_retry_s: float | None = None  # the backoff now being waited out
+        # What decodes the current source ("software" or "hardware:<element>", see CvVideoSource) and
+        # the note on it: the hardware decoder in use, or why decode: auto fell back to software.
+        self.decode = "software"
+        self.decode_note: str | None = None
+        self._reported_note: str | None = None  # the note last put in a camera_up reason
         self._times: deque[float] = deque(maxlen=30)
         self._thread = threading.Thread(target=self._run, name=f"capture-{config.id}", daemon=True)
 
@@ -223,6 +529,7 @@ class CameraWorker:
                 except Exception as exc:
                     self._failed(f"open failed: {exc}")
                     continue
+                self._note_decode(source)
                 ended, failure = self._stream(source)  # released on return, before any backoff
                 if failure is not None:
                     self._failed(failure)
@@ -232,6 +539,24 @@ class CameraWorker:
                     break
         finally:
             self._set_state(CameraState.STOPPED, "stopped")
+
+    def _note_decode(self, source: VideoSource) -> None:
+        """Take the opened source's decode path; log a new note once (sources without one: software)."""
+        self.decode = str(getattr(source, "decode", "software") or "software")
+        note = getattr(source, "decode_note", None) or None
+        if note is not None and note != self.decode_note:
+            log.log(
+                logging.WARNING if self.decode == "software" else logging.INFO, "camera %s: %s", self.id, note
+            )
+        self.decode_note = note
+
+    def _up_reason(self) -> str:
+        """ "frames flowing", with the decode note the first time it is new (so it is reported once)."""
+        note = self.decode_note
+        if note is None or note == self._reported_note:
+            return "frames flowing"
+        self._reported_note = note
+        return f"frames flowing; {note}"
 
     def _stream(self, source: VideoSource) -> tuple[bool, str | None]:
         """Read until stop, reopen or failure: (a file source ended normally, why the source failed)."""
@@ -282,7 +607,8 @@ class CameraWorker:
                 elif period and now - last_kept < period:
                     continue  # a live camera faster than max_fps: skip, it is not a loss
                 last_kept = time.monotonic()
-                self._set_state(CameraState.UP, "frames flowing")
+                if self._state != CameraState.UP:
+                    self._set_state(CameraState.UP, self._up_reason())
                 # Reset after the UP callback, which reports how many attempts the outage took.
                 self.failures = 0
                 self.next_retry_s = None

@@ -63,14 +63,17 @@ class Preprocessor:
         if np.any(std == 0.0):
             raise ValueError(f"input {spec.name!r}: std must not be 0")
         # mean/std are given per channel in the model's colour order (spec.color).
-        self._mean = mean
         self._inv_std = (1.0 / std).astype(np.float32)
         self._normalize = bool(np.any(mean != 0.0) or np.any(std != 1.0))
         self._mean_scalar = (*(float(v) for v in mean), 0.0)
         self._inv_std_scalar = (*(float(v) for v in self._inv_std), 1.0)
+        # NCHW float: (x - mean) * inv_std computed as x * inv_std + (-mean * inv_std), per plane.
+        self._plane_scale = [float(v) for v in self._inv_std]
+        self._plane_offset = [float(-m * s) for m, s in zip(mean, self._inv_std, strict=True)]
         # Reused intermediates (see module docstring).
         self._canvas = np.empty((self._h, self._w, 3), dtype=np.uint8)
         self._color = np.empty((self._h, self._w, 3), dtype=np.uint8)
+        self._planes = [np.empty((self._h, self._w), dtype=np.uint8) for _ in range(3)]
         # Letterbox resize target depends on the frame size; cached for the common fixed-size camera.
         self._lb_key: tuple[int, int] | None = None
         self._lb_buf: np.ndarray | None = None
@@ -119,15 +122,24 @@ class Preprocessor:
             cv2.cvtColor(img, cv2.COLOR_BGR2RGB, dst=self._color)
             img = self._color
         if self._nchw:
-            # The cast happens inside the transposing copy, so no float HWC intermediate is needed.
-            np.copyto(out, img.transpose(2, 0, 1), casting="unsafe")
-            if self._normalize:
-                # Per contiguous plane: numpy broadcasting a (3,) mean over the last axis of HWC is ~4x
-                # slower than three scalar operations on planes (measured 1.7 ms against 0.4 ms at 416^2).
-                for ch in range(3):
-                    plane = out[ch]
-                    np.subtract(plane, self._mean[ch], out=plane)
-                    np.multiply(plane, self._inv_std[ch], out=plane)
+            # Split into uint8 planes, then one SIMD pass per plane casts (and normalises) it straight
+            # into its place in the output. CPU time at 416^2 on a 2-vCPU VM: 0.11 ms against 0.34 ms
+            # for numpy's transposing cast plus per-plane normalising in place (the whole NanoDet call
+            # from 1080p: 0.55 against 0.97 ms; bench/preprocess.py times the whole call).
+            planes = cv2.split(img, self._planes)
+            for ch in range(3):
+                if self._float:
+                    cv2.addWeighted(
+                        planes[ch],
+                        self._plane_scale[ch],
+                        planes[ch],
+                        0.0,
+                        self._plane_offset[ch],
+                        dst=out[ch],
+                        dtype=cv2.CV_32F,
+                    )
+                else:
+                    np.copyto(out[ch], planes[ch])
         else:
             np.copyto(out, img, casting="unsafe")
             if self._normalize:

@@ -50,15 +50,38 @@ class CameraConfig(_Strict):
     max_fps: float | None = Field(default=None, gt=0.0)
     reconnect_min_s: float = Field(default=0.5, gt=0.0)
     reconnect_max_s: float = Field(default=30.0, gt=0.0)
+    decode: Literal["software", "auto", "hardware"] = "software"
+    """Video decoding. ``software``: OpenCV's own (FFmpeg in the PyPI wheels), on the CPU. ``auto``: NVIDIA
+    hardware decode (NVDEC) through an OpenCV GStreamer pipeline where this device can do it (OpenCV
+    built with GStreamer, and the decoder element installed: ``nvh264dec``/``nvh265dec`` on a dGPU,
+    ``nvv4l2decoder`` on a Jetson), else software decode, the reason reported once in the camera_up
+    event. ``hardware``: hardware decode or the camera stays down with the reason (retried with the
+    usual backoff). Hardware decode takes ``rtsp://`` sources and files (mp4/mov, mkv/webm, ts, avi)."""
+    codec: Literal["h264", "h265"] = "h264"
+    """The stream's codec, for the hardware decode pipeline (which names its depayloader, parser and
+    decoder up front); software decode finds it by itself."""
 
     @property
     def is_file(self) -> bool:
         return "://" not in self.source and not self.source.isdigit()
 
+    @property
+    def is_rtsp(self) -> bool:
+        return self.source.lower().startswith(("rtsp://", "rtsps://"))
+
     @model_validator(mode="after")
     def _backoff_order(self) -> CameraConfig:
         if self.reconnect_max_s < self.reconnect_min_s:
             raise ValueError("reconnect_max_s must be >= reconnect_min_s")
+        return self
+
+    @model_validator(mode="after")
+    def _hardware_decode_source(self) -> CameraConfig:
+        if self.decode == "hardware" and not (self.is_rtsp or self.is_file):
+            raise ValueError(
+                "decode: hardware takes an rtsp:// source or a file; use auto or software for USB and "
+                "http(s) cameras"
+            )
         return self
 
 

@@ -712,6 +712,8 @@ class TensorRtBackend:
         self.input_name: str = engine.input_name
         self.input_shape: tuple[int | str | None, ...] = engine.input_shape
         self.dynamic_batch: bool = engine.dynamic_batch
+        self.host_memory: str | None = getattr(engine, "host_memory", None)
+        """``pinned`` or ``pageable`` host staging (G18), None for an engine that does not say."""
 
     def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
         return self._engine.run(batch)
@@ -1016,10 +1018,26 @@ def _make_calibrator(trt: Any, cudart: Any, calib: Calibration, nbytes: int) -> 
     return Calibrator()
 
 
-class _CudaEngine:
-    """One execution context, one stream, device buffers grown on demand."""
+HostMemory = Literal["pinned", "pageable"]
 
-    def __init__(self, trt: Any, cudart: Any, engine: Any, device: int) -> None:
+
+class _CudaEngine:
+    """One execution context, one stream; device and host buffers sized to the profile max, allocated
+    once at load and freed at :meth:`close` (G18).
+
+    Host staging is page-locked (``cudaMallocHost``), as in NVIDIA's own samples
+    (``samples/python/common_runtime.py``): ``cudaMemcpyAsync`` from or to pageable memory is staged
+    through a driver buffer and returns only when the copy is done, so nothing overlaps; from pinned
+    memory it is a DMA on the engine's stream. Each run copies the preprocessed batch into the pinned
+    input (a host memcpy: preprocessing runs on another thread, overlapped with the previous run, so
+    it cannot write into the one buffer the running batch is copied from), queues H2D, inference and
+    D2H on the stream and synchronizes once. When pinned memory cannot be had (``cudaMallocHost``
+    fails: locked-memory limits, an old cuda-python), the same buffers are pageable numpy arrays and
+    ``pinned_problem`` says why (logged once). On a Jetson the GPU shares the RAM and mapped
+    (zero-copy) memory would skip the copies altogether; not done here.
+    """
+
+    def __init__(self, trt: Any, cudart: Any, engine: Any, device: int, *, pinned: bool = True) -> None:
         self._trt, self._cudart, self._engine, self._device = trt, cudart, engine, device
         self._ctx = engine.create_execution_context()
         if self._ctx is None:
@@ -1033,22 +1051,42 @@ class _CudaEngine:
         dims = tuple(int(d) for d in engine.get_tensor_shape(self.input_name))
         self.input_shape: tuple[int | str | None, ...] = tuple(d if d >= 0 else None for d in dims)
         self.dynamic_batch: bool = dims[0] < 0
-        self._check_output_shapes(dims)
         self._dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
+        # Every tensor's shape at the profile max (G10's check included): what the buffers must hold.
+        self.max_shapes: dict[str, tuple[int, ...]] = self._max_shapes(dims)
         self._stream = _cuda_check(cudart, cudart.cudaStreamCreate())
         self._buffers: dict[str, tuple[Any, int]] = {}
+        self._host: dict[str, np.ndarray] = {}  # flat uint8 staging per tensor, pinned or pageable
+        self._pinned_ptrs: list[Any] = []  # what close() hands back to cudaFreeHost
+        self.host_memory: HostMemory = "pageable"
+        self.pinned_problem: str | None = None
         self._thread_device_set: set[int] = set()
+        try:
+            nbytes = {n: self._nbytes(n, s) for n, s in self.max_shapes.items()}
+            for name, size in nbytes.items():
+                self._buffer(name, size)  # device memory at the max: never reallocated in run()
+            self._allocate_host(nbytes, pinned=pinned)
+        except BaseException:
+            self.close()
+            raise
 
-    def _check_output_shapes(self, dims: tuple[int, ...]) -> None:
-        """Refuse at load, not at the first frame, an engine whose outputs have data-dependent shapes
+    def _nbytes(self, name: str, shape: tuple[int, ...]) -> int:
+        return int(np.prod(shape, dtype=np.int64)) * self._dtypes[name].itemsize
+
+    def _max_shapes(self, dims: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The input's shape at the profile max and every output's shape there.
+
+        Refuses at load, not at the first frame, an engine whose outputs have data-dependent shapes
         (NonZero, NonMaxSuppression: -1 even once every input shape is set) (G10). This runner has
         no ``IOutputAllocator``; the model runs on onnxruntime (whose TensorRT EP has one)."""
         ctx = self._ctx
+        biggest = dims
         if any(d < 0 for d in dims):
             shapes = self._engine.get_tensor_profile_shape(self.input_name, 0)  # [min, opt, max]
             biggest = tuple(int(d) for d in shapes[2])
             if not ctx.set_input_shape(self.input_name, biggest):
                 raise TrtError(f"the engine refuses its own profile max {biggest} for {self.input_name}")
+        out = {self.input_name: biggest}
         for name in self.output_names:
             shape = tuple(int(d) for d in ctx.get_tensor_shape(name))
             if any(d < 0 for d in shape):
@@ -1056,6 +1094,49 @@ class _CudaEngine:
                     f"output {name} has a data-dependent shape {shape} (e.g. NonZero or NMS in the graph); "
                     "the native TensorRT runner does not support it"
                 )
+            out[name] = shape
+        return out
+
+    def _allocate_host(self, nbytes: Mapping[str, int], *, pinned: bool) -> None:
+        """Host staging buffers, one per tensor at its max size: pinned where CUDA gives it, else
+        pageable numpy (all or none pinned, so one run never mixes the two)."""
+        import ctypes
+
+        if pinned:
+            cudart = self._cudart
+            try:
+                views: dict[str, np.ndarray] = {}
+                for name, size in nbytes.items():
+                    size = max(size, 1)
+                    ptr = _cuda_check(cudart, cudart.cudaMallocHost(size))
+                    self._pinned_ptrs.append(ptr)
+                    views[name] = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(int(ptr)))
+            except Exception as exc:
+                self._free_pinned()
+                self.pinned_problem = f"cudaMallocHost failed ({type(exc).__name__}: {exc})"
+                log.warning(
+                    "TensorRT engine: %s; using pageable host buffers (copies will not overlap)",
+                    self.pinned_problem,
+                )
+            else:
+                self._host = views
+                self.host_memory = "pinned"
+                return
+        else:
+            self.pinned_problem = "pinned host memory not requested"
+        self._host = {name: np.empty(max(size, 1), np.uint8) for name, size in nbytes.items()}
+        self.host_memory = "pageable"
+
+    def _host_view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The first bytes of ``name``'s staging buffer as an array of ``shape`` (never past the max)."""
+        flat = self._host[name]
+        nbytes = self._nbytes(name, shape)
+        if nbytes > flat.nbytes:
+            raise TrtError(
+                f"{name} of shape {shape} needs {nbytes} bytes; buffers hold the profile max "
+                f"{self.max_shapes[name]} ({flat.nbytes} bytes)"
+            )
+        return flat[:nbytes].view(self._dtypes[name]).reshape(shape)
 
     def _buffer(self, name: str, nbytes: int) -> Any:
         have = self._buffers.get(name)
@@ -1063,47 +1144,69 @@ class _CudaEngine:
             return have[0]
         if have is not None:
             _cuda_check(self._cudart, self._cudart.cudaFree(have[0]))
+            del self._buffers[name]
         ptr = _cuda_check(self._cudart, self._cudart.cudaMalloc(max(nbytes, 1)))
         self._buffers[name] = (ptr, max(nbytes, 1))
         return ptr
 
     def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
         cudart, ctx = self._cudart, self._ctx
+        if ctx is None:
+            raise TrtError("the engine is closed")
         tid = threading.get_ident()
         if tid not in self._thread_device_set:  # the inference thread may not be the build thread
             _cuda_check(cudart, cudart.cudaSetDevice(self._device))
             self._thread_device_set.add(tid)
-        x = np.ascontiguousarray(batch, dtype=self._dtypes[self.input_name])
+        shape = tuple(int(d) for d in np.shape(batch))
         dynamic = self.dynamic_batch or any(d is None for d in self.input_shape)
-        if dynamic and not ctx.set_input_shape(self.input_name, tuple(x.shape)):
-            raise TrtError(f"input shape {x.shape} is outside the engine's profile")
+        if dynamic and not ctx.set_input_shape(self.input_name, shape):
+            raise TrtError(f"input shape {shape} is outside the engine's profile")
+        if not dynamic and shape != self.max_shapes[self.input_name]:
+            raise TrtError(f"input shape {shape} is not the engine's {self.max_shapes[self.input_name]}")
+        host_in = self._host_view(self.input_name, shape)
+        np.copyto(host_in, batch, casting="unsafe")  # the model's dtype, as np.ascontiguousarray(dtype=) did
         h2d, d2h = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        ptr = self._buffer(self.input_name, x.nbytes)
-        _cuda_check(cudart, cudart.cudaMemcpyAsync(ptr, x.ctypes.data, x.nbytes, h2d, self._stream))
+        ptr = self._buffer(self.input_name, host_in.nbytes)
+        _cuda_check(
+            cudart, cudart.cudaMemcpyAsync(ptr, host_in.ctypes.data, host_in.nbytes, h2d, self._stream)
+        )
         ctx.set_tensor_address(self.input_name, int(ptr))
         outs: dict[str, np.ndarray] = {}
         for name in self.output_names:
-            shape = tuple(int(d) for d in ctx.get_tensor_shape(name))
-            if any(d < 0 for d in shape):
-                raise UnsupportedEngine(f"output {name} has a data-dependent shape {shape}; not supported")
-            arr = np.empty(shape, dtype=self._dtypes[name])
-            ctx.set_tensor_address(name, int(self._buffer(name, arr.nbytes)))
-            outs[name] = arr
+            out_shape = tuple(int(d) for d in ctx.get_tensor_shape(name))
+            if any(d < 0 for d in out_shape):
+                raise UnsupportedEngine(
+                    f"output {name} has a data-dependent shape {out_shape}; not supported"
+                )
+            view = self._host_view(name, out_shape)
+            ctx.set_tensor_address(name, int(self._buffer(name, view.nbytes)))
+            outs[name] = view
         if not ctx.execute_async_v3(int(self._stream)):
             raise TrtError("TensorRT execution failed")
-        for name, arr in outs.items():
+        for name, view in outs.items():
             src = self._buffers[name][0]
-            _cuda_check(cudart, cudart.cudaMemcpyAsync(arr.ctypes.data, src, arr.nbytes, d2h, self._stream))
+            _cuda_check(cudart, cudart.cudaMemcpyAsync(view.ctypes.data, src, view.nbytes, d2h, self._stream))
         _cuda_check(cudart, cudart.cudaStreamSynchronize(self._stream))
-        return outs
+        # The staging buffers are reused by the next run: the caller gets its own (small) copies.
+        return {name: view.copy() for name, view in outs.items()}
+
+    def _free_pinned(self) -> None:
+        ptrs, self._pinned_ptrs = self._pinned_ptrs, []
+        for ptr in ptrs:
+            with contextlib.suppress(Exception):
+                self._cudart.cudaFreeHost(ptr)
 
     def close(self) -> None:
         cudart = self._cudart
+        self._host = {}  # the views go before the memory under them
+        self._free_pinned()
         for ptr, _ in self._buffers.values():
             with contextlib.suppress(Exception):
                 cudart.cudaFree(ptr)
         self._buffers.clear()
-        with contextlib.suppress(Exception):
-            cudart.cudaStreamDestroy(self._stream)
+        stream, self._stream = getattr(self, "_stream", None), None
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                cudart.cudaStreamDestroy(stream)
         self._ctx = None
         self._engine = None

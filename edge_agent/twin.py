@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +78,20 @@ class EngineBuilds:
 
     The twin announces the load it is about to run; a backend made for that model gets the load's
     :class:`LoadRequest` (the variant, where build steps are reported, the camera's frames for INT8
-    calibration, the stop event that abandons a build). Any other call, such as the watchdog reloading
-    a hung model, is a plain load.
+    calibration, the stop event that abandons a build). A later load of the same model without an
+    announcement, such as the watchdog reloading a hung model, repeats that request (G7: the same
+    variant, so the same precision and the same engine cache key, which the cache holds since the
+    first load), without calibration frames: a reload never calibrates in the watchdog's thread.
+    A model never announced is a plain load.
     """
+
+    # Requests remembered, newest last: far more than the models one device runs at once.
+    REMEMBERED = 16
 
     def __init__(self, backends: AutoBackendFactory) -> None:
         self.backends = backends
         self._announced: tuple[str, LoadRequest] | None = None
+        self._requests: dict[str, LoadRequest] = {}
 
     @contextmanager
     def announce(self, sha256: str, request: LoadRequest) -> Iterator[None]:
@@ -96,9 +103,16 @@ class EngineBuilds:
 
     def __call__(self, path: Path, manifest: ModelManifest) -> InferenceBackend:
         announced = self._announced
-        if announced is None or announced[0] != manifest.sha256:
+        if announced is not None and announced[0] == manifest.sha256:
+            self._requests.pop(manifest.sha256, None)
+            self._requests[manifest.sha256] = announced[1]
+            while len(self._requests) > self.REMEMBERED:
+                del self._requests[next(iter(self._requests))]
+            return self.backends.make(path, manifest, announced[1])
+        earlier = self._requests.get(manifest.sha256)
+        if earlier is None:
             return self.backends(path, manifest)
-        return self.backends.make(path, manifest, announced[1])
+        return self.backends.make(path, manifest, replace(earlier, calibration_frames=None))
 
 
 class Twin:

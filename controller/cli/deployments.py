@@ -56,6 +56,12 @@ def deploy(
         int, typer.Option(min=0, help="inference watchdog restarts a device may have in its soak")
     ] = 0,
     step_timeout: Annotated[float, typer.Option(help="seconds a device may take to activate")] = 300.0,
+    build_timeout: Annotated[
+        float, typer.Option(help="seconds an on-device engine build that reports progress may take")
+    ] = 3600.0,
+    build_stall: Annotated[
+        float, typer.Option(help="seconds an engine build may go without progress before it fails")
+    ] = 180.0,
     offline_timeout: Annotated[float, typer.Option(help="seconds offline before it counts as failed")] = 60.0,
     follow: Annotated[bool, typer.Option(help="show live progress until the rollout finishes")] = True,
     api: ApiOption = DEFAULT_API,
@@ -82,6 +88,8 @@ def deploy(
             "max_latency_ratio": max_latency_ratio,
             "max_watchdog_restarts": max_watchdog_restarts,
             "step_timeout_s": step_timeout,
+            "build_timeout_s": build_timeout,
+            "build_stall_s": build_stall,
             "offline_timeout_s": offline_timeout,
         },
     }

@@ -37,7 +37,13 @@ class GateConfig(BaseModel):
     # whatever the FPS and latency figures say (a hung run reports neither). A watchdog "failed"
     # step (the agent ran out of restarts) fails the gate whatever this says.
     max_watchdog_restarts: int = Field(default=0, ge=0)
+    # From admission to every camera running the model: the download, the verify, the load.
     step_timeout_s: float = Field(default=300.0, gt=0)
+    # A first TensorRT engine build on a device (minutes on a Jetson, longer with INT8 calibration)
+    # may run past step_timeout_s while it makes progress: the member fails only when the build has
+    # been silent for build_stall_s, or when build_timeout_s has passed since admission.
+    build_timeout_s: float = Field(default=3600.0, gt=0)
+    build_stall_s: float = Field(default=180.0, gt=0)
     offline_timeout_s: float = Field(default=60.0, ge=0)
 
 
@@ -113,6 +119,9 @@ class DeviceView:
     latency_stat: str = "median"  # "p99" when every latency above is a p99
     restarts: tuple[float, ...] = ()  # when the agent came back up with a fresh uptime
     watchdog: tuple[WatchdogStep, ...] = ()  # the inference watchdog's steps, oldest first
+    # When the device last said its engine build for the rollout's model moved (a model_build
+    # started/progress event since admission, controller clock); None: no build seen.
+    build_active_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +228,24 @@ def _settle_applying(m: MemberView, dev: DeviceView | None, r: RolloutView, now:
             m.device_id, MemberState.FAILED, f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)"
         )
     if now - m.admitted_at > r.gate.step_timeout_s:
+        building = dev.build_active_at is not None and any(
+            (dev.reported.get(c) or {}).get("state") == "loading" for c in m.cameras
+        )
+        if building and dev.build_active_at is not None:
+            if now - m.admitted_at > r.gate.build_timeout_s:
+                return Settle(
+                    m.device_id,
+                    MemberState.FAILED,
+                    f"engine build not done after {r.gate.build_timeout_s:g}s (build_timeout_s)",
+                )
+            silent = now - dev.build_active_at
+            if silent > r.gate.build_stall_s:
+                return Settle(
+                    m.device_id,
+                    MemberState.FAILED,
+                    f"engine build made no progress for {silent:.1f}s (limit {r.gate.build_stall_s:g}s)",
+                )
+            return None  # a build that moves is waited for, up to build_timeout_s
         states = {c: (dev.reported.get(c) or {}).get("state", "unknown") for c in m.cameras}
         return Settle(
             m.device_id,

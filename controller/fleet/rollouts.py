@@ -132,6 +132,28 @@ def watchdog_steps_since(s: Session, since: Mapping[str, datetime]) -> dict[str,
     return {d: tuple(v) for d, v in out.items()}
 
 
+def build_activity_since(s: Session, since: Mapping[str, datetime], model: str) -> dict[str, float]:
+    """Per device, when it last reported its engine build for ``model`` moving (started or progress)."""
+    out: dict[str, float] = {}
+    ids = sorted(since)
+    for i in range(0, len(ids), _IN_CHUNK):
+        chunk = ids[i : i + _IN_CHUNK]
+        rows = s.exec(
+            select(Event.device_id, Event.stored_at, Event.data).where(
+                col(Event.kind) == EventKind.MODEL_BUILD.value,
+                col(Event.device_id).in_(chunk),
+                col(Event.stored_at) >= min(since[d] for d in chunk),
+            )
+        ).all()
+        for device_id, stored_at, data in rows:
+            d = data if isinstance(data, dict) else {}
+            if stored_at < since[device_id] or d.get("model") != model:
+                continue
+            if d.get("phase") in ("started", "progress"):
+                out[device_id] = max(out.get(device_id, 0.0), stored_at.timestamp())
+    return out
+
+
 def camera_latency(cam: Mapping[str, Any]) -> tuple[float, str] | None:
     """The latency a gate judges for one camera of a heartbeat, and which statistic it is: the p99
     where the agent reports it, else the median (agents before p99). None: nothing usable."""
@@ -147,6 +169,7 @@ def device_view(
     dep: Deployment,
     restarts: tuple[float, ...] = (),
     watchdog: tuple[WatchdogStep, ...] = (),
+    build_active_at: float | None = None,
 ) -> DeviceView:
     health = dev.last_health or {}
     fps: dict[str, float] = {}
@@ -171,6 +194,7 @@ def device_view(
         latency_stat="p99" if stats == {"p99"} else "median",
         restarts=restarts,
         watchdog=watchdog,
+        build_active_at=build_active_at,
     )
 
 
@@ -266,12 +290,14 @@ class RolloutService:
                 )
             }
             steps = watchdog_steps_since(s, watched)
+            builds = build_activity_since(s, watched, f"{dep.model}:{dep.version}")
             devices = {
                 d.id: device_view(
                     d,
                     dep,
                     restarts_since(s, d.id, watched[d.id]) if d.id in watched else (),
                     steps.get(d.id, ()),
+                    builds.get(d.id),
                 )
                 for d in crud.list_devices(s)
             }

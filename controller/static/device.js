@@ -29,6 +29,15 @@
     return `${(s / 3600).toFixed(1)} h`;
   }
 
+  // A model on its way (download, verify, engine build): how far, as the device last reported it.
+  function inProgress(rep) {
+    if (rep.progress_pct === null || rep.progress_pct === undefined) return "";
+    if (!["fetching", "verifying", "loading"].includes(rep.state)) return "";
+    const pct = Math.max(0, Math.min(100, Number(rep.progress_pct)));
+    return el("span", { class: "progress", dataset: { field: "progress", value: String(pct) } },
+      " ", el("progress", { max: "100", value: String(pct) }), ` ${pct.toFixed(0)}%`);
+  }
+
   async function snapshot(camera, btn) {
     const box = $("snapshot-box");
     btn.disabled = true;
@@ -98,7 +107,7 @@
         el("td", { class: "num", dataset: { field: "median" } }, num(c.inference_ms, 1, "ms")),
         p99Cell(c.inference_p99_ms, hb),
         el("td", {}, rep.model || c.model || "none", rep.state ? " " : "", rep.state ? badge(rep.state) : "",
-          rep.error ? el("div", { class: "err" }, rep.error) : ""),
+          inProgress(rep), rep.error ? el("div", { class: "err" }, rep.error) : ""),
         el("td", {}, btn));
     }) : [el("tr", {}, el("td", { colspan: 9, class: "muted" }, "no cameras reported yet"))]));
   }

@@ -5,6 +5,7 @@ real footage. Also the snapshot API on that real agent."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,8 +14,12 @@ from typing import Any
 import cv2
 import httpx
 import numpy as np
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
+from fleet_protocol import TopicKind, Topics, encode
+from fleet_protocol.messages import Availability, CameraReported, ReportedState
 from tests.conftest import FOOTAGE
 from tests.mqtt_broker import MosquittoBroker
 from tests.processes import AgentProcess, ControllerProcess
@@ -170,6 +175,48 @@ def test_device_page_matches_the_api_and_the_snapshot_button_shows_an_image(
         page.wait_for_timeout(300)
         page.screenshot(path=str(tmp_path / "device.png"), full_page=True)
         _keep(tmp_path / "device.png", fleet)
+    finally:
+        page.close()
+
+
+def test_device_page_shows_how_far_a_model_on_its_way_has_come(
+    fleet: Fleet, broker: MosquittoBroker, browser: Any
+) -> None:
+    # A second device that says, as an agent does while its TensorRT engine builds, that cam1 is
+    # loading a model at 40 %: the technician's page shows the state and how far it has come.
+    device = "web-site-building"
+    r = fleet.api.post("/api/v1/devices", json={"id": device, "name": "Gate 2"})
+    assert r.status_code in (200, 201), r.text
+    rep = ReportedState(
+        ts=time.time(),
+        desired_version=0,
+        cameras={"cam1": CameraReported(model="ped_ssdlite:1", state="loading", progress_pct=40.0)},
+    )
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="dashboard-test-building")
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    try:
+        for kind, msg in (
+            (TopicKind.AVAILABILITY, Availability(state="online", ts=time.time())),
+            (TopicKind.TWIN_REPORTED, rep),
+        ):
+            client.publish(Topics().device(device, kind), encode(msg), qos=1, retain=True).wait_for_publish(5)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    wait_for(
+        lambda: (fleet.api.get(f"/api/v1/devices/{device}").json().get("models") or {}).get("cam1"),
+        timeout=15,
+        what="the controller stored the reported state",
+    )
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(f"{fleet.controller.url}/devices/{device}#token={fleet.controller.token}")
+        shown = page.locator('#cameras tr[data-camera="cam1"] [data-field="progress"]')
+        shown.wait_for(timeout=15_000)
+        assert shown.get_attribute("data-value") == "40"
+        row = page.locator('#cameras tr[data-camera="cam1"]').inner_text()
+        assert "loading" in row and "40%" in row
     finally:
         page.close()
 

@@ -178,3 +178,43 @@ def test_other_watchdog_steps_leave_a_healthy_rollout_alone(fleet: Fleet) -> Non
     (g,) = body["rollout"]["gates"]
     assert g["passed"] is True and g["watchdog"] == {"d1": {"restarts": 1, "failures": 0, "reason": HUNG}}
     assert g["max_watchdog_restarts"] == 1
+
+
+def build_note(fleet: Fleet, device: str, seq: int, pct: float) -> None:
+    """A model_build progress event as the agent's twin sends it while a TensorRT engine builds."""
+    data = {"model": "tiny:2", "sha256": "0" * 64, "phase": "progress", "engine": "tensorrt", "pct": pct}
+    ev = Event(seq=seq, ts=time.time(), kind=EventKind.MODEL_BUILD, message=f"building {pct:.0f}%", data=data)
+    fleet.send(device, TopicKind.EVENTS, ev)
+    fleet.wait_ack(device, lambda a: a.upto >= seq, what=f"{device} build event {seq} stored")
+
+
+def test_a_device_building_its_engine_is_waited_for_then_failed_when_the_build_goes_silent(
+    fleet: Fleet,
+) -> None:
+    # G6: the step timeout (2 s) is for downloads; a build that reports progress is waited for until
+    # it has been silent for build_stall_s (3 s), whatever the step timeout says.
+    enroll(fleet, "d1", site="a")
+    gate = {
+        "soak_s": 600,
+        "step_timeout_s": 2,
+        "build_stall_s": 3,
+        "build_timeout_s": 600,
+        "offline_timeout_s": 30,
+    }
+    deploy(fleet, name="v2", version="2", selector="site=a", gate=gate)
+    wait_for(lambda: runs(fleet, "d1") == "2:v2", timeout=15, what="canary gets v2")
+    report(fleet, "d1", state="loading")
+    started = time.monotonic()
+    seq = 0
+    while time.monotonic() - started < 5:  # 5 s of progress: well past the 2 s step timeout
+        seq += 1
+        build_note(fleet, "d1", seq, 10.0 * seq)
+        assert [d["state"] for d in deployment(fleet, "v2")["rollout"]["devices"]] == ["applying"]
+        time.sleep(0.5)
+    body = wait_for(
+        lambda: (b := deployment(fleet, "v2"))["rollout"]["state"] == "failed" and b,
+        timeout=20,
+        what="the silent build fails the canary",
+    )
+    (m,) = body["rollout"]["devices"]
+    assert m["state"] == "rolled_back" and "engine build made no progress" in m["reason"]

@@ -197,3 +197,25 @@ def test_more_than_three_restarts_since_admission_is_a_crash_loop() -> None:
     actions = step(r, {"d1": four}, T0 + 5)
     assert actions[0] == Settle("d1", "failed", "crash loop: the agent restarted 4 times since admission")
     assert isinstance(actions[-1], Finish) and actions[-1].state == "failed"
+
+
+def test_an_engine_build_that_moves_is_waited_for_past_the_step_timeout() -> None:
+    # G6: a first TensorRT build on a device outlasts step_timeout_s (60 s here) while it reports
+    # progress; it fails only when silent for build_stall_s or past build_timeout_s.
+    gate = GateConfig(
+        soak_s=10, step_timeout_s=60, build_stall_s=30, build_timeout_s=600, offline_timeout_s=20
+    )
+    r = ro({"d1": member("d1")}, gate=gate)
+    loading = {
+        "reported_version": 5,
+        "reported": {"cam1": {"model": M, "state": "loading", "progress_pct": 40.0}},
+    }
+    assert step(r, {"d1": dev("d1", build_active_at=T0 + 100, **loading)}, T0 + 120) == []
+    stalled = step(r, {"d1": dev("d1", build_active_at=T0 + 100, **loading)}, T0 + 131)
+    assert isinstance(stalled[0], Settle) and stalled[0].state == "failed"
+    assert "engine build made no progress for 31.0s" in str(stalled[0].reason)
+    too_long = step(r, {"d1": dev("d1", build_active_at=T0 + 599, **loading)}, T0 + 601)
+    assert isinstance(too_long[0], Settle) and "engine build not done after 600s" in str(too_long[0].reason)
+    # No build seen (a stuck download): the step timeout holds as before.
+    plain = step(r, {"d1": dev("d1", **loading)}, T0 + 61)
+    assert isinstance(plain[0], Settle) and "not active after 60s" in str(plain[0].reason)

@@ -30,15 +30,21 @@ class Factory:
         return "made"
 
 
-def test_only_the_announced_load_gets_its_build_request() -> None:
+def test_the_announced_load_gets_its_build_request_and_a_reload_repeats_it() -> None:
     factory = Factory()
     builds = EngineBuilds(factory)  # type: ignore[arg-type]
-    req = LoadRequest(variant="int8")
+    frames = lambda n: []  # noqa: E731
+    req = LoadRequest(variant="int8", calibration_frames=frames)
     with builds.announce(SHA_A, req):
         builds(Path("a.onnx"), manifest("a", SHA_A))
-        builds(Path("b.onnx"), manifest("b", SHA_B))  # e.g. the watchdog reloading another model
-    builds(Path("a.onnx"), manifest("a", SHA_A))  # after the load: a reload of the same model
-    assert factory.calls == [("make", "a", req), ("plain", "b", None), ("plain", "a", None)]
+        builds(Path("b.onnx"), manifest("b", SHA_B))  # a model never announced: a plain load
+    # After the load, the watchdog reloads the same model: G7, the same variant (so the same precision
+    # and engine key), never a default fp32 request, and no calibration in the watchdog's thread.
+    builds(Path("a.onnx"), manifest("a", SHA_A))
+    assert [(kind, name) for kind, name, _ in factory.calls] == [("make", "a"), ("plain", "b"), ("make", "a")]
+    assert factory.calls[0][2] is req
+    reload = factory.calls[2][2]
+    assert reload is not None and reload.variant == "int8" and reload.calibration_frames is None
 
 
 class Link:
