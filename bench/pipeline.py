@@ -226,7 +226,7 @@ class Fleet:
             device,
             self.broker.url,
             cameras=[{"id": c, "source": str(FOOTAGE), "loop": True, "realtime": False} for c in cams],
-            inference={"threads": threads, "max_batch": max_batch},
+            inference={"threads": threads, "max_batch": max_batch, **AGENT_INFERENCE},
             controller=self.controller,
         )
         try:
@@ -319,10 +319,18 @@ class Fleet:
 # ------------------------------------------------------------------------------------------------ main
 
 
+AGENT_INFERENCE: dict[str, Any] = {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cameras", type=int, default=1, help="cameras, each playing the footage (default 1)")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads (raw and agent alike)")
+    ap.add_argument(
+        "--agent-spin",
+        action="store_true",
+        help="the agent's sessions spin (inference.spin: true; default off)",
+    )
     ap.add_argument(
         "--max-batch",
         type=int,
@@ -358,6 +366,8 @@ def main() -> None:
         f"{MODEL} on {FOOTAGE.name}: {args.cameras} camera(s), batch {batch}, {args.threads} intra-op threads, "
         f"CPU execution provider; {args.runs} run(s) of {args.seconds:g} s"
     )
+    if args.agent_spin:
+        AGENT_INFERENCE["spin"] = True
     raw_loop = RawLoop(args.threads, batch)
     raws: list[RawFps] = []
     pipes: list[dict[str, Any]] = []
