@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from controller.db.engine import make_engine, migrate
 from controller.fleet.rollouts import RolloutService
 from controller.fleet.twin import ResendPolicy, TwinConverger, TwinService
-from controller.link.artifacts import ArtifactServer
+from controller.link.artifacts import ArtifactServer, DeviceCaps
 from controller.link.bridge import MqttBridge, PahoTransport, Transport
 from controller.link.broker_auth import DynsecAdmin
 from controller.link.commands import CommandService
@@ -131,6 +131,12 @@ class ControllerRuntime:
             queue_max=settings.artifact_queue_max,
             workers=settings.artifact_workers,
             stop=self.stop_event,
+            caps=DeviceCaps(
+                requests_per_s=settings.artifact_device_requests_per_s,
+                request_burst=settings.artifact_device_request_burst,
+                bytes_per_s=settings.artifact_device_bytes_per_s,
+                burst_bytes=settings.artifact_device_burst_bytes,
+            ),
         )
         self.store = ArtifactStore(settings.resolved_store_dir())
         self.variants = VariantWorker(

@@ -52,7 +52,6 @@ from fleet_protocol.messages import (
     Ack,
     ArtifactRequest,
     Availability,
-    CameraReported,
     CameraState,
     Capabilities,
     EventKind,
@@ -145,8 +144,7 @@ class WatchdogReports:
             for cam in sorted(self._failed):
                 model = self._pipeline.model_of(cam)
                 if model is not None:
-                    rep = CameraReported(model=model.key, sha256=model.sha256, state="running")
-                    self._twin.set_reported(cam, rep, publish=False)
+                    self._twin.set_reported(cam, self._twin.running_report(cam, model), publish=False)
             self._failed.clear()
             self._twin.report()
 
@@ -250,6 +248,7 @@ class Agent:
             fetcher=fetcher,
             publish=link.publish,
             data_dir=data_dir,
+            device_id=settings.device_id,
             artifact_key=(
                 load_public_key(settings.artifact_public_key) if settings.artifact_public_key else None
             ),
@@ -337,6 +336,8 @@ class Agent:
 
         transport.set_callbacks(birth=self._birth, on_connected=self._on_connected, on_fatal=self._on_fatal)
         transport.on_message(TopicKind.TWIN_DESIRED, twin.on_message)
+        if isinstance(transport, MqttLink):
+            transport.on_undecodable = self._on_undecodable
         transport.on_message(TopicKind.COMMANDS, commands.on_message)
         transport.on_message(TopicKind.ACKS, self._on_ack_msg)
         transport.on_chunk(fetcher.on_chunk)
@@ -505,6 +506,10 @@ class Agent:
     def _on_ack_msg(self, msg: Message) -> None:
         if isinstance(msg, Ack):
             self.publisher.on_ack(msg)
+
+    def _on_undecodable(self, kind: TopicKind, why: str) -> None:
+        if kind == TopicKind.TWIN_DESIRED:
+            self.twin.refuse_undecodable(why)
 
 
 def describe(settings: AgentSettings) -> str:

@@ -9,6 +9,13 @@ no disk). The fetch thread asks for more first, then checks each chunk's sha256,
 the whole-file sha256 in file order (so the final check does not read the file back). A sync thread
 per transfer fsyncs in batches of a few MiB, then records the chunks in the bitmap: each fsync waits
 milliseconds on the disk (tens while other programs write), which on the fetch thread set the pace.
+
+Each chunk is checked against the signed manifest's ``chunk_hashes`` when the ref has them (a forged
+frame carrying its own, self-consistent hash is dropped and the chunk asked again; it never reaches the
+file), else against the hash its frame carries. A whole file that does not match its sha256 is fetched
+again from scratch, up to ``whole_file_attempts`` times. A failure in transit (no valid answer in time,
+or a file that never matched) is reported with :data:`FETCH_TRANSPORT_ERROR` in front, so the
+controller sends the desired state again (review F7).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleet_protocol.codec import ChunkHeader, ProtocolError, check_chunk, split_chunk
-from fleet_protocol.messages import ArtifactRef, ArtifactRequest
+from fleet_protocol.messages import FETCH_TRANSPORT_ERROR, ArtifactRef, ArtifactRequest
 
 if TYPE_CHECKING:
     from hashlib import _Hash
@@ -52,6 +59,18 @@ class FetchError(Exception):
 
 
 class FetchCancelled(FetchError):
+    pass
+
+
+class TransferError(FetchError):
+    """The bytes did not arrive right (not the model's fault): reported as ``FETCH_TRANSPORT_ERROR`` +
+    the reason, which the controller answers by sending the desired state again."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(FETCH_TRANSPORT_ERROR + reason)
+
+
+class _WholeFileMismatch(FetchError):
     pass
 
 
@@ -115,8 +134,10 @@ class ArtifactFetcher:
         disk_free: Callable[[Path], int] | None = None,
         sync_bytes: int | None = None,
         sync_interval_s: float = SYNC_INTERVAL_S,
+        whole_file_attempts: int = 3,
     ) -> None:
         self.store = store_dir
+        self.whole_file_attempts = max(1, whole_file_attempts)
         self.store.mkdir(parents=True, exist_ok=True)
         self._request = request
         # Chunks in flight: at least ``window``, more when they are small (bytes in flight set the pace
@@ -131,6 +152,7 @@ class ArtifactFetcher:
         self._cond = threading.Condition()
         self._transfers: dict[str, _Transfer] = {}
         self.bad_chunks = 0
+        self.whole_file_mismatches = 0
         self.syncs = 0  # fsyncs of part files, for tests and benches
 
     def path_for(self, sha256: str) -> Path:
@@ -143,10 +165,32 @@ class ArtifactFetcher:
 
     def fetch(self, ref: ArtifactRef, stop: threading.Event, progress: ProgressFn | None = None) -> Path:
         """Fetch, verify and store ``ref``; returns the verified file. Raises FetchError with a reason."""
-        sha = ref.manifest.sha256
-        final = self.path_for(sha)
+        final = self.path_for(ref.manifest.sha256)
         if final.exists():
             return final
+        hashes = ref.manifest.chunk_hashes
+        if hashes is not None and len(hashes) != ref.chunk_count:
+            raise FetchError(
+                f"manifest of {ref.manifest.name} lists {len(hashes)} chunk hashes for {ref.chunk_count} chunks"
+            )
+        attempt = 1
+        while True:
+            try:
+                return self._fetch_once(ref, stop, progress)
+            except _WholeFileMismatch as exc:
+                with self._cond:
+                    self.whole_file_mismatches += 1
+                if attempt >= self.whole_file_attempts:
+                    reason = f"{exc} (after {attempt} attempts)"
+                    if hashes is None:
+                        raise TransferError(reason) from None  # chunks forged or damaged on the way
+                    # Every chunk matched the signed list: the manifest itself is inconsistent.
+                    raise FetchError(reason) from None
+                log.warning("%s; fetching it again from scratch (attempt %d)", exc, attempt + 1)
+                attempt += 1
+
+    def _fetch_once(self, ref: ArtifactRef, stop: threading.Event, progress: ProgressFn | None) -> Path:
+        sha = ref.manifest.sha256
         tr = self._open_transfer(ref)
         need = ref.manifest.size - tr.bytes_have()
         free = self._disk_free(self.store)
@@ -212,11 +256,19 @@ class ArtifactFetcher:
     def _store(self, tr: _Transfer, fd: int, batch: dict[int, tuple[ChunkHeader, memoryview]]) -> int:
         """Check and write the chunks of ``batch``, feed the whole-file hash; returns how many were good."""
         good: dict[int, memoryview] = {}
+        signed = tr.ref.manifest.chunk_hashes
         for index, (header, data) in sorted(batch.items()):
             if tr.have[index]:
                 continue  # a duplicate (QoS 1 redelivery, or an answer to a re-ask)
             try:
-                check_chunk(header, data)
+                if signed is not None:
+                    # The signed manifest's word, not the frame's own (which a forger computes too).
+                    if hashlib.sha256(data).hexdigest() != signed[index]:
+                        raise ProtocolError(
+                            f"chunk {index} of {header.sha256[:12]} does not match the signed manifest"
+                        )
+                else:
+                    check_chunk(header, data)
             except ProtocolError as exc:
                 log.warning("discarding bad chunk: %s", exc)
                 with self._cond:
@@ -297,6 +349,7 @@ class ArtifactFetcher:
     ) -> None:
         size = tr.ref.manifest.size
         window = max(1, min(64, max(self.window, self.window_bytes // tr.ref.chunk_size)))
+        min_ask = max(1, window // 4)
         sync_bytes = self._sync_threshold(tr)
         retries = 0
         last_received = tr.received
@@ -318,7 +371,7 @@ class ArtifactFetcher:
                 if expired or tr.reask:
                     retries += 1
                     if retries > self.max_retries:
-                        raise FetchError(
+                        raise TransferError(
                             f"no valid answer for chunks {sorted(tr.outstanding)[:8]} of "
                             f"{tr.ref.manifest.name} after {self.max_retries} retries"
                         )
@@ -327,7 +380,12 @@ class ArtifactFetcher:
                     tr.outstanding.clear()
                     tr.reask = False
                 room = window - len(tr.outstanding)
-                ask = list(islice(tr.missing(batch), room)) if room > 0 else []
+                # Asked in batches of a quarter window (not one request per chunk that arrives): the
+                # controller caps requests per second per device.
+                if room > 0 and (room >= min_ask or not tr.outstanding):
+                    ask = list(islice(tr.missing(batch), room))
+                else:
+                    ask = []
                 for i in ask:
                     tr.outstanding[i] = now
             # Ask before writing what arrived: the next chunks are on their way while this thread
@@ -366,7 +424,7 @@ class ArtifactFetcher:
             # Start from scratch next time: a chunk on disk is bad and we cannot tell which.
             tr.part.unlink(missing_ok=True)
             tr.bitmap.unlink(missing_ok=True)
-            raise FetchError(
+            raise _WholeFileMismatch(
                 f"sha256 mismatch for {tr.ref.manifest.name}: expected {sha[:16]}…, got {actual[:16]}…"
             )
         final = self.path_for(sha)
@@ -405,6 +463,20 @@ class ArtifactFetcher:
                     len(data),
                 )
                 self._cond.notify_all()
+                return
+            signed = tr.ref.manifest.chunk_hashes
+            if signed is not None and header.chunk_sha256 != signed[header.index]:
+                # Claims other bytes than the signed manifest's: not the controller's chunk. Dropped
+                # here (no hashing on this thread) without a re-ask: the real one may be on its way.
+                self.bad_chunks += 1
+                tr.bad_chunks += 1
+                if tr.bad_chunks <= 3 or tr.bad_chunks % 1000 == 0:  # a flood must not flood the log
+                    log.warning(
+                        "chunk %s of %s is not the signed manifest's; discarding it (%d so far)",
+                        header.index,
+                        header.sha256[:12],
+                        tr.bad_chunks,
+                    )
                 return
             if tr.have[header.index] or header.index in tr.arrived:
                 return

@@ -91,6 +91,9 @@ class MqttLink:
         self.last_error: str | None = None
         self._last_error_logged: tuple[str, float] | None = None
         self.protocol_errors: dict[str, int] = {}
+        # Told about every payload of a known kind that does not decode (after it is counted), e.g. so
+        # that the twin reports a refused desired state; never raises into the network thread.
+        self.on_undecodable: Callable[[TopicKind, str], None] | None = None
         self._last_error_log = 0.0
         self._keepalive = keepalive_s
         # PROTOCOL.md "Connection (agent)": client id = device id, persistent session, Last Will offline.
@@ -241,6 +244,11 @@ class MqttLink:
             handler(decode(topic.kind, bytes(msg.payload)))
         except ProtocolError as exc:
             self._protocol_error(topic.kind.value, str(exc))
+            if self.on_undecodable is not None:
+                try:
+                    self.on_undecodable(topic.kind, str(exc))
+                except Exception:
+                    log.exception("reporting an undecodable %s failed", topic.kind.value)
         except Exception:
             log.exception("handler for %s failed", topic.kind.value)
 

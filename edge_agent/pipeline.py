@@ -275,6 +275,12 @@ class Pipeline:
                 st.window = _ModelWindow(model=model)
         log.info("camera %s now runs %s (threshold %.2f)", camera, model.key, params.threshold)
 
+    def params_of(self, camera: str) -> CameraParams | None:
+        """The settings ``camera``'s model applies now (None: it runs no model)."""
+        with self._lock:
+            slot = self._slots.get(camera)
+            return slot[1] if slot else None
+
     def set_params(self, camera: str, params: CameraParams) -> None:
         with self._lock:
             slot = self._slots.get(camera)

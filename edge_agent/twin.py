@@ -1,8 +1,13 @@
 """The twin: the controller's desired state in, what the device actually runs out (reported state).
 
-A desired state is the controller's whole word for this device (retained on the broker, signed). Only
-a version newer than any seen is taken, and it is written to disk before it is applied, so an agent
-restarted offline converges on its last desired state without the broker. Applying runs on the twin
+A desired state is the controller's whole word for this device (retained on the broker, signed as a
+whole). Before anything is compared or stored, an agent with the controller's key checks the state's
+signature and that it names this device; then only a version newer than the one it has is taken (the
+same version again is the retained copy, ignored when identical and refused when not), never one issued
+before it. A state refused for any of these reasons is refused as a whole, with an event saying why, and
+the agent keeps running what it has. A taken state is written to disk before it is applied (after the
+checks: a refused one is never persisted), so an agent restarted offline converges on its last desired
+state without the broker; the file is checked again when it is read back. Applying runs on the twin
 thread, the only thread that loads models, one camera after another:
 
 - each model reference is checked against the artifact key first, even for the model already running:
@@ -54,12 +59,26 @@ from fleet_protocol.messages import (
     ReportedState,
     Severity,
 )
-from fleet_protocol.signing import SignatureError, verify
+from fleet_protocol.signing import SignatureError, desired_canonical_bytes, verify, verify_desired
 from fleet_protocol.topics import TopicKind
 
 log = logging.getLogger(__name__)
 
 _CALIBRATION_WAIT_S = 30.0
+# The same refusal (same reason, same state) is reported by an event at most once in this many seconds:
+# a refused retained state comes back on every reconnect. And at most _REFUSAL_EVENTS_MAX refusal events
+# in that window whatever they are: a flood of forged states must not fill the outbox (bounded, it
+# drops the oldest) and push out detections. Every refusal is logged and counted in ``Twin.refused``.
+_REFUSAL_REPEAT_S = 60.0
+_REFUSAL_EVENTS_MAX = 20
+
+# Why a desired state is refused as a whole (Event data["reason"]; PROTOCOL.md "What is signed").
+REFUSED_SIGNATURE = "signature"  # unsigned, malformed, or not by the trusted key
+REFUSED_DEVICE = "device"  # signed for another device, or for none
+REFUSED_STALE = "stale"  # a version older than the one the agent has
+REFUSED_CONFLICT = "conflict"  # the version the agent has, with other content
+REFUSED_ISSUED_AT = "issued_at"  # issued before the state the agent has
+REFUSED_UNDECODABLE = "undecodable"  # not a valid DesiredState (e.g. a version out of bounds)
 
 
 @dataclass
@@ -126,6 +145,7 @@ class Twin:
         fetcher: ArtifactFetcher,
         publish: PublishFn,
         data_dir: Path,
+        device_id: str,
         artifact_key: Ed25519PublicKey | None,
         require_signed: bool,
         stop: threading.Event,
@@ -137,6 +157,7 @@ class Twin:
         self.fetcher = fetcher
         self._publish = publish
         self._path = data_dir / "desired.json"
+        self.device_id = device_id
         self.artifact_key = artifact_key
         self._require_signed = require_signed
         self._stop = stop
@@ -145,6 +166,11 @@ class Twin:
         self._lock = threading.Lock()
         self.applied_version = -1
         self._received_version = -1
+        # The newest state taken (checked; maybe still being applied): what a new one is compared with.
+        self._taken: DesiredState | None = None
+        self._taken_bytes: bytes | None = None
+        self._refusals: dict[tuple[str, bytes], float] = {}  # when each refusal was last reported
+        self.refused: dict[str, int] = {}  # refusals per reason, for diagnostics and tests
         self._reported: dict[str, CameraReported] = {c: CameraReported() for c in pipeline.cameras}
         self._slot: LatestSlot[DesiredState] = LatestSlot()
         self._wake = threading.Event()
@@ -156,19 +182,113 @@ class Twin:
             self.accept(msg, persist=True)
 
     def accept(self, desired: DesiredState, *, persist: bool) -> bool:
-        """Queue ``desired`` for the twin thread if it is newer than any seen (a newer one replaces a
-        pending one); ``persist``: write it to disk first."""
+        """Queue ``desired`` for the twin thread if it is this controller's word for this device and
+        newer than the state the agent has (a newer one replaces a pending one); ``persist``: write it
+        to disk first, after the checks. A refused state changes nothing and is reported by an event."""
+        problem = self._trust_problem(desired)
+        if problem is not None:
+            self._refuse(desired, *problem)
+            return False
+        try:
+            content = desired_canonical_bytes(desired)
+        except ValueError as exc:  # only reachable without a key: a signed state has a canonical form
+            self._refuse(desired, REFUSED_SIGNATURE, str(exc))
+            return False
         with self._lock:
-            newest = max(self.applied_version, self._received_version)
-            if desired.version <= newest:
-                log.debug("ignoring desired version %s (have %s)", desired.version, newest)
-                return False
-            self._received_version = desired.version
+            problem = self._order_problem(desired, content)
+            if problem is None:
+                self._taken, self._taken_bytes = desired, content
+                self._received_version = desired.version
+        if problem is not None:
+            if problem[0]:
+                self._refuse(desired, *problem)
+            else:
+                log.debug("ignoring desired version %s: %s", desired.version, problem[1])
+            return False
         if persist:
             self._save(desired)
         self._slot.put(desired)
         self._wake.set()
         return True
+
+    def _trust_problem(self, desired: DesiredState) -> tuple[str, str] | None:
+        """Why ``desired`` is not the controller's word for this device, as (reason, message), or None.
+
+        With a key: the whole state must carry a valid signature by it and name this device. Without
+        one (development; every model is refused anyway unless require_signed_artifacts is off) the
+        signature cannot be checked, but a state naming another device is still not for this one.
+        """
+        if self.artifact_key is not None:
+            try:
+                verify_desired(desired, self.artifact_key)
+            except SignatureError as exc:
+                return REFUSED_SIGNATURE, str(exc)
+            if desired.device_id != self.device_id:
+                named = f"device {desired.device_id!r}" if desired.device_id else "no device"
+                return REFUSED_DEVICE, f"signed for {named}, not for this device {self.device_id!r}"
+        elif desired.device_id is not None and desired.device_id != self.device_id:
+            return REFUSED_DEVICE, f"for device {desired.device_id!r}, not for this device {self.device_id!r}"
+        return None
+
+    def _order_problem(self, desired: DesiredState, content: bytes) -> tuple[str, str] | None:
+        """Why ``desired`` does not follow the state taken (caller holds the lock), or None.
+
+        (reason, message); reason "" for the state already taken coming again (the retained copy on
+        every reconnect), which is ignored without an event.
+        """
+        have = self._taken
+        if have is None:
+            if desired.version <= self.applied_version:
+                return REFUSED_STALE, f"v{desired.version} is not newer than v{self.applied_version} it runs"
+            return None
+        if desired.version < have.version:
+            return REFUSED_STALE, f"v{desired.version} is older than v{have.version} it already has"
+        if desired.version == have.version:
+            if content == self._taken_bytes:
+                return "", f"v{desired.version} already taken"
+            return (
+                REFUSED_CONFLICT,
+                f"v{desired.version} differs from the v{have.version} it already has (replayed or forged)",
+            )
+        if desired.issued_at < have.issued_at:
+            return (
+                REFUSED_ISSUED_AT,
+                f"v{desired.version} was issued at {desired.issued_at:.3f}, before v{have.version} "
+                f"({have.issued_at:.3f}) it already has",
+            )
+        return None
+
+    def _refuse(self, desired: DesiredState | None, reason: str, why: str) -> None:
+        """Report a desired state refused as a whole; nothing of it is stored or applied."""
+        version = desired.version if desired is not None else None
+        what = why.encode()
+        if desired is not None:
+            what = f"{desired.version} {desired.issued_at!r} {desired.signature}".encode() + what
+        with self._lock:
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+            have = self._taken.version if self._taken is not None else None
+            now = time.monotonic()
+            self._refusals = {k: t for k, t in self._refusals.items() if now - t < _REFUSAL_REPEAT_S}
+            quiet = (reason, what) in self._refusals or len(self._refusals) >= _REFUSAL_EVENTS_MAX
+            if not quiet:
+                self._refusals[(reason, what)] = now
+        shown = f"v{version}" if version is not None else "a desired state"
+        message = f"refused desired state {shown}: {why}; keeps running v{have if have is not None else '-'}"
+        if quiet:
+            log.debug("%s (repeated)", message)
+            return
+        log.error("%s", message)
+        data: dict[str, Any] = {"check": "desired_state", "reason": reason, "version": version, "have": have}
+        if desired is not None:
+            data["device_id"] = desired.device_id
+            data["key_id"] = desired.key_id
+        severity = Severity.ERROR if reason in (REFUSED_SIGNATURE, REFUSED_DEVICE) else Severity.WARNING
+        self.publisher.emit_event(EventKind.ERROR, severity=severity, message=message[:4096], data=data)
+
+    def refuse_undecodable(self, why: str) -> None:
+        """A payload on the desired topic that is not a valid DesiredState (the link could not decode
+        it: a version out of bounds, a malformed field): refused, reported, nothing changes."""
+        self._refuse(None, REFUSED_UNDECODABLE, why[:1000])
 
     def _save(self, desired: DesiredState) -> None:
         # Written before it is applied: an agent restarted offline runs its last desired state.
@@ -180,14 +300,22 @@ class Twin:
         os.replace(tmp, self._path)
 
     def load_persisted(self) -> DesiredState | None:
+        """The desired state saved on disk, if it still checks out (signature and device, as when it
+        came in): a file altered on disk is refused with an event, and the agent waits for the
+        controller's retained state instead."""
         path = self._path
         if not path.exists():
             return None
         try:
-            return decode_as(DesiredState, path.read_bytes())
+            state = decode_as(DesiredState, path.read_bytes())
         except (OSError, ProtocolError) as exc:
             log.warning("ignoring unreadable %s: %s", path, exc)
             return None
+        problem = self._trust_problem(state)
+        if problem is not None:
+            self._refuse(state, problem[0], f"{path.name} on disk: {problem[1]}")
+            return None
+        return state
 
     # ------------------------------------------------------------------ the twin thread
 
@@ -247,9 +375,7 @@ class Twin:
             return
         if current is not None and current.sha256 == manifest.sha256 and current.manifest == manifest:
             self.pipeline.set_params(cam, params)
-            self.set_reported(
-                cam, CameraReported(model=key, sha256=manifest.sha256, state="running"), publish=False
-            )
+            self.set_reported(cam, self.running_report(cam, current), publish=False)
             return
         try:
             model = self.pipeline.loaded(manifest.sha256)
@@ -285,7 +411,21 @@ class Twin:
             message=f"{key} active on {model.backend.provider}",
             data=activate,
         )
-        self.set_reported(cam, CameraReported(model=key, sha256=manifest.sha256, state="running"))
+        self.set_reported(cam, self.running_report(cam, model))
+
+    def running_report(self, cam: str, model: LoadedModel) -> CameraReported:
+        """``cam`` running ``model``, with the settings the pipeline applies to it now."""
+        return CameraReported(model=model.key, sha256=model.sha256, state="running", **self._settings_of(cam))
+
+    def _settings_of(self, cam: str) -> dict[str, Any]:
+        params = self.pipeline.params_of(cam)
+        if params is None:
+            return {}
+        return {
+            "threshold": params.threshold,
+            "max_fps": params.max_fps,
+            "labels": sorted(params.labels) if params.labels is not None else None,
+        }
 
     def _signature_problem(self, ref: ArtifactRef) -> str | None:
         """Why ``ref`` must be refused (its signature, or no key to check it with), or None."""
@@ -459,6 +599,7 @@ class Twin:
             sha256=model.sha256 if model else None,
             state="failed",
             error=reason[:1000],
+            **(self._settings_of(camera) if model else {}),
         )
         self.set_reported(camera, rep, publish=publish)
 

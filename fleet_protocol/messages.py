@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fleet_protocol.ids import CameraId, Name
+from fleet_protocol.ids import CameraId, DeviceId, Name
 
 SCHEMA_VERSION = 1
 
@@ -58,6 +58,11 @@ class InputSpec(Strict):
     letterbox: bool = False
 
 
+# At most this many chunk hashes in a manifest (~34 KB of JSON): the controller picks a larger chunk
+# size for a file that would need more (ArtifactRef.chunk_size is at most 4 MiB, so up to 2 GiB).
+MAX_CHUNK_HASHES = 512
+
+
 class ModelManifest(Strict):
     """What an agent needs to know to run a model file; travels inside the desired state."""
 
@@ -74,6 +79,13 @@ class ModelManifest(Strict):
     decoder_params: dict[str, Any] = Field(default_factory=dict)
     source: str = ""
     licence: str = ""
+    # sha256 of each chunk of the file at its ref's ``chunk_size``, in order (PROTOCOL.md "Artifacts"):
+    # signed with the rest of the manifest, so a chunk is checked against the controller's word before
+    # it is written, not against the hash its own frame carries. None (left out of the JSON, so the
+    # signed form of a manifest without it is unchanged): the whole-file sha256 alone is checked.
+    chunk_hashes: list[Sha256] | None = Field(
+        default=None, max_length=MAX_CHUNK_HASHES, exclude_if=lambda v: v is None
+    )
 
 
 class ArtifactRef(Strict):
@@ -325,6 +337,14 @@ class CameraReported(Strict):
     state: Literal["idle", "fetching", "verifying", "loading", "running", "failed"] = "idle"
     error: str | None = None
     progress_pct: float | None = None
+    # The settings the camera's running model applies now (PROTOCOL.md "Desired and reported state"):
+    # the threshold in effect (the desired one, else the manifest's default), the FPS cap and the label
+    # filter (None: none). An agent that reports them always reports ``threshold`` while a model runs;
+    # None there means "not reported" (an agent before these fields), and the controller then does not
+    # compare settings.
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    max_fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    labels: list[str] | None = None
 
 
 class ReportedState(Msg):
@@ -333,6 +353,12 @@ class ReportedState(Msg):
     desired_version: int = Field(ge=0)
     cameras: dict[CameraId, CameraReported] = Field(default_factory=dict)
     agent_version: str | None = None
+
+
+# How an agent's reported fetch failure (``CameraReported.error``) starts when the transfer failed (no
+# valid answer in time, or the whole file did not match after its retries), not the model: the controller
+# then sends the desired state again, with its usual backoff (review F7); other failures it does not.
+FETCH_TRANSPORT_ERROR = "transfer failed: "
 
 
 class ArtifactRequest(Msg):
@@ -365,17 +391,32 @@ class CommandResult(Msg):
 class CameraDesired(Strict):
     model: ArtifactRef | None = None
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
-    max_fps: float | None = Field(default=None, gt=0.0)
+    max_fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     labels: list[str] | None = None  # keep only these labels; None keeps all
 
 
+# The highest desired-state version: the controller stores versions in 32-bit INTEGER columns, so a
+# state above it could never be superseded (PROTOCOL.md "Desired and reported state").
+MAX_DESIRED_VERSION = 2**31 - 1
+
+
 class DesiredState(Msg):
-    """The complete desired state of one device; retained, so an offline device converges on return."""
+    """The complete desired state of one device; retained, so an offline device converges on return.
+
+    Signed as a whole by the controller (``fleet_protocol.signing.signed_desired``): everything but
+    ``signature`` and ``key_id`` is covered, so the version, the issue time, the device it is for and
+    every camera setting are the controller's word or the state is refused (PROTOCOL.md "What is
+    signed"). The signature fields are optional so that an unsigned state still decodes; an agent with
+    a key refuses it, as a whole, with an event.
+    """
 
     type: Literal["desired"] = "desired"
-    version: int = Field(ge=0)
-    issued_at: float
+    version: int = Field(ge=0, le=MAX_DESIRED_VERSION)
+    issued_at: float = Field(allow_inf_nan=False)
+    device_id: DeviceId | None = None
     cameras: dict[CameraId, CameraDesired] = Field(default_factory=dict)
+    signature: str | None = Field(default=None, max_length=256)
+    key_id: str | None = Field(default=None, max_length=64)
 
 
 class CommandName(StrEnum):

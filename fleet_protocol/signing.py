@@ -1,4 +1,4 @@
-"""Ed25519 signatures over artifact manifests (PROTOCOL.md "Artifacts").
+"""Ed25519 signatures over artifact manifests and whole desired states (PROTOCOL.md "What is signed").
 
 The controller signs every :class:`ArtifactRef` it puts in a desired state; an agent verifies the
 signature with the controller's public key BEFORE it fetches or runs anything, so a forged or
@@ -8,6 +8,11 @@ What is signed is the canonical form of the fields that decide which bytes run a
 read: model, version, variant, sha256, size, chunk_size, decoder and labels (sorted keys, no
 spaces, UTF-8), prefixed by :data:`SIGNING_CONTEXT` so that a signature made for an artifact can
 never be mistaken for one over anything else the same key might sign in future.
+
+The controller also signs each :class:`DesiredState` as a whole (:func:`signed_desired`): version,
+issue time, device id and every camera setting, everything but the signature fields. An agent with the
+key verifies it (:func:`verify_desired`) before it compares versions or stores anything, so a forged,
+replayed, foreign or altered state is refused as a whole.
 
 This is the one module of the contract that needs more than pydantic and the standard library: the
 ``cryptography`` package for Ed25519.
@@ -19,6 +24,7 @@ import base64
 import binascii
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -28,7 +34,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fleet_protocol.codec import ProtocolError
-from fleet_protocol.messages import ArtifactRef
+from fleet_protocol.messages import ArtifactRef, DesiredState
 
 ALGORITHM = "ed25519"
 SIGNING_CONTEXT = b"edgefleet/v1 artifact manifest\n"
@@ -128,6 +134,86 @@ def verify(ref: ArtifactRef, public_key: Ed25519PublicKey) -> None:
                 f"{MISMATCH} (signed with key {ref.key_id}, this device trusts {trusted})"
             ) from None
         raise SignatureError(MISMATCH) from None
+
+
+# --------------------------------------------------------------------------- desired states
+
+DESIRED_CONTEXT = b"edgefleet/v1 desired state\n"
+# The only fields of a DesiredState the signature does not cover: the signature itself and the key
+# hint. Everything else (schema version, type, version, issued_at, device_id, and each camera's model
+# ref WITH its own signature, threshold, max_fps and labels, and which cameras there are) is signed.
+DESIRED_UNSIGNED_FIELDS = frozenset({"signature", "key_id"})
+
+UNSIGNED_STATE = "unsigned desired state"
+STATE_MISMATCH = "signature does not match: desired state altered or signed by another key"
+
+
+def desired_canonical_bytes(state: DesiredState) -> bytes:
+    """Deterministic JSON of ``state`` as decoded, less :data:`DESIRED_UNSIGNED_FIELDS` (sorted keys,
+    separators ``,`` ``:``, UTF-8, no NaN): the same state gives the same bytes on every side.
+
+    Raises ``ValueError`` for a state that has no such form (a NaN/infinity inside a manifest's free
+    ``decoder_params``); :func:`verify_desired` turns that into a refusal.
+    """
+    exclude = set(DESIRED_UNSIGNED_FIELDS)
+    # pydantic's JSON mode turns a NaN inside a free-form dict into null, which would give a state with
+    # NaN the bytes of one with null: such a state has no canonical form at all.
+    _all_finite(state.model_dump(exclude=exclude))
+    data = state.model_dump(mode="json", exclude=exclude)
+    return json.dumps(
+        data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def _all_finite(value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("a desired state with NaN or infinity has no canonical form")
+    if isinstance(value, dict):
+        for v in value.values():
+            _all_finite(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _all_finite(v)
+
+
+def _desired_message(state: DesiredState) -> bytes:
+    return DESIRED_CONTEXT + desired_canonical_bytes(state)
+
+
+def signed_desired(state: DesiredState, private_key: Ed25519PrivateKey) -> DesiredState:
+    """A copy of ``state`` carrying the signature over its canonical form and the key's id.
+
+    Sign a state only once everything in it is final (its refs signed first, its ``device_id`` set):
+    any later change breaks the signature.
+    """
+    sig = base64.b64encode(private_key.sign(_desired_message(state))).decode("ascii")
+    return state.model_copy(update={"signature": sig, "key_id": key_id(private_key.public_key())})
+
+
+def verify_desired(state: DesiredState, public_key: Ed25519PublicKey) -> None:
+    """Return if ``state`` as a whole was signed by ``public_key``'s private key, else raise
+    :class:`SignatureError` saying why (unsigned, malformed, or not matching)."""
+    if not state.signature:
+        raise SignatureError(UNSIGNED_STATE)
+    try:
+        raw = base64.b64decode(state.signature, validate=True)
+    except (binascii.Error, ValueError):
+        raise SignatureError(MALFORMED) from None
+    if len(raw) != _SIGNATURE_LEN:
+        raise SignatureError(MALFORMED)
+    try:
+        message = _desired_message(state)
+    except (ValueError, TypeError):
+        raise SignatureError(f"{STATE_MISMATCH} (it has no canonical form)") from None
+    try:
+        public_key.verify(raw, message)
+    except InvalidSignature:
+        trusted = key_id(public_key)
+        if state.key_id and state.key_id != trusted:
+            raise SignatureError(
+                f"{STATE_MISMATCH} (signed with key {state.key_id}, this device trusts {trusted})"
+            ) from None
+        raise SignatureError(STATE_MISMATCH) from None
 
 
 # --------------------------------------------------------------------------- keys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from controller.db.states import SyncState  # also imported from here by controller.api.schemas
@@ -20,10 +21,18 @@ def twin_sync(
 ) -> tuple[SyncState, str | None]:
     """Compare desired and reported state: in sync, pending (not applied yet), applying (a model on
     its way), failed (the device says why), or drifted (it applied this version but runs something
-    else)."""
+    else, or other settings, or reports a version this controller never issued)."""
     busy = [cam for cam, r in reported.items() if r.state in _APPLYING]
     if desired_version == 0 and not reported:
         return SyncState.IN_SYNC, None
+    if desired is not None and reported_version is not None and reported_version > desired_version:
+        # Every version is stored before it is published, so the device holds a state this controller
+        # never issued to it (a restored database, another controller): the converger re-sends the
+        # current state above the reported version.
+        return (
+            SyncState.DRIFTED,
+            f"device reports v{reported_version}, above v{desired_version}, the newest this controller issued",
+        )
     if reported_version is None or reported_version < desired_version:
         if busy:
             return SyncState.APPLYING, f"{', '.join(sorted(busy))}: {reported[busy[0]].state}"
@@ -32,10 +41,12 @@ def twin_sync(
             f"device reports v{reported_version if reported_version is not None else '-'}, desired v{desired_version}",
         )
     want: dict[str, str] = {}
+    wanted: dict[str, dict[str, Any]] = {}
     for cam, cd in ((desired or {}).get("cameras") or {}).items():
         ref = (cd or {}).get("model")
         if ref:
             want[cam] = ref["manifest"]["sha256"]
+            wanted[cam] = cd
     for cam, sha in sorted(want.items()):
         r = reported.get(cam)
         if r is not None and r.state == "failed":
@@ -45,10 +56,53 @@ def twin_sync(
         if r is None or r.sha256 != sha or r.state != "running":
             runs = f"{r.model} ({r.state})" if r is not None and r.model else "nothing"
             return SyncState.DRIFTED, f"{cam} runs {runs} instead of the desired {sha[:12]}"
+        differs = settings_drift(wanted[cam], r)
+        if differs:
+            return SyncState.DRIFTED, f"{cam} runs {r.model} with {differs}"
     extra = sorted(cam for cam, r in reported.items() if cam not in want and r.state == "running" and r.model)
     if extra:
         return SyncState.DRIFTED, f"{', '.join(extra)} run a model the desired state does not assign"
     return SyncState.IN_SYNC, None
+
+
+def _same_float(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def settings_drift(desired_camera: dict[str, Any], r: CameraReported) -> str | None:
+    """How the settings a running camera reports differ from its desired ones, or None.
+
+    Compared only when the device reports them (``threshold`` set: agents before these fields send
+    none). The desired threshold in effect is the camera's, else the manifest's default.
+    """
+    if r.threshold is None:
+        return None
+    manifest = ((desired_camera.get("model") or {}).get("manifest")) or {}
+    threshold = desired_camera.get("threshold")
+    if threshold is None:
+        threshold = manifest.get("default_threshold", 0.5)
+    out: list[str] = []
+    if not _same_float(float(threshold), r.threshold):
+        out.append(f"threshold {r.threshold:g} instead of {float(threshold):g}")
+    max_fps = desired_camera.get("max_fps")
+    if not _same_float(None if max_fps is None else float(max_fps), r.max_fps):
+        out.append(f"max_fps {_shown(r.max_fps)} instead of {_shown(max_fps)}")
+    labels = desired_camera.get("labels")
+    want_labels = None if labels is None else sorted(set(labels))
+    got_labels = None if r.labels is None else sorted(set(r.labels))
+    if want_labels != got_labels:
+        out.append(f"labels {_shown(got_labels)} instead of {_shown(want_labels)}")
+    return ", ".join(out) or None
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 def device_sync(dev: Device) -> tuple[SyncState, str | None]:

@@ -21,11 +21,20 @@ from controller.db.tables import Device, Event, ModelVariant, ModelVersion, utcn
 from controller.errors import ConflictError, NotFoundError
 from controller.fleet.deployments import admitted_for, applied_deployments, layers
 from controller.fleet.sync import device_sync
+from controller.link.artifacts import artifact_file, with_chunk_hashes
 from controller.link.bridge import MqttBridge
 from controller.registry.variants import VariantReport, choose_variant
 from controller.security.keys import ArtifactSigner
 from fleet_protocol import TopicKind
-from fleet_protocol.messages import ArtifactRef, CameraDesired, Capabilities, DesiredState, ModelManifest
+from fleet_protocol.messages import (
+    FETCH_TRANSPORT_ERROR,
+    ArtifactRef,
+    CameraDesired,
+    Capabilities,
+    DesiredState,
+    ModelManifest,
+)
+from fleet_protocol.signing import signed_desired
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +117,14 @@ def choose(s: Session, *, mv: ModelVersion, capabilities: dict[str, Any] | None,
     return Choice(name, reason, row.sha256, row.size)
 
 
-def artifact_ref(mv: ModelVersion, choice: Choice, chunk_size: int) -> ArtifactRef:
-    manifest = ModelManifest.model_validate({**mv.manifest, "sha256": choice.sha256, "size": choice.size})
-    return ArtifactRef(manifest=manifest, chunk_size=chunk_size, variant=choice.variant)
+def artifact_ref(mv: ModelVersion, choice: Choice, chunk_size: int, path: Path | None = None) -> ArtifactRef:
+    """The ref of ``choice``; with the file at ``path``, its manifest carries the chunk hashes (signed
+    with it, checked by the agent chunk by chunk) at a chunk size that keeps that list short."""
+    manifest = ModelManifest.model_validate(
+        {**mv.manifest, "sha256": choice.sha256, "size": choice.size, "chunk_hashes": None}
+    )
+    ref = ArtifactRef(manifest=manifest, chunk_size=chunk_size, variant=choice.variant)
+    return with_chunk_hashes(ref, path)
 
 
 class TwinService:
@@ -208,7 +222,7 @@ class TwinService:
                 # A pinned variant that is not there: fp32 runs, and the API says why.
                 choice = Choice("fp32", f"{exc}; fp32 instead", mv.sha256, mv.size)
             cameras[cam] = CameraDesired(
-                model=artifact_ref(mv, choice, self._chunk_size),
+                model=artifact_ref(mv, choice, self._chunk_size, _artifact_path(s, choice.sha256)),
                 threshold=layer.threshold,
                 max_fps=layer.max_fps,
                 labels=layer.labels,
@@ -222,7 +236,7 @@ class TwinService:
             dev.assignments = assignments
         s.add(dev)
         old = self.current(dev.desired)
-        new = self._signed(old.model_copy(update={"cameras": cameras}))
+        new = self._signed(old.model_copy(update={"cameras": cameras}), dev.id)
         same = {k: v.model_dump(mode="json") for k, v in new.cameras.items()} == {
             k: v.model_dump(mode="json") for k, v in old.cameras.items()
         }
@@ -249,8 +263,11 @@ class TwinService:
         assert dev is not None
         new = self._signed(
             DesiredState(
-                version=max(old.version, dev.desired_version) + 1, issued_at=time.time(), cameras=cameras
-            )
+                version=max(old.version, dev.desired_version) + 1,
+                issued_at=_issue_time(old),
+                cameras=cameras,
+            ),
+            device_id,
         )
         dev.desired = new.model_dump(mode="json")
         dev.desired_version = new.version
@@ -260,18 +277,24 @@ class TwinService:
         log.info("desired state v%d of %s published", new.version, device_id)
         return new
 
-    def _signed(self, state: DesiredState) -> DesiredState:
-        """``state`` with every artifact ref signed by this controller's key.
+    def _signed(self, state: DesiredState, device_id: str) -> DesiredState:
+        """``state`` for ``device_id``, every artifact ref signed by this controller's key, then the
+        whole state signed (version, issue time, device id, every camera setting: PROTOCOL.md "What is
+        signed"), so the device obeys it only as this controller's word for it.
 
-        Done at every publish, not once at assignment: refs stored before signing existed, or under a
-        replaced key, then go out signed by the current key. Ed25519 is deterministic, so an unchanged
-        ref gets the same signature and a republish is byte-identical.
+        Done at every publish, not once at assignment: refs and states stored before signing existed,
+        or under a replaced key, then go out signed by the current key. Ed25519 is deterministic, so an
+        unchanged state gets the same signature and a republish is byte-identical.
         """
         cameras = {
             cam: cd.model_copy(update={"model": self._signer.sign(cd.model)}) if cd.model is not None else cd
             for cam, cd in state.cameras.items()
         }
-        return state.model_copy(update={"cameras": cameras})
+        bound = state.model_copy(
+            update={"cameras": cameras, "device_id": device_id, "signature": None, "key_id": None}
+        )
+        # Through validation again: a copy is not validated, and what is signed must be what decodes.
+        return signed_desired(DesiredState.model_validate(bound.model_dump()), self._signer.private_key)
 
     def republish_all(self) -> int:
         """Publish every stored desired state again (retained): a broker without persistence forgets."""
@@ -279,7 +302,7 @@ class TwinService:
             devices = crud.devices_with_desired(s)
             for dev in devices:
                 try:
-                    state = self._signed(self.current(dev.desired))
+                    state = self._signed(self.current(dev.desired), dev.id)
                     self._bridge.publish_message(dev.id, TopicKind.TWIN_DESIRED, state)
                 except Exception:
                     log.exception("could not republish desired state of %s", dev.id)
@@ -299,7 +322,9 @@ class TwinService:
                 return None  # in sync since the caller looked: nothing to fix
             old = self.current(dev.desired)
             version = max(old.version, dev.desired_version, dev.reported_version or 0) + 1
-            new = self._signed(DesiredState(version=version, issued_at=time.time(), cameras=old.cameras))
+            new = self._signed(
+                DesiredState(version=version, issued_at=_issue_time(old), cameras=old.cameras), device_id
+            )
             dev.desired = new.model_dump(mode="json")
             dev.desired_version = new.version
             s.add(dev)
@@ -326,6 +351,17 @@ class TwinService:
             self._bridge.publish_message(device_id, TopicKind.TWIN_DESIRED, new)
         log.warning("desired state of %s re-sent as v%d: %s", device_id, version, why)
         return version
+
+
+def _issue_time(previous: DesiredState) -> float:
+    """Now, but never before the previous state's issue time: an agent refuses a state issued before
+    the one it has, so a controller clock stepped back must not lock its devices out."""
+    return max(time.time(), previous.issued_at)
+
+
+def _artifact_path(s: Session, sha256: str) -> Path | None:
+    found = artifact_file(s, sha256)
+    return found[0] if found is not None else None
 
 
 def _assignment(mv: ModelVersion, pin: str, choice: Choice) -> dict[str, Any]:
@@ -390,16 +426,21 @@ def resend_reason(
     online_since: float | None,
     now: float,
     policy: ResendPolicy,
+    transport_failed: bool = False,
 ) -> str | None:
     """Why a device must get its desired state again, or None. Pure.
 
     Drifted (it applied the current version but runs something else): at once. Pending (it reports an
-    older version) only after ``policy.pending_after_s``. Never for failed (sending the same state
-    again fails the same way; the failure and its reason are shown and a rollout acts on them),
-    applying, or an offline device (the retained message is waiting for it on the broker).
+    older version) only after ``policy.pending_after_s``. Failed only when ``transport_failed`` (a
+    camera's fetch failed in transit, :func:`transport_failure`: another try may well succeed); never
+    for any other failure (sending the same state again fails the same way; the failure and its reason
+    are shown and a rollout acts on them), applying, or an offline device (the retained message is
+    waiting for it on the broker).
     """
     if not online:
         return None
+    if sync == SyncState.FAILED and transport_failed:
+        return f"model transfer failed: {reason or 'failed'}"
     if sync == SyncState.DRIFTED:
         return f"drifted: {reason or 'runs something else'}"
     if sync == SyncState.PENDING:
@@ -407,6 +448,18 @@ def resend_reason(
         if waited >= policy.pending_after_s:
             return f"still on an older version {waited:.0f}s after the publish ({reason or 'pending'})"
     return None
+
+
+def transport_failure(dev: Device) -> bool:
+    """Whether a camera of ``dev`` reports a failed model fetch whose reason is a transport error
+    (:data:`FETCH_TRANSPORT_ERROR`): one worth re-sending the desired state for."""
+    for rep in ((dev.reported or {}).get("cameras") or {}).values():
+        if not isinstance(rep, dict) or rep.get("state") != "failed":
+            continue
+        error = rep.get("error")
+        if isinstance(error, str) and error.startswith(FETCH_TRANSPORT_ERROR):
+            return True
+    return False
 
 
 @dataclass
@@ -484,6 +537,7 @@ class TwinConverger:
                     online_since=_epoch(dev.online_since),
                     now=now,
                     policy=self.policy,
+                    transport_failed=sync == SyncState.FAILED and transport_failure(dev),
                 )
                 if why is None:
                     continue

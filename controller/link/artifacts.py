@@ -2,17 +2,31 @@
 
 File reads happen on worker threads (never on paho's network thread); each request opens the file
 once and reads only the chunks asked for.
+
+A device gets only the artifacts of its own desired state: the current one, or the one before it (a
+device still fetching for it when the next one is published), at the chunk size of the signed ref.
+Anything else is refused, counted and logged once per device and artifact (review F6). Per device, a
+token bucket caps requests per second (checked on paho's thread, before the request takes a place in
+the shared queue) and another the bytes sent (in flight: at most a burst, refilled at a rate); what is
+over a cap is dropped, and the agent asks again after its request timeout.
+
+The chunk hashes that go into a signed manifest (``ModelManifest.chunk_hashes``, review F7) are
+computed here too (:class:`ChunkHashes`), once per artifact and chunk size.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import queue
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
@@ -27,12 +41,188 @@ from controller.link.bridge import (
     RateLimitedLog,
 )
 from fleet_protocol import TopicKind, encode_chunk
-from fleet_protocol.messages import ArtifactRequest, Message
+from fleet_protocol.messages import MAX_CHUNK_HASHES, ArtifactRef, ArtifactRequest, Message
 
 log = logging.getLogger(__name__)
 
 REQUEST_KIND = TopicKind.ARTIFACT_REQUEST.value
 CHUNK_KIND = TopicKind.ARTIFACT_CHUNK.value
+
+# Request outcomes of this server, besides the bridge's (counted under ``artifacts/request``).
+NOT_ASSIGNED = "not_assigned"  # the sha256 is in neither the device's current nor its previous state
+BAD_CHUNK_SIZE = "bad_chunk_size"  # not the chunk size of the signed ref
+DROPPED_RATE = "dropped_rate_limited"  # over the device's requests-per-second cap
+DROPPED_BYTES = "dropped_bytes_cap"  # some or all chunks over the device's byte cap
+# Chunk outcome (``artifacts/chunk``) of a chunk not sent because of the byte cap.
+CHUNK_DROPPED = "dropped_bytes_cap"
+
+MAX_CHUNK_SIZE = 4 * 1024 * 1024  # ArtifactRef.chunk_size's bound
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """Per-device limits on what the artifact server does for one device.
+
+    The defaults leave a well-behaved agent alone (it asks for at most a window, 8 MiB or 8 chunks,
+    and again as chunks arrive, in batches of a quarter window) and cap what a misbehaving one gets:
+    ``requests_per_s``/``request_burst`` requests, and ``bytes_per_s`` with at most ``burst_bytes``
+    at once (a chunk larger than the burst still goes, alone, from a full bucket).
+    """
+
+    requests_per_s: float = 50.0
+    request_burst: int = 100
+    bytes_per_s: float = 64 * 2**20
+    burst_bytes: int = 16 * 2**20
+
+
+class TokenBucket:
+    """``rate`` tokens a second up to ``burst``; :meth:`take` spends them or says no. Not locked."""
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.at = now
+
+    def take(self, n: float, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        n = min(n, self.burst)  # larger than the burst: only from a full bucket
+        if self.tokens < n:
+            return False
+        self.tokens -= n
+        return True
+
+
+# --------------------------------------------------------------------------- chunk hashes
+
+
+def ref_chunk_size(size: int, base: int) -> int:
+    """The chunk size a ref for a file of ``size`` bytes uses: ``base``, doubled while the file would
+    need more than :data:`MAX_CHUNK_HASHES` chunks (so its hash list stays small), at most 4 MiB."""
+    cs = base
+    while math.ceil(size / cs) > MAX_CHUNK_HASHES and cs * 2 <= MAX_CHUNK_SIZE:
+        cs *= 2
+    return cs
+
+
+class ChunkHashes:
+    """sha256 of every chunk of an artifact at one chunk size, computed once (the file is read once,
+    and its whole sha256 checked on the way) and kept for the ``max_entries`` most recently used."""
+
+    def __init__(self, max_entries: int = 512) -> None:
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._known: OrderedDict[tuple[str, int], list[str]] = OrderedDict()
+        self.computed = 0  # files read, for tests
+
+    def get(self, path: Path, sha256: str, chunk_size: int) -> list[str] | None:
+        """The hashes, or None when the file cannot be read or is not the one named (logged)."""
+        key = (sha256, chunk_size)
+        with self._lock:
+            hit = self._known.get(key)
+            if hit is not None:
+                self._known.move_to_end(key)
+                return hit
+        whole = hashlib.sha256()
+        out: list[str] = []
+        try:
+            with path.open("rb") as f:
+                while block := f.read(chunk_size):
+                    whole.update(block)
+                    out.append(hashlib.sha256(block).hexdigest())
+        except OSError as exc:
+            log.error("cannot read %s to hash its chunks: %s", path, exc)
+            return None
+        if whole.hexdigest() != sha256:
+            log.error(
+                "%s is not artifact %s (its sha256 is %s); no chunk hashes",
+                path,
+                sha256[:12],
+                whole.hexdigest()[:12],
+            )
+            return None
+        with self._lock:
+            self.computed += 1
+            self._known[key] = out
+            while len(self._known) > self.max_entries:
+                self._known.popitem(last=False)
+        return out
+
+
+CHUNK_HASHES = ChunkHashes()
+
+
+def with_chunk_hashes(ref: ArtifactRef, path: Path | None, hashes: ChunkHashes | None = None) -> ArtifactRef:
+    """``ref`` at :func:`ref_chunk_size` with its manifest's ``chunk_hashes`` set, from the file at
+    ``path``; ``ref`` unchanged (whole-file check only) when there is no file to hash, or too many
+    chunks even at 4 MiB."""
+    if path is None:
+        return ref
+    cs = ref_chunk_size(ref.manifest.size, ref.chunk_size)
+    if math.ceil(ref.manifest.size / cs) > MAX_CHUNK_HASHES:
+        return ref
+    found = (hashes or CHUNK_HASHES).get(path, ref.manifest.sha256, cs)
+    if found is None or len(found) != max(1, math.ceil(ref.manifest.size / cs)):
+        return ref
+    manifest = ref.manifest.model_copy(update={"chunk_hashes": found})
+    return ref.model_copy(update={"manifest": manifest, "chunk_size": cs})
+
+
+def artifact_file(s: Session, sha256: str) -> tuple[Path, int] | None:
+    """Path and size of the model version or variant file with this sha256, if the registry has one."""
+    mv = crud.get_model_by_sha(s, sha256=sha256)
+    if mv is not None:
+        return Path(mv.path), mv.size
+    var = crud.get_variant_by_sha(s, sha256=sha256)
+    if var is not None and var.path is not None and var.size is not None:
+        return Path(var.path), var.size
+    return None
+
+
+# --------------------------------------------------------------------------- allow-list
+
+
+def desired_artifacts(desired: dict[str, Any] | None) -> dict[str, frozenset[int]]:
+    """sha256 → chunk sizes of the artifact refs in a stored desired state (read loosely: a stored
+    state is the controller's own JSON, but of whichever version of it wrote it)."""
+    out: dict[str, set[int]] = {}
+    cameras = (desired or {}).get("cameras")
+    if not isinstance(cameras, dict):
+        return {}
+    for cd in cameras.values():
+        ref = cd.get("model") if isinstance(cd, dict) else None
+        if not isinstance(ref, dict):
+            continue
+        manifest = ref.get("manifest")
+        sha = manifest.get("sha256") if isinstance(manifest, dict) else None
+        cs = ref.get("chunk_size", ArtifactRef.model_fields["chunk_size"].default)
+        if isinstance(sha, str) and isinstance(cs, int):
+            out.setdefault(sha, set()).add(cs)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+@dataclass
+class _Allowed:
+    """What one device may fetch, as last read from its Device row."""
+
+    version: int | None
+    current: dict[str, frozenset[int]]
+    previous: dict[str, frozenset[int]]
+    read_at: float
+
+    def sizes(self, sha256: str) -> frozenset[int] | None:
+        a, b = self.current.get(sha256), self.previous.get(sha256)
+        if a is None:
+            return b
+        return a if b is None else a | b
+
+
+@dataclass
+class _DeviceLimits:
+    requests: TokenBucket
+    nbytes: TokenBucket
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(frozen=True)
@@ -95,8 +285,22 @@ class ArtifactServer:
         workers: int,
         stop: threading.Event,
         frame_cache_bytes: int = 64 * 2**20,
+        caps: DeviceCaps | None = None,
+        allow_ttl_s: float = 2.0,
+        allow_refresh_s: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
+        self.caps = caps or DeviceCaps()
+        self._clock = clock
+        # A device's allow-list is read from its Device row at most every allow_ttl_s while it hits,
+        # and again on a miss (a state published a moment ago), but not more than every allow_refresh_s.
+        self._allow_ttl_s = allow_ttl_s
+        self._allow_refresh_s = allow_refresh_s
+        self._allowed: dict[str, _Allowed] = {}
+        self._limits: dict[str, _DeviceLimits] = {}
+        self._state_lock = threading.Lock()
+        self._refused_logged: set[tuple[str, str]] = set()
         self.frames = FrameCache(frame_cache_bytes)
         self._bridge = bridge
         # Drop when full: the agent asks again for chunks it did not get within its timeout.
@@ -123,11 +327,83 @@ class ArtifactServer:
     def submit(self, device_id: str, msg: Message) -> str | None:
         if not isinstance(msg, ArtifactRequest):
             return INVALID
+        limits = self._limits_for(device_id)
+        with limits.lock:
+            allowed = limits.requests.take(1, self._clock())
+        if not allowed:
+            self._bad.warning(
+                f"rate:{device_id}",
+                "%s asks for artifacts faster than %g/s; dropping requests",
+                device_id,
+                self.caps.requests_per_s,
+            )
+            return DROPPED_RATE
         try:
             self._queue.put_nowait((device_id, msg))
         except queue.Full:
             return DROPPED_QUEUE_FULL
         return None  # counted by the worker
+
+    def _limits_for(self, device_id: str) -> _DeviceLimits:
+        with self._state_lock:
+            limits = self._limits.get(device_id)
+            if limits is None:
+                if len(self._limits) > 10_000:  # ids come from the network: keep the map bounded
+                    self._limits.clear()
+                now = self._clock()
+                limits = _DeviceLimits(
+                    TokenBucket(self.caps.requests_per_s, self.caps.request_burst, now),
+                    TokenBucket(self.caps.bytes_per_s, self.caps.burst_bytes, now),
+                )
+                self._limits[device_id] = limits
+            return limits
+
+    def allowed_chunk_sizes(self, device_id: str, sha256: str) -> frozenset[int] | None:
+        """The chunk sizes at which ``device_id`` may fetch ``sha256``; None: it may not at all."""
+        now = self._clock()
+        with self._state_lock:
+            entry = self._allowed.get(device_id)
+        if entry is not None:
+            sizes = entry.sizes(sha256)
+            age = now - entry.read_at
+            if sizes is not None and age < self._allow_ttl_s:
+                return sizes
+            if sizes is None and age < self._allow_refresh_s:
+                return None
+        return self._read_allowed(device_id, entry, now).sizes(sha256)
+
+    def _read_allowed(self, device_id: str, old: _Allowed | None, now: float) -> _Allowed:
+        with Session(self._engine) as s:
+            dev = crud.get_device(s, device_id=device_id)
+            version = dev.desired_version if dev is not None else None
+            current = desired_artifacts(dev.desired) if dev is not None else {}
+        if old is None:
+            previous: dict[str, frozenset[int]] = {}
+        elif old.version != version:
+            previous = old.current  # a new state was published since: the one before it stays allowed
+        else:
+            previous = old.previous
+        entry = _Allowed(version, current, previous, now)
+        with self._state_lock:
+            if len(self._allowed) > 10_000:
+                self._allowed.clear()
+            self._allowed[device_id] = entry
+        return entry
+
+    def _refused(self, device_id: str, sha256: str) -> None:
+        self._bridge.counters.add(REQUEST_KIND, NOT_ASSIGNED)
+        key = (device_id, sha256)
+        with self._state_lock:
+            if key in self._refused_logged:
+                return
+            if len(self._refused_logged) > 10_000:
+                self._refused_logged.clear()
+            self._refused_logged.add(key)
+        log.warning(
+            "%s asked for artifact %s, which is not in its desired state (current or previous); refused",
+            device_id,
+            sha256,
+        )
 
     def _lookup(self, sha256: str) -> _Artifact | None:
         with self._cache_lock:
@@ -136,14 +412,10 @@ class ArtifactServer:
             return hit
         # Model versions and their variants, both by sha256 (an fp16/int8 file has its own).
         with Session(self._engine) as s:
-            mv = crud.get_model_by_sha(s, sha256=sha256)
-            var = crud.get_variant_by_sha(s, sha256=sha256) if mv is None else None
-        if mv is not None:
-            art = _Artifact(Path(mv.path), mv.size)
-        elif var is not None and var.path is not None and var.size is not None:
-            art = _Artifact(Path(var.path), var.size)
-        else:
+            found = artifact_file(s, sha256)
+        if found is None:
             return None
+        art = _Artifact(*found)
         with self._cache_lock:
             self._cache[sha256] = art
         return art
@@ -161,6 +433,21 @@ class ArtifactServer:
 
     def _serve(self, device_id: str, req: ArtifactRequest) -> None:
         counters = self._bridge.counters
+        sizes = self.allowed_chunk_sizes(device_id, req.sha256)
+        if sizes is None:
+            self._refused(device_id, req.sha256)
+            return
+        if req.chunk_size not in sizes:
+            counters.add(REQUEST_KIND, BAD_CHUNK_SIZE)
+            self._bad.warning(
+                f"chunk_size:{device_id}",
+                "%s asked for %s in chunks of %d, not the signed ref's %s; ignoring it",
+                device_id,
+                req.sha256[:12],
+                req.chunk_size,
+                sorted(sizes),
+            )
+            return
         art = self._lookup(req.sha256)
         if art is None:
             counters.add(REQUEST_KIND, UNKNOWN_ARTIFACT)
@@ -188,11 +475,19 @@ class ArtifactServer:
         if not good:
             return
         sent = 0
+        dropped = 0
+        limits = self._limits_for(device_id)
         f = None
         try:
-            for i in good:
+            for n, i in enumerate(good):
                 if self._stop.is_set():
                     return
+                length = min(req.chunk_size, art.size - i * req.chunk_size)
+                with limits.lock:
+                    fits = limits.nbytes.take(length, self._clock())
+                if not fits:
+                    dropped = len(good) - n  # the agent asks again for these after its timeout
+                    break
                 key = (req.sha256, req.chunk_size, i)
                 frame = self.frames.get(key)
                 if frame is None:
@@ -213,6 +508,19 @@ class ArtifactServer:
         finally:
             if f is not None:
                 f.close()
-        counters.add(REQUEST_KIND, "ok")
         counters.add(CHUNK_KIND, "sent", sent)
+        if dropped:
+            counters.add(REQUEST_KIND, DROPPED_BYTES)
+            counters.add(CHUNK_KIND, CHUNK_DROPPED, dropped)
+            self._bad.warning(
+                f"bytes:{device_id}",
+                "%s is over its byte cap (%g MiB/s, %g MiB at once); dropped %d chunks of %s",
+                device_id,
+                self.caps.bytes_per_s / 2**20,
+                self.caps.burst_bytes / 2**20,
+                dropped,
+                req.sha256[:12],
+            )
+            return
+        counters.add(REQUEST_KIND, "ok")
         log.debug("sent %d chunks of %s to %s", sent, req.sha256[:12], device_id)

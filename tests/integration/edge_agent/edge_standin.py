@@ -2,7 +2,8 @@
 
 It publishes a retained DesiredState, answers ArtifactRequests with chunks of a model file, records
 what the agent sends, and acks stored detection/event seqs like the real controller (PROTOCOL.md).
-Artifact refs are signed with :data:`CONTROLLER_KEY`; agents under test trust :data:`PUBLIC_KEY`.
+Artifact refs are signed with :data:`CONTROLLER_KEY`, and so is every desired state it publishes (for
+its device, as a whole, like the real controller); agents under test trust :data:`PUBLIC_KEY`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fleet_protocol.messages import (
     ModelManifest,
     ReportedState,
 )
-from fleet_protocol.signing import generate_private_key, public_key_b64, signed
+from fleet_protocol.signing import generate_private_key, public_key_b64, signed, signed_desired
 from fleet_protocol.topics import TopicKind, Topics
 
 T = TypeVar("T")
@@ -58,6 +59,11 @@ def load_manifest(model_dir: Path) -> ModelManifest:
 
 def desired(version: int, cameras: dict[str, CameraDesired]) -> DesiredState:
     return DesiredState(version=version, issued_at=time.time(), cameras=cameras)
+
+
+def signed_state(state: DesiredState, device_id: str) -> DesiredState:
+    """``state`` for ``device_id``, signed as a whole with :data:`CONTROLLER_KEY` (as the controller does)."""
+    return signed_desired(state.model_copy(update={"device_id": device_id}), CONTROLLER_KEY)
 
 
 def signed_ref(manifest: ModelManifest, *, chunk_size: int = 512 * 1024) -> ArtifactRef:
@@ -100,10 +106,16 @@ class StandInController:
 
     # ------------------------------------------------------------------ controller → agent
 
-    def publish_desired(self, state: DesiredState) -> None:
+    def publish_desired(self, state: DesiredState, *, sign: bool = True) -> None:
+        """Publish ``state`` retained, signed for this device first (``sign``) like the controller."""
+        if sign:
+            state = signed_state(state, self.device_id)
+        self.publish_desired_raw(encode(state))
+
+    def publish_desired_raw(self, payload: bytes) -> None:
         wait_for(self._connected.is_set, 15, "stand-in controller (re)connected")
         topic = self.topics.device(self.device_id, TopicKind.TWIN_DESIRED)
-        self._client.publish(topic, encode(state), qos=1, retain=True).wait_for_publish(5)
+        self._client.publish(topic, payload, qos=1, retain=True).wait_for_publish(5)
 
     def ack(self) -> None:
         with self.lock:

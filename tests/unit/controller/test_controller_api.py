@@ -396,6 +396,9 @@ def test_desired_state_is_republished_on_reconnect(fleet: Fleet) -> None:
 def test_artifact_requests_are_answered_with_chunks(fleet: Fleet) -> None:
     sha = hashlib.sha256(MODEL_BYTES).hexdigest()
     cs = 256 * 1024
+    fleet.client.post("/api/v1/devices", json={"id": DEV})  # only its own desired state's artifacts
+    r = fleet.client.put(f"/api/v1/devices/{DEV}/cameras/cam1/model", json={"model": "tiny", "version": "1"})
+    assert r.status_code == 200, r.text
     fleet.send(DEV, TopicKind.ARTIFACT_REQUEST, ArtifactRequest(sha256=sha, chunks=[2, 0, 1], chunk_size=cs))
     topic = fleet.topics.device(DEV, TopicKind.ARTIFACT_CHUNK)
     frames = wait_for(
@@ -414,10 +417,10 @@ def test_artifact_requests_are_answered_with_chunks(fleet: Fleet) -> None:
     wait_for(
         lambda: (
             fleet.counters()["artifacts/request"].get("bad_chunk_index") == 1
-            and fleet.counters()["artifacts/request"].get("unknown_artifact") == 1
+            and fleet.counters()["artifacts/request"].get("not_assigned") == 1
         ),
         timeout=10,
-        what="unknown artifact and bad index counted",
+        what="unassigned artifact and bad index counted",
     )
     assert len(fleet.transport.on_topic(topic)) == 3  # nothing sent for either
 

@@ -381,8 +381,13 @@ def test_artifact_server_serves_a_variant_file(make_fleet: FleetFactory) -> None
     fleet = make_fleet(builder=FakeBuilder())
     variants = built_yolo(fleet)
     sha, size = variants["int8"]["sha256"], variants["int8"]["size"]
+    born(fleet, CPU)  # a CPU-only device is given int8: only what its desired state names is served
+    r = fleet.client.put(f"/api/v1/devices/{DEV}/cameras/cam1/model", json={"model": "yolo", "version": "1"})
+    assert r.status_code == 200, r.text
+    ref = desired(fleet).cameras["cam1"].model
+    assert ref is not None and ref.manifest.sha256 == sha
     fleet.send(
-        DEV, TopicKind.ARTIFACT_REQUEST, ArtifactRequest(sha256=sha, chunks=[0], chunk_size=1024 * 1024)
+        DEV, TopicKind.ARTIFACT_REQUEST, ArtifactRequest(sha256=sha, chunks=[0], chunk_size=ref.chunk_size)
     )
     topic = fleet.topics.device(DEV, TopicKind.ARTIFACT_CHUNK)
     frames = wait_for(lambda: fleet.transport.on_topic(topic), timeout=10, what="variant chunk")

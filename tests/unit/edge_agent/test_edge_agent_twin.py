@@ -24,12 +24,13 @@ from fleet_protocol.messages import (
     CommandResult,
     DesiredState,
     Event,
+    EventKind,
     InputSpec,
     Message,
     ModelManifest,
     ReportedState,
 )
-from fleet_protocol.signing import generate_private_key, public_key_b64, signed
+from fleet_protocol.signing import generate_private_key, public_key_b64, signed, signed_desired
 from fleet_protocol.topics import TopicKind
 
 # The controller's key in these tests: the agent trusts its public half, desired() signs with it.
@@ -165,12 +166,23 @@ def settings(data_dir: Path, **extra: object) -> AgentSettings:
     )
 
 
-def desired(version: int, manifest: ModelManifest | None, *, sign: bool = True, **kw: object) -> DesiredState:
+def desired(
+    version: int,
+    manifest: ModelManifest | None,
+    *,
+    sign: bool = True,
+    sign_state: bool = True,
+    device: str = "dev-1",
+    **kw: object,
+) -> DesiredState:
+    """A desired state for ``device`` running ``manifest`` on cam1; the ref signed when ``sign``, the
+    whole state (as the controller does) when ``sign_state``."""
     cams = {}
     if manifest:
         ref = ArtifactRef(manifest=manifest)
         cams = {"cam1": CameraDesired(model=signed(ref, CONTROLLER_KEY) if sign else ref, **kw)}  # type: ignore[arg-type]
-    return DesiredState(version=version, issued_at=time.time(), cameras=cams)
+    state = DesiredState(version=version, issued_at=time.time(), device_id=device, cameras=cams)
+    return signed_desired(state, CONTROLLER_KEY) if sign_state else state
 
 
 class Harness:
@@ -237,15 +249,17 @@ def test_only_newer_desired_versions_are_applied(harness: Harness) -> None:
 def test_persisted_desired_is_reapplied_on_an_offline_restart(harness: Harness) -> None:
     manifest = model_in_store(harness.data_dir, "a")
     agent, t = harness.agent()
-    t.deliver(TopicKind.TWIN_DESIRED, desired(5, manifest))
+    v5 = desired(5, manifest)
+    t.deliver(TopicKind.TWIN_DESIRED, v5)
     wait_for(running(t, 5, "a:1"), what="v5 running")
     agent.shutdown()
 
     agent2, t2 = harness.agent()  # nothing delivered: the broker is unreachable
     wait_for(running(t2, 5, "a:1"), what="v5 running from disk")
     wait_for(lambda: agent2.pipeline.last_result("cam1") is not None, what="detections after restart")
-    t2.deliver(TopicKind.TWIN_DESIRED, desired(5, manifest))  # the retained copy arrives later
+    t2.deliver(TopicKind.TWIN_DESIRED, v5)  # the retained copy arrives later: the same, ignored quietly
     assert harness.loads == ["a", "a"]
+    assert agent2.twin.refused == {}
 
 
 def test_a_model_that_fails_warm_up_leaves_the_old_one_serving(harness: Harness) -> None:
@@ -305,7 +319,15 @@ def test_commands_answer_by_id(harness: Harness) -> None:
     jpeg = base64.b64decode(res["s1"].result["jpeg_base64"])
     assert jpeg[:2] == b"\xff\xd8"
     assert not res["s2"].ok and "unknown camera" in (res["s2"].error or "")
-    assert res["r1"].ok
+    # The restart happened: every camera reopened, and said so with a watchdog_restart event.
+    assert res["r1"].ok and res["r1"].result == {"restarted": ["cam1"]}
+    wait_for(
+        lambda: any(
+            e.kind == EventKind.WATCHDOG_RESTART and (e.data or {}).get("action") == "command"
+            for e in t.of(Event)
+        ),
+        what="the pipeline restart reported as an event",
+    )
 
 
 def test_birth_heartbeat_and_acks(harness: Harness) -> None:
@@ -318,10 +340,14 @@ def test_birth_heartbeat_and_acks(harness: Harness) -> None:
     t.deliver(TopicKind.TWIN_DESIRED, desired(1, manifest))
     wait_for(lambda: agent.outbox.next_seq > 5, what="batches and events in the outbox")
     hb = agent.heartbeats.heartbeat()
-    assert hb.cameras[0].camera == "cam1" and hb.outbox_pending >= 0
+    # Nothing acked yet: the heartbeat counts at least the 5 rows appended (and never more than exist).
+    assert hb.cameras[0].camera == "cam1" and 5 <= hb.outbox_pending <= agent.outbox.next_seq - 1
     top = agent.outbox.next_seq - 1
     t.deliver(TopicKind.ACKS, Ack(upto=top))
     assert all(r.seq > top for r in agent.outbox.due(time.time() + 3600, 0, 10_000))
+    # Only rows appended after the ack are still pending.
+    assert agent.outbox.pending() <= agent.outbox.next_seq - 1 - top
+    assert agent.heartbeats.heartbeat().outbox_pending <= agent.outbox.next_seq - 1 - top
 
 
 def failed_with(t: FakeTransport, version: int) -> Callable[[], CameraReported | None]:
@@ -343,13 +369,15 @@ def test_a_ref_that_fails_its_signature_is_refused_before_anything_is_fetched(
     t.deliver(TopicKind.TWIN_DESIRED, desired(1, good))
     wait_for(running(t, 1, "good:1"))
 
-    forged = desired(2, remote)
+    # A ref that does not check out inside a state that does (say, a ref signed under a key since
+    # replaced): the ref's own signature is still checked, per camera.
+    forged = desired(2, remote, sign_state=False)
     ref = forged.cameras["cam1"].model
     assert ref is not None
     forged.cameras["cam1"].model = ref.model_copy(
         update={"manifest": ref.manifest.model_copy(update={"labels": ["person", "car"]})}
     )
-    t.deliver(TopicKind.TWIN_DESIRED, forged)
+    t.deliver(TopicKind.TWIN_DESIRED, signed_desired(forged, CONTROLLER_KEY))
     cam = wait_for_value(failed_with(t, 2), "v2 refused")
     assert cam.model == "good:1" and "manifest tampered" in (cam.error or "")
 

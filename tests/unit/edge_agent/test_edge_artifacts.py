@@ -8,15 +8,25 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.artifacts import ArtifactFetcher, FetchError
+from edge_agent.artifacts import ArtifactFetcher, FetchError, TransferError
 from fleet_protocol.codec import encode_chunk
-from fleet_protocol.messages import ArtifactRef, ArtifactRequest, InputSpec, ModelManifest
+from fleet_protocol.messages import (
+    FETCH_TRANSPORT_ERROR,
+    ArtifactRef,
+    ArtifactRequest,
+    InputSpec,
+    ModelManifest,
+)
 
 CHUNK = 1024
 DATA = bytes(range(256)) * 40 + b"tail" * 25  # 10,340 bytes: 11 chunks, the last one short
 
 
-def ref_for(data: bytes, sha: str | None = None) -> ArtifactRef:
+def chunk_hashes(data: bytes, chunk: int = CHUNK) -> list[str]:
+    return [hashlib.sha256(data[i : i + chunk]).hexdigest() for i in range(0, len(data), chunk)]
+
+
+def ref_for(data: bytes, sha: str | None = None, hashes: list[str] | None = None) -> ArtifactRef:
     manifest = ModelManifest(
         name="m",
         version="1",
@@ -25,6 +35,7 @@ def ref_for(data: bytes, sha: str | None = None) -> ArtifactRef:
         decoder="tf_od",
         input=InputSpec(name="x", layout="NHWC", dtype="uint8", color="RGB", width=8, height=8),
         labels=["person"],
+        chunk_hashes=hashes,
     )
     return ArtifactRef(manifest=manifest, chunk_size=CHUNK)
 
@@ -101,13 +112,15 @@ def test_chunk_failing_its_checksum_is_discarded_and_asked_again(tmp_path: Path)
     assert link.asked.count(3) == 2 and f.bad_chunks == 1
 
 
-def test_whole_file_sha_mismatch_fails_with_reason_and_starts_over_next_time(tmp_path: Path) -> None:
+def test_whole_file_sha_mismatch_is_fetched_again_then_fails_as_a_transfer_error(tmp_path: Path) -> None:
     claimed = hashlib.sha256(b"something else").hexdigest()
     link = FakeLink(DATA)
-    f = fetcher_with(tmp_path, link)
-    with pytest.raises(FetchError, match="sha256 mismatch"):
+    f = fetcher_with(tmp_path, link, whole_file_attempts=3)
+    with pytest.raises(TransferError, match=r"sha256 mismatch.*after 3 attempts") as err:
         f.fetch(ref_for(DATA, sha=claimed), threading.Event())
-    assert not list((tmp_path / "models").iterdir())
+    assert str(err.value).startswith(FETCH_TRANSPORT_ERROR)  # the controller re-sends for this one
+    assert f.whole_file_mismatches == 3 and sorted(link.asked) == sorted(list(range(11)) * 3)
+    assert not list((tmp_path / "models").iterdir())  # each attempt started from a fresh file
 
 
 def test_disk_shortfall_fails_before_asking_anything(tmp_path: Path) -> None:
@@ -121,8 +134,9 @@ def test_disk_shortfall_fails_before_asking_anything(tmp_path: Path) -> None:
 def test_unanswered_requests_give_up_after_retries_with_reason(tmp_path: Path) -> None:
     link = FakeLink(DATA, serve=lambda i, n: None)
     f = fetcher_with(tmp_path, link, request_timeout_s=0.02, max_retries=2)
-    with pytest.raises(FetchError, match="after 2 retries"):
+    with pytest.raises(TransferError, match="after 2 retries") as err:
         f.fetch(ref_for(DATA), threading.Event())
+    assert str(err.value).startswith(FETCH_TRANSPORT_ERROR)
     assert link.asked.count(0) == 3
 
 
@@ -168,7 +182,99 @@ def test_a_chunk_damaged_on_disk_since_an_earlier_run_fails_the_whole_file_check
     damaged[2 * CHUNK + 7] ^= 0xFF  # chunk 2, recorded as on disk by the first run
     part.write_bytes(bytes(damaged))
     second = FakeLink(DATA)
+    f = fetcher_with(tmp_path, second)
+    # The whole-file check fails; the fetch starts over with a fresh file, which then checks out.
+    assert f.fetch(ref, threading.Event()).read_bytes() == DATA
+    assert f.whole_file_mismatches == 1
+    assert second.asked[: 11 - 5] == list(range(5, 11)) and sorted(second.asked[6:]) == list(range(11))
+    assert not part.exists()
+
+
+def test_with_one_attempt_a_damaged_file_fails_and_starts_over_next_time(tmp_path: Path) -> None:
+    claimed = hashlib.sha256(b"something else").hexdigest()
+    f = fetcher_with(tmp_path, FakeLink(DATA), whole_file_attempts=1)
     with pytest.raises(FetchError, match="sha256 mismatch"):
-        fetcher_with(tmp_path, second).fetch(ref, threading.Event())
-    assert sorted(second.asked) == list(range(5, 11))
-    assert not part.exists()  # the next attempt starts over
+        f.fetch(ref_for(DATA, sha=claimed), threading.Event())
+    assert not list((tmp_path / "models").iterdir())
+
+
+def forged(index: int, *, claim: str | None = None) -> bytes:
+    """A well-formed frame for ``index`` with other bytes, its own chunk sha256 computed over them (or
+    ``claim`` put in the header instead)."""
+    junk = bytes([0x5A]) * len(DATA[index * CHUNK : (index + 1) * CHUNK])
+    frame = encode_chunk(hashlib.sha256(DATA).hexdigest(), index, 11, junk)
+    if claim is None:
+        return frame
+    real = hashlib.sha256(junk).hexdigest()
+    return frame.replace(real.encode(), claim.encode(), 1)
+
+
+def test_a_forged_chunk_with_a_self_consistent_hash_is_refused_against_the_signed_list(
+    tmp_path: Path,
+) -> None:
+    """F7: the frame's own hash proves nothing; the signed manifest's list decides."""
+    hashes = chunk_hashes(DATA)
+    link: FakeLink
+
+    def serve(i: int, n: int) -> bytes | None:
+        assert link.fetcher is not None
+        if i == 4 and n == 1:
+            link.fetcher.on_chunk(forged(4))  # injected before the controller's answer
+        return b"ok"
+
+    link = FakeLink(DATA, serve=serve)
+    f = fetcher_with(tmp_path, link)
+    assert f.fetch(ref_for(DATA, hashes=hashes), threading.Event()).read_bytes() == DATA
+    assert f.bad_chunks == 1 and f.whole_file_mismatches == 0
+    assert link.asked.count(4) == 1  # refused on arrival; the real chunk, already asked for, was kept
+
+
+def test_a_forged_chunk_claiming_the_signed_hash_is_refused_and_asked_again(tmp_path: Path) -> None:
+    hashes = chunk_hashes(DATA)
+
+    def serve(i: int, n: int) -> bytes | None:
+        return forged(4, claim=hashes[4]) if i == 4 and n == 1 else b"ok"  # instead of the real one
+
+    link = FakeLink(DATA, serve=serve)
+    f = fetcher_with(tmp_path, link)
+    assert f.fetch(ref_for(DATA, hashes=hashes), threading.Event()).read_bytes() == DATA
+    assert link.asked.count(4) == 2 and f.bad_chunks == 1 and f.whole_file_mismatches == 0
+
+
+def test_without_a_signed_list_a_forged_chunk_is_caught_by_the_whole_file_retry(tmp_path: Path) -> None:
+    """An old ref (no chunk hashes): the forged chunk gets in, the whole file fails, the retry heals."""
+
+    def serve(i: int, n: int) -> bytes | None:
+        return forged(4) if i == 4 and n == 1 else b"ok"
+
+    link = FakeLink(DATA, serve=serve)
+    f = fetcher_with(tmp_path, link)
+    assert f.fetch(ref_for(DATA), threading.Event()).read_bytes() == DATA
+    assert f.whole_file_mismatches == 1
+
+
+def test_a_signed_list_of_the_wrong_length_is_refused_before_asking(tmp_path: Path) -> None:
+    link = FakeLink(DATA)
+    with pytest.raises(FetchError, match="lists 10 chunk hashes for 11 chunks") as err:
+        fetcher_with(tmp_path, link).fetch(ref_for(DATA, hashes=chunk_hashes(DATA)[:10]), threading.Event())
+    assert not str(err.value).startswith(FETCH_TRANSPORT_ERROR)  # the model's fault: not re-sent
+    assert link.requests == []
+
+
+def test_a_file_that_matches_its_signed_list_but_not_its_sha256_is_not_a_transfer_error(
+    tmp_path: Path,
+) -> None:
+    claimed = hashlib.sha256(b"something else").hexdigest()
+    f = fetcher_with(tmp_path, FakeLink(DATA), whole_file_attempts=2)
+    with pytest.raises(FetchError, match="sha256 mismatch") as err:
+        f.fetch(ref_for(DATA, sha=claimed, hashes=chunk_hashes(DATA)), threading.Event())
+    assert not str(err.value).startswith(FETCH_TRANSPORT_ERROR)
+
+
+def test_chunks_are_asked_for_in_batches_not_one_request_per_arrival(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 400  # 100 chunks
+    link = FakeLink(data)
+    f = fetcher_with(tmp_path, link, window=16, window_bytes=0)
+    assert f.fetch(ref_for(data), threading.Event()).read_bytes() == data
+    assert all(len(r.chunks) >= 4 for r in link.requests)  # a quarter window at least
+    assert len(link.requests) <= 100 // 4 + 1

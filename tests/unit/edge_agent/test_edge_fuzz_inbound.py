@@ -39,7 +39,7 @@ from fleet_protocol.messages import (
     ModelManifest,
     ReportedState,
 )
-from fleet_protocol.signing import signed
+from fleet_protocol.signing import signed, signed_desired
 from fleet_protocol.topics import TopicKind, Topics
 from tests.unit.controller.test_controller_fuzz_topics import (
     DEEP,
@@ -138,7 +138,10 @@ def _remote_model(name: str) -> tuple[bytes, ModelManifest]:
 
 def _desired(version: int, manifest: ModelManifest, chunk_size: int = 1024) -> DesiredState:
     ref = signed(ArtifactRef(manifest=manifest, chunk_size=chunk_size), CONTROLLER_KEY)
-    return DesiredState(version=version, issued_at=time.time(), cameras={"cam1": CameraDesired(model=ref)})
+    state = DesiredState(
+        version=version, issued_at=time.time(), device_id=DEVICE, cameras={"cam1": CameraDesired(model=ref)}
+    )
+    return signed_desired(state, CONTROLLER_KEY)
 
 
 @pytest.fixture
@@ -182,6 +185,19 @@ def _mutations(msg: object) -> Iterator[bytes]:
         yield dump(drop_at(base, path))
     yield dump({**base, "extra": 1})
     yield encode(msg)[:-1]  # type: ignore[arg-type]
+
+
+def _reversioned(payload: bytes, version: int) -> tuple[bytes, int]:
+    """``payload`` with ``version`` in place of the base's version 4 (a mutation of the version field
+    itself is left alone), and the version after it."""
+    try:
+        doc = json.loads(payload)
+    except (ValueError, RecursionError):
+        return payload, version
+    if not isinstance(doc, dict) or doc.get("version") != 4 or type(doc.get("version")) is not int:
+        return payload, version
+    doc["version"] = version
+    return dump(doc), version + 1
 
 
 def _chunk_garbage(sha: str, blob: bytes, size: int) -> Iterator[bytes]:
@@ -282,8 +298,14 @@ def test_the_agent_shrugs_off_bad_input_on_every_inbound_topic(
         TopicKind.COMMANDS: Command(id="c-1", name="diagnostics", args={"camera": "cam1"}),
         TopicKind.ACKS: Ack(upto=1, ranges=[(3, 4)]),
     }
+    # Each desired-state mutation carries a version newer than any before it (unless the mutation is
+    # of the version itself): otherwise all but the first would stop at the agent's version filter
+    # and never reach the camera/ref/threshold handling they are meant to exercise.
+    next_version = 5
     for kind, msg in valid.items():
         for payload in _mutations(msg):
+            if kind is TopicKind.TWIN_DESIRED:
+                payload, next_version = _reversioned(payload, next_version)
             send(kind, payload)
 
     def fuzz_kind(kind: TopicKind) -> None:
@@ -303,8 +325,10 @@ def test_the_agent_shrugs_off_bad_input_on_every_inbound_topic(
     link.deliver(TopicKind.TWIN_DESIRED, encode(_desired(10**6, local)), device="dev-2")
     link.deliver(TopicKind.HEARTBEAT, b"\x00")
 
-    # Still working: a newer desired state is applied, a command answered, detections keep coming.
-    version = agent.twin._received_version + 1
+    # Still working: the controller's next version (newer than every legitimate one sent above) is
+    # applied: no mutation (a huge version, say) wedged the version filter. A command is answered,
+    # detections keep coming.
+    version = next_version
     link.deliver(TopicKind.TWIN_DESIRED, encode(_desired(version, local)))
     wait_for(
         lambda: _running(link, version, "local:1"), timeout=20, what=f"v{version} applied after the fuzzing"

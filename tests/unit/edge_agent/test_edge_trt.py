@@ -51,7 +51,7 @@ from fleet_protocol.messages import (
     ModelManifest,
     ReportedState,
 )
-from fleet_protocol.signing import generate_private_key, public_key_b64, signed
+from fleet_protocol.signing import generate_private_key, public_key_b64, signed, signed_desired
 from fleet_protocol.topics import TopicKind
 
 KEY = EngineKey("a" * 64, "NVIDIA GeForce RTX 4090", "8.9", "10.3.0", "fp16")
@@ -510,7 +510,10 @@ def store_model(data_dir: Path, name: str) -> ModelManifest:
 
 def desired(version: int, manifest: ModelManifest, variant: str = "fp16") -> DesiredState:
     ref = signed(ArtifactRef(manifest=manifest, variant=variant), CONTROLLER_KEY)
-    return DesiredState(version=version, issued_at=time.time(), cameras={"cam1": CameraDesired(model=ref)})
+    state = DesiredState(
+        version=version, issued_at=time.time(), device_id="dev-1", cameras={"cam1": CameraDesired(model=ref)}
+    )
+    return signed_desired(state, CONTROLLER_KEY)
 
 
 @pytest.fixture
