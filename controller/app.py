@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from controller.api.deps import authorize
 from controller.link.bridge import Transport
 from controller.registry.builder import VariantBuilder
 from controller.runtime import ControllerRuntime
+from controller.security.files import PRIVATE_UMASK, secure_data_dir
 from controller.security.tokens import install_log_redaction
 from controller.settings import ControllerSettings
 
@@ -41,6 +43,8 @@ def create_app(
         except BaseException:
             rt.stop()
             raise
+        # A revoked token's open live WebSockets are closed at once (security review F9).
+        rt.auth.on_revoke(rt.hub.close_token)
         app.state.runtime = rt
         try:
             yield
@@ -66,6 +70,9 @@ def run_controller(settings: ControllerSettings) -> None:
         logging.basicConfig(
             level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+    # Owner-only from here on: the database (and its WAL), artifacts, keys; the folder itself 0700.
+    os.umask(PRIVATE_UMASK)
+    secure_data_dir(settings.data_dir)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.api_host,

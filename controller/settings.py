@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -35,6 +36,9 @@ class ControllerSettings(BaseSettings):
     # Per-device broker credentials (controller/link/broker_auth.py): "dynsec" administers Mosquitto's
     # dynamic-security plugin; "none" leaves the broker alone (a plain dev broker).
     mqtt_broker_auth: Literal["none", "dynsec"] = "none"
+    # With mqtt_broker_auth "none": "external" states that the broker enforces the ACL of
+    # fleet_protocol/PROTOCOL.md by its own configuration (production refuses "none" without it).
+    mqtt_acl: Literal["none", "external"] = "none"
     # The dynsec admin user; default the user and password the controller connects with.
     mqtt_admin_username: str | None = None
     mqtt_admin_password: SecretStr | None = None
@@ -57,16 +61,27 @@ class ControllerSettings(BaseSettings):
     artifact_queue_max: int = Field(default=1000, ge=1)
     artifact_workers: int = Field(default=2, ge=1, le=32)
     chunk_size: int = Field(default=256 * 1024, ge=1024, le=4 * 1024 * 1024)
+    # Per device, what the artifact server does for it (controller/link/artifacts.py DeviceCaps): chunk
+    # requests a second (and at once), and bytes a second (and at once). Over a cap a request or its
+    # remaining chunks are dropped; the agent asks again after its request timeout.
+    artifact_device_requests_per_s: float = Field(default=50.0, gt=0)
+    artifact_device_request_burst: int = Field(default=100, ge=1)
+    artifact_device_bytes_per_s: float = Field(default=256 * 2**20, gt=0)
+    artifact_device_burst_bytes: int = Field(default=16 * 2**20, ge=1024)
     # Model registry: uploaded files and built variants, named by sha256 (default data_dir/artifacts).
     store_dir: Path | None = None
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
+    # Dense bytes of all of a model's initializers and constants (sparse ones at their dense size): what
+    # agents and the variant builder materialise; over it an upload is refused (413).
+    max_model_dense_bytes: int = Field(default=2 * 1024**3, ge=1024)
     # Variant builds (fp16/int8 with figures) on a background worker.
     build_variants_on_start: bool = True
     # False: uploads are registered without variant builds (fp32 everywhere), e.g. for quick tests.
     build_variants_on_upload: bool = True
     calibration_footage: Path | None = None  # default models_dir/footage/vtest.avi
     variant_calib_frames: int = Field(default=100, ge=1, le=10000)
-    variant_eval_frames: int = Field(default=40, ge=1, le=10000)
+    # Held-out frames: half choose among the INT8 candidates, the other half give the figures shown.
+    variant_eval_frames: int = Field(default=40, ge=2, le=10000)
     variant_bar_f1: float = Field(default=0.95, ge=0.0, le=1.0)
     variant_bar_iou: float = Field(default=0.95, ge=0.0, le=1.0)
     variant_queue_max: int = Field(default=64, ge=1)
@@ -152,6 +167,17 @@ class ControllerSettings(BaseSettings):
                 problems.append("the MQTT password (in mqtt_url or EDGEFLEET_MQTT_PASSWORD) is empty")
             elif reason := _weak_secret(target.password.get_secret_value(), min_len=12):
                 problems.append(f"the MQTT password {reason}")
+        if self.mqtt_broker_auth == "none" and self.mqtt_acl != "external":
+            problems.append(
+                "mqtt_broker_auth (EDGEFLEET_MQTT_BROKER_AUTH) is 'none': without per-device ACLs any "
+                "device's credentials can write every device's desired state; set it to 'dynsec', or "
+                "set EDGEFLEET_MQTT_ACL=external if the broker itself enforces the ACL of PROTOCOL.md"
+            )
+        if not target.tls and not _is_loopback(target.host):
+            problems.append(
+                f"mqtt_url (EDGEFLEET_MQTT_URL) is plain mqtt:// to {target.host}, not a loopback host: "
+                "use mqtts:// (or EDGEFLEET_MQTT_CA_FILE) so credentials and models are not sent in clear"
+            )
         if self.mqtt_admin_password is not None and (
             reason := _weak_secret(self.mqtt_admin_password.get_secret_value(), min_len=12)
         ):
@@ -199,6 +225,17 @@ class ControllerSettings(BaseSettings):
             password = target.password
         return username, password
 
+    def reserved_broker_names(self) -> dict[str, str]:
+        """This deployment's non-device broker names (name → what it is); no device id may be one."""
+        names: dict[str, str] = {}
+        if self.mqtt_client_id:
+            names[self.mqtt_client_id] = "the controller's MQTT client id"
+        if self.mqtt_admin_username:
+            names[self.mqtt_admin_username] = "the broker admin's user name"
+        if user := self.mqtt_target().username:
+            names[user] = "the controller's MQTT user name"
+        return names
+
     def redacted_mqtt_url(self) -> str:
         t = self.mqtt_target()
         user = f"{t.username}:***@" if t.username else ""
@@ -213,6 +250,15 @@ KNOWN_DEFAULT_SECRETS = frozenset(
         "test", "token",
     }
 )  # fmt: skip
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _weak_secret(value: str, *, min_len: int) -> str | None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Callable
@@ -15,6 +17,25 @@ from edge_agent.settings import SettingsError, load_settings
 log = logging.getLogger(__name__)
 
 EXIT_CONFIG = 2
+# What the agent keeps (outbox.db, desired.json, models) is its own: owner-only files, a 0700 folder.
+PRIVATE_UMASK = 0o077
+_DATA_FILES = ("outbox.db", "outbox.db-wal", "outbox.db-shm", "outbox.db-journal", "desired.json")
+
+
+def make_data_dir_private(data_dir: Path) -> None:
+    """Create ``data_dir`` 0700, or tighten it (and the files the agent keeps in it) to owner-only."""
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for path in (data_dir, *(data_dir / n for n in _DATA_FILES)):
+        if not path.exists():
+            continue
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            try:
+                path.chmod(mode & 0o700)
+            except OSError as exc:
+                log.warning("%s is mode %04o and cannot be made private: %s", path, mode, exc)
+            else:
+                log.warning("%s was mode %04o (others could read it): now %04o", path, mode, mode & 0o700)
 
 
 def run(
@@ -55,6 +76,8 @@ def run(
     from edge_agent.agent import Agent, describe
     from edge_agent.backends import CudaFatalError
 
+    os.umask(PRIVATE_UMASK)
+    make_data_dir_private(settings.data_dir)
     log.info("starting agent %s", describe(settings))
     agent = Agent.from_settings(settings)
 

@@ -8,6 +8,7 @@ of files.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +34,21 @@ PUBLIC_KEY_ENV = "EDGEFLEET_ARTIFACT_PUBLIC_KEY"
 
 class SettingsError(Exception):
     """The configuration cannot be used; the message names the offending fields."""
+
+
+def _check_private_file(path: Path, setting: str) -> None:
+    """A secret file must be the owner's alone (mode 0600 or 0400): refuse one group or others may
+    access, as the signing key and admin token are refused on the controller."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return  # reading it says why, with the path
+    if mode & 0o077:
+        raise ValueError(
+            f"{setting} {path} is accessible by group or others (mode {mode:04o}); it holds the "
+            f"device's broker password: run `chmod 600 {path}` (Kubernetes: defaultMode 0400; "
+            "compose secrets keep the host file's mode)"
+        )
 
 
 class _Strict(BaseModel):
@@ -234,6 +250,7 @@ class AgentSettings(_Strict):
         username = self.mqtt_username if self.mqtt_username is not None else endpoint.username
         password = endpoint.password
         if self.mqtt_password_file is not None:
+            _check_private_file(self.mqtt_password_file, "mqtt_password_file")
             try:
                 secret = self.mqtt_password_file.read_text(encoding="utf-8").rstrip("\r\n")
             except (OSError, UnicodeDecodeError) as exc:

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, WebSocket
+from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocketDisconnect
 
 from controller.api.deps import FilterQuery, RuntimeDep, SessionDep, time_window, ws_subprotocol
@@ -17,10 +18,16 @@ from controller.api.presenters import decode_cursor, detection_out, encode_curso
 from controller.api.schemas import DetectionPage
 from controller.db import crud
 from controller.observe.live import LiveFilter, TooManyClients
+from controller.security.tokens import Principal
 
 router = APIRouter(prefix="/api/v1/detections", tags=["detections"])
 
 MAX_STAT_BUCKETS = 10_000
+# A live socket's token is checked again this often, besides being closed at once on revoke (a token
+# revoked by another controller process sharing the database, or one whose revoke hook was missed).
+LIVE_REAUTH_S = 5.0
+# Policy violation: the token the socket was opened with is no longer valid.
+WS_TOKEN_REVOKED = 1008
 
 
 @router.get(
@@ -72,10 +79,14 @@ async def live(
 ) -> None:
     hub = rt.hub
     # The token was checked by controller.api.deps.authorize before this point (header, subprotocol
-    # or query).
+    # or query); revoking it later closes this socket (code 1008).
+    principal: Principal | None = getattr(ws.state, "principal", None)
+    token_id = principal.token_id if principal is not None else None
     await ws.accept(subprotocol=ws_subprotocol(ws))
     try:
-        client = hub.add(LiveFilter(device, camera, label, min_score), asyncio.get_running_loop())
+        client = hub.add(
+            LiveFilter(device, camera, label, min_score), asyncio.get_running_loop(), token_id=token_id
+        )
     except TooManyClients as exc:
         await ws.close(code=1013, reason=str(exc))
         return
@@ -87,13 +98,24 @@ async def live(
                 await ws.receive_text()
 
     reading = asyncio.create_task(reader())
+    loop = asyncio.get_running_loop()
     try:
+        if token_id is not None and not await run_in_threadpool(rt.auth.is_active, token_id):
+            client.revoke()  # revoked between the check and hub.add: the hook found no client to close
         await ws.send_json({"type": "hello", "client": client.id, "filters": client.info()["filters"]})
+        checked = loop.time()
         while not reading.done():
             waiter = asyncio.create_task(client.wake.wait())
-            await asyncio.wait({waiter, reading}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waiter, reading}, timeout=LIVE_REAUTH_S, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             if reading.done():
+                break
+            if token_id is not None and loop.time() - checked >= LIVE_REAUTH_S:
+                checked = loop.time()
+                if not await run_in_threadpool(rt.auth.is_active, token_id):
+                    client.revoke()
+            if client.revoked:
+                await ws.close(code=WS_TOKEN_REVOKED, reason="the API token was revoked")
                 break
             dropped, items = client.take()
             if dropped:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import time
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response, status
 
@@ -18,7 +19,7 @@ from controller.db import crud
 from controller.db.states import DeviceStatus
 from controller.db.tables import DeviceCreate, HealthSamplePublic
 from controller.errors import ConflictError, DeviceError, NotFoundError, UnavailableError
-from controller.link.broker_auth import generate_password, hash_password
+from controller.link.broker_auth import check_device_id, generate_password, hash_password
 from controller.link.commands import CommandFailedError
 from controller.runtime import ControllerRuntime
 from fleet_protocol import TopicKind
@@ -47,9 +48,16 @@ def _cut_off(rt: ControllerRuntime, device_id: str) -> None:
     "the answer carries the artifact public key the device's agent must be given and, when the "
     "controller manages broker credentials, the device's MQTT password (shown once; enrolling "
     "again issues a new one)",
-    responses={503: {"description": "the broker could not be given the device's credentials"}},
+    responses={
+        409: {"description": "the broker has a user of that name that is not an edgefleet device"},
+        422: {"description": "invalid or reserved device id (the controller's or admin's broker user)"},
+        503: {"description": "the broker could not be given the device's credentials"},
+    },
 )
 def enroll(body: DeviceCreate, session: SessionDep, rt: RuntimeDep) -> EnrolledDevice:
+    # A device id is its broker user name and client id: never the controller's, the admin's or a
+    # reserved one (ReservedIdError: a 422), whether or not the controller manages the broker.
+    check_device_id(body.id, rt.settings.reserved_broker_names())
     dev = crud.enroll_device(session, device_in=body)
     password: str | None = None
     was_online = dev.status == DeviceStatus.ONLINE
@@ -204,8 +212,41 @@ def snapshot(
         jpeg = b""
     if not jpeg.startswith(b"\xff\xd8"):
         raise DeviceError(f"device {device_id} sent a snapshot that is not a JPEG")
-    headers = {"Cache-Control": "no-store"}
-    for k in ("frame", "width", "height", "boxes", "captured_at"):
-        if k in res.result:
-            headers[f"X-Snapshot-{k.replace('_', '-').title()}"] = str(res.result[k])
+    headers = {"Cache-Control": "no-store", **_snapshot_headers(device_id, res.result)}
     return Response(content=jpeg, media_type="image/jpeg", headers=headers)
+
+
+# What a snapshot answer may put in the response headers, each coerced to its type first: a device's
+# text never reaches a header (a CR/LF or a non-Latin-1 character there was a 500 or a cut connection).
+# "boxes" is how many boxes were drawn (the dashboard shows it as a count).
+_SNAPSHOT_HEADERS: tuple[tuple[str, type[int] | type[float]], ...] = (
+    ("frame", int),
+    ("width", int),
+    ("height", int),
+    ("boxes", int),
+    ("captured_at", float),
+)
+
+
+def _snapshot_headers(device_id: str, result: dict[str, Any]) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for key, kind in _SNAPSHOT_HEADERS:
+        if key not in result:
+            continue
+        text = _header_number(result[key], kind)
+        if text is None:
+            what = "a non-negative integer" if kind is int else "a finite number"
+            raise DeviceError(f"device {device_id} sent a snapshot whose {key!r} is not {what}")
+        headers[f"X-Snapshot-{key.replace('_', '-').title()}"] = text
+    return headers
+
+
+def _header_number(value: object, kind: type[int] | type[float]) -> str | None:
+    """``value`` as header text when it is a number of the kind (a bool counts as 0 or 1), else None."""
+    if kind is int:
+        if isinstance(value, int) and 0 <= value < 2**63:
+            return str(int(value))
+        return None
+    if isinstance(value, int | float) and math.isfinite(value):
+        return repr(float(value))
+    return None

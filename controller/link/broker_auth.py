@@ -25,14 +25,14 @@ import logging
 import secrets
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import SecretStr
 
-from controller.errors import UnavailableError
+from controller.errors import ConflictError, InvalidError, UnavailableError
 from fleet_protocol import Topics
 from fleet_protocol.endpoint import MqttEndpoint
 from fleet_protocol.paho_client import Connack, classify_connack, connect_in_background, make_client
@@ -44,6 +44,12 @@ CONTROL_TOPIC = "$CONTROL/dynamic-security/v1"
 RESPONSE_TOPIC = "$CONTROL/dynamic-security/v1/response"
 CONTROLLER_ROLE = "edgefleet-controller"
 DEVICE_ROLE_PREFIX = "edgefleet-device-"
+DEVICE_DESCRIPTION = "edgefleet device"
+# Broker user names a device id may never take (compared without case): the README's name for the
+# controller's user, the usual admin and service accounts. The controller's own client ids start with
+# the reserved prefixes (runtime.py, DynsecAdmin), so no device can take over their sessions either.
+RESERVED_NAMES = frozenset({"edgefleet", "edgefleet-controller", "admin", "root", "mosquitto", "controller"})
+RESERVED_PREFIXES = ("edgefleet-controller", "edgefleet-broker-admin")
 
 # A random 256-bit password cannot be guessed whatever the iteration count; this many keeps the
 # stored hash costly to test offline all the same, at a few milliseconds per enrollment.
@@ -80,6 +86,37 @@ def verify_password(password: str, stored: str) -> bool:
 
 def device_role(device_id: str) -> str:
     return DEVICE_ROLE_PREFIX + device_id
+
+
+class ReservedIdError(InvalidError):
+    """A device id that is, or could be, a broker user or client id other than a device's."""
+
+
+class NotADeviceClientError(ConflictError):
+    """The broker already has a client of that user name that is not an edgefleet device."""
+
+
+def reserved_id_reason(device_id: str, reserved: Mapping[str, str] | None = None) -> str | None:
+    """Why ``device_id`` may not be a device (its broker user name and client id), or None.
+
+    ``reserved``: this deployment's own names (user name → what it is), e.g. the controller's MQTT user
+    and the broker admin's (:meth:`ControllerSettings.reserved_broker_names`).
+    """
+    for name, what in (reserved or {}).items():
+        if name and device_id.lower() == name.lower():
+            return f"it is {what}"
+    lowered = device_id.lower()
+    if lowered in RESERVED_NAMES:
+        return "it is a reserved broker user name"
+    if lowered.startswith(RESERVED_PREFIXES):
+        return f"names starting with {' or '.join(RESERVED_PREFIXES)} are reserved for the controller"
+    return None
+
+
+def check_device_id(device_id: str, reserved: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`ReservedIdError` (a 422) when ``device_id`` may not be a device."""
+    if (why := reserved_id_reason(device_id, reserved)) is not None:
+        raise ReservedIdError(f"device id {device_id!r} is reserved: {why}")
 
 
 def _acl(acltype: str, topic: str, *, allow: bool = True, priority: int = 0) -> dict[str, Any]:
@@ -188,7 +225,11 @@ class DynsecAdmin:
 
     def issue(self, device_id: str, password: str) -> None:
         """Give ``device_id`` exactly these credentials. An existing client is deleted first, which
-        disconnects a device still connected with the old password (re-enrolling rotates)."""
+        disconnects a device still connected with the old password (re-enrolling rotates); a client
+        of that name that is not an edgefleet device (the controller, the admin, another service) is
+        never touched: :class:`NotADeviceClientError` (a 409) or :class:`ReservedIdError` (a 422)."""
+        check_device_id(device_id, self._own_names())
+        self._check_device_client(device_id)
         role = device_role(device_id)
         self._run(
             [
@@ -205,7 +246,7 @@ class DynsecAdmin:
                     "username": device_id,
                     "password": password,
                     "clientid": device_id,
-                    "textdescription": "edgefleet device",
+                    "textdescription": DEVICE_DESCRIPTION,
                     "roles": [{"rolename": role}],
                 },
             ]
@@ -213,7 +254,14 @@ class DynsecAdmin:
         log.info("issued broker credentials to device %s", device_id)
 
     def revoke(self, device_id: str) -> None:
-        """Delete the device's credentials; the broker disconnects it if it is connected."""
+        """Delete the device's credentials; the broker disconnects it if it is connected. A client of
+        that name that is not an edgefleet device is left alone (:class:`NotADeviceClientError`), and
+        so are the controller's and the admin's own users, whatever they hold."""
+        if device_id in self._own_names():
+            raise ReservedIdError(
+                f"device id {device_id!r} is reserved: it is {self._own_names()[device_id]}"
+            )
+        self._check_device_client(device_id)
         self._run(
             [
                 {"command": "deleteClient", "username": device_id},
@@ -261,6 +309,32 @@ class DynsecAdmin:
         return True
 
     # ------------------------------------------------------------------ internals
+
+    def _own_names(self) -> dict[str, str]:
+        names = {self._username: "the broker admin's user name"}
+        if self._controller_username:
+            names[self._controller_username] = "the controller's MQTT user name"
+        return names
+
+    def _check_device_client(self, device_id: str) -> None:
+        """Refuse unless the broker has no client ``device_id``, or one that is exactly an edgefleet
+        device: holding only the role ``edgefleet-device-<id>``, in no group, bound to client id
+        ``<id>`` (what :meth:`issue` creates)."""
+        answer = self._run([{"command": "getClient", "username": device_id}])[0]
+        if answer.get("error"):
+            if "not found" in str(answer["error"]).lower():
+                return
+            raise BrokerAdminError(f"the broker refused getClient: {answer['error']}")
+        client = (answer.get("data") or {}).get("client") or {}
+        roles = [r.get("rolename") for r in client.get("roles") or [] if isinstance(r, dict)]
+        groups = client.get("groups") or []
+        if roles == [device_role(device_id)] and not groups and client.get("clientid") == device_id:
+            return
+        log.warning("refused to replace broker client %r: it is not an edgefleet device", device_id)
+        raise NotADeviceClientError(
+            f"the broker already has a user {device_id!r} that is not an edgefleet device (it holds "
+            f"roles {roles or 'none'}); choose another device id, or remove that user on the broker"
+        )
 
     def _send(self, commands: list[dict[str, Any]]) -> None:
         """Send without waiting for the answer (for a command that disconnects us)."""

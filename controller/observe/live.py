@@ -60,6 +60,16 @@ class LiveClient:
     dropped_pending: int = 0  # not yet reported to the client
     sent: int = 0
     connected_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    # The API token it was opened with (None: the bootstrap admin token); revoking it closes the client.
+    token_id: int | None = None
+    revoked: bool = False
+
+    def revoke(self) -> None:
+        """Any thread: the client's token was revoked; its sender closes the socket at once."""
+        with self.lock:
+            self.revoked = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the client is going away
+            self.loop.call_soon_threadsafe(self.wake.set)
 
     def __post_init__(self) -> None:
         self.queue = deque()
@@ -119,11 +129,15 @@ class LiveHub:
         self._ids = itertools.count(1)
         self.published = 0  # detections handed to at least the filter stage
 
-    def add(self, flt: LiveFilter, loop: asyncio.AbstractEventLoop) -> LiveClient:
+    def add(
+        self, flt: LiveFilter, loop: asyncio.AbstractEventLoop, *, token_id: int | None = None
+    ) -> LiveClient:
         with self._lock:
             if len(self._clients) >= self._max_clients:
                 raise TooManyClients(f"at most {self._max_clients} live clients")
-            c = LiveClient(id=next(self._ids), filter=flt, loop=loop, queue_max=self._queue_max)
+            c = LiveClient(
+                id=next(self._ids), filter=flt, loop=loop, queue_max=self._queue_max, token_id=token_id
+            )
             self._clients[c.id] = c
         log.info("live client %d connected (%s)", c.id, c.info()["filters"])
         return c
@@ -132,6 +146,16 @@ class LiveHub:
         with self._lock:
             self._clients.pop(client.id, None)
         log.info("live client %d gone (sent %d, dropped %d)", client.id, client.sent, client.dropped_total)
+
+    def close_token(self, token_id: int) -> int:
+        """Close every client opened with API token ``token_id`` (it was revoked); how many."""
+        with self._lock:
+            closing = [c for c in self._clients.values() if c.token_id == token_id]
+        for c in closing:
+            c.revoke()
+        if closing:
+            log.info("API token #%s revoked: closing %d live client(s)", token_id, len(closing))
+        return len(closing)
 
     def clients(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -32,6 +32,7 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -131,6 +132,20 @@ class TokenAuthority:
         self._admin_hash = hash_token(admin_token)
         self._touched: dict[int, float] = {}
         self._lock = threading.Lock()
+        self._revoke_listeners: list[Callable[[int], object]] = []
+
+    def on_revoke(self, listener: Callable[[int], object]) -> None:
+        """Called with a token's id each time it is revoked (e.g. to close its open WebSockets)."""
+        self._revoke_listeners.append(listener)
+
+    def is_active(self, token_id: int | None) -> bool:
+        """Whether a token authenticated earlier is still valid (the bootstrap admin token always is)."""
+        if token_id is None:
+            return True
+        t = ApiToken.__table__  # type: ignore[attr-defined]
+        with self._engine.connect() as conn:
+            row = conn.execute(sa.select(t.c.revoked_at).where(t.c.id == token_id)).first()
+        return row is not None and row.revoked_at is None
 
     def authenticate(self, token: str) -> Principal | None:
         digest = hash_token(token)
@@ -190,7 +205,13 @@ class TokenAuthority:
                 row.revoked_at = utcnow()
                 session.add(row)
                 session.commit()
-            return row
+        # What the token opened before (a live WebSocket) goes too; idempotent, like the revoke.
+        for listener in self._revoke_listeners:
+            try:
+                listener(token_id)
+            except Exception:
+                log.exception("API token revoke listener failed")
+        return row
 
 
 def load_or_create_admin_token(data_dir: Path, configured: SecretStr | None) -> str:
@@ -233,17 +254,40 @@ _QUERY_TOKEN = re.compile(r"(?i)([?&](?:access_)?token=)[^&\s\"']*")
 
 
 class RedactTokens(logging.Filter):
-    """Replaces ``token=…`` query values in uvicorn's access and connection lines with ``***``."""
+    """Replaces ``token=…`` query values in uvicorn's access and connection lines with ``***``.
+
+    Redacts inside the message and each argument, keeping ``record.args`` a tuple of the same length:
+    uvicorn's ``AccessFormatter`` unpacks exactly five arguments from it (replacing the args with ``()``
+    made every such line a ``--- Logging error ---`` traceback, and lost it).
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except (TypeError, ValueError):
-            return True
-        redacted = _QUERY_TOKEN.sub(r"\1***", message)
-        if redacted != message:
-            record.msg, record.args = redacted, ()
+        if isinstance(record.msg, str):
+            record.msg = _redact(record.msg)
+        args = record.args
+        if isinstance(args, tuple):
+            record.args = tuple(_redact_arg(a) for a in args)
+        elif isinstance(args, Mapping):
+            record.args = {k: _redact_arg(v) for k, v in args.items()}
         return True
+
+
+def _redact(text: str) -> str:
+    return _QUERY_TOKEN.sub(r"\1***", text)
+
+
+def _redact_arg(arg: object) -> object:
+    if isinstance(arg, str):
+        return _redact(arg)
+    if isinstance(arg, (int, float, bytes)) or arg is None:
+        return arg
+    # Something else (a URL object): kept as it is unless its text carries a token; such a value is
+    # only ever formatted with %s, so its redacted text takes its place.
+    try:
+        text = str(arg)
+    except Exception:
+        return arg
+    return _redact(text) if _QUERY_TOKEN.search(text) else arg
 
 
 def install_log_redaction() -> None:

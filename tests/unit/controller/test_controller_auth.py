@@ -250,7 +250,8 @@ def _production(**kw: Any) -> dict[str, Any]:
     return {
         "environment": "production",
         "database_url": f"postgresql+psycopg://edgefleet:{STRONG}@db:5432/edgefleet",
-        "mqtt_url": f"mqtt://controller:{STRONG}@broker:1883",
+        "mqtt_url": f"mqtts://controller:{STRONG}@broker:8883",
+        "mqtt_acl": "external",
         "admin_token": STRONG,
         **kw,
     }
