@@ -14,6 +14,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -99,6 +100,66 @@ class MosquittoBroker:
             self.proc.kill()
             self.proc.wait(timeout=5)
         self.proc = None
+
+
+# --------------------------------------------------------------------------- retained messages
+
+
+def retained_topics(broker: MosquittoBroker, timeout: float = 10.0) -> set[str]:
+    """The topics that hold a retained message on ``broker`` (anonymous access) right now.
+
+    Mosquitto sends the retained messages matching a subscription right after its SUBACK, in order,
+    on the one connection: once a marker published after the SUBACK comes back, all of them are in.
+    """
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    marker = f"edgefleet-tests/retained-marker/{secrets.token_hex(6)}"
+    topics: set[str] = set()
+    done = threading.Event()
+    subscribed = threading.Event()
+
+    def on_message(c: mqtt.Client, u: object, m: mqtt.MQTTMessage) -> None:
+        if m.topic == marker:
+            done.set()
+        elif m.retain and m.payload:
+            topics.add(m.topic)
+
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"retained-{secrets.token_hex(4)}")
+    c.on_message = on_message
+    c.on_subscribe = lambda *a: subscribed.set()
+    c.connect(broker.host, broker.port)
+    c.loop_start()
+    try:
+        c.subscribe([("#", 0), (marker, 0)])
+        if not subscribed.wait(timeout):
+            raise TimeoutError("no SUBACK from the broker")
+        c.publish(marker, b"m", qos=0)
+        if not done.wait(timeout):
+            raise TimeoutError("the retained-message marker never came back")
+    finally:
+        c.loop_stop()
+        c.disconnect()
+    return topics
+
+
+def clear_retained(broker: MosquittoBroker, topics: set[str]) -> None:
+    """Delete the retained message of each topic (an empty retained publish)."""
+    if not topics:
+        return
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"unretain-{secrets.token_hex(4)}")
+    c.connect(broker.host, broker.port)
+    c.loop_start()
+    try:
+        infos = [c.publish(t, b"", qos=1, retain=True) for t in sorted(topics)]
+        for info in infos:
+            info.wait_for_publish(10)
+    finally:
+        c.loop_stop()
+        c.disconnect()
 
 
 # --------------------------------------------------------------------------- secured brokers

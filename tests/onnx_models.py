@@ -130,3 +130,17 @@ def tf_od_slow(base: bytes, *, steps: int = 64, rows: int = 256, width: int = 10
     g.node.extend(nodes)
     onnx.checker.check_model(model)
     return bytes(model.SerializeToString())
+
+
+def with_sparse_bomb(elements_per_dim: int = 2**31, size: int = 64) -> bytes:
+    """``yolov8_like`` plus a sparse initializer that carries one value but declares
+    ``elements_per_dim`` x ``elements_per_dim`` floats: a few KB of file, exabytes once dense."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load_from_string(yolov8_like(size=size))
+    values = helper.make_tensor("bomb", TensorProto.FLOAT, [1], [1.0])
+    indices = helper.make_tensor("bomb_idx", TensorProto.INT64, [1], [0])
+    sparse = helper.make_sparse_tensor(values, indices, [elements_per_dim, elements_per_dim])
+    model.graph.sparse_initializer.append(sparse)
+    return bytes(model.SerializeToString())

@@ -82,6 +82,15 @@ class ControllerProcess:
             self.proc.wait(10)
         self.proc = None
 
+    def pause(self) -> None:
+        """SIGSTOP: the process stays connected but handles nothing (no ingest, no ack) until ``resume``."""
+        assert self.proc is not None and self.proc.poll() is None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+
 
 def artifact_public_key(api_url: str, token: str) -> str:
     """The controller's artifact public key, as an operator gets it (``GET /api/v1/keys/artifacts``)."""
@@ -127,6 +136,8 @@ class AgentProcess:
         }
         self._write_config()
         self.proc: subprocess.Popen[bytes] | None = None
+        # Extra environment of the agent process (e.g. libfaketime's, for the clock fault tests).
+        self.env: dict[str, str] = {}
 
     def _write_config(self) -> None:
         self.config.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
@@ -140,7 +151,7 @@ class AgentProcess:
                 [sys.executable, "-m", "edge_agent", "--config", str(self.config)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             )
 
     def alive(self) -> bool:
@@ -160,6 +171,7 @@ class AgentProcess:
 def _stop(proc: subprocess.Popen[bytes] | None, timeout: float = 15) -> None:
     if proc is None or proc.poll() is not None:
         return
+    proc.send_signal(signal.SIGCONT)  # a paused process (``pause``) would never handle the SIGTERM
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout)

@@ -29,6 +29,17 @@ if [ ! -x /usr/bin/chromium ]; then
   fi
 fi
 
+# The agent-clock fault tests run the agent under libfaketime (Debian's 'faketime' package).
+if ! command -v faketime >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "installing the 'faketime' package for the clock fault tests"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime >/dev/null
+  else
+    echo "the clock fault tests need libfaketime: install the Debian package 'faketime' (sudo apt-get install faketime)" >&2
+    exit 1
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[dev]'
@@ -41,12 +52,22 @@ echo "== mypy"
 echo "== pytest"
 # PostgreSQL-parametrized tests fail instead of skipping when the server is unreachable (tests/databases.py).
 export EDGEFLEET_REQUIRE_POSTGRES=${EDGEFLEET_REQUIRE_POSTGRES:-1}
+# Likewise the browser tests fail instead of skipping without chromium or playwright (tests/browser).
+export EDGEFLEET_REQUIRE_BROWSER=${EDGEFLEET_REQUIRE_BROWSER:-1}
+# The tests run in a random order (pytest-randomly, in '.[dev]'): pytest's header says
+# "Using --randomly-seed=N"; `bash tests/run.sh --randomly-seed=N` replays that order, and
+# `bash tests/run.sh -p no:randomly` runs in file order.
 set +e
 .venv/bin/pytest "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
-  echo "pytest collected no tests"
-  rc=0
+  if [ "$#" -gt 0 ]; then
+    # Arguments narrowed the run (a -k, a path): collecting nothing is the caller's business.
+    echo "pytest collected no tests (the arguments narrowed the run: not a failure)"
+    rc=0
+  else
+    echo "pytest collected no tests from the whole suite: a failure" >&2
+  fi
 fi
 exit "$rc"

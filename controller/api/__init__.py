@@ -1,7 +1,8 @@
 """The HTTP API: one router per resource, request/response shapes, dependencies, the error handler.
 
-``build_api(app)`` puts it all on an app: the routers, the dashboard's static files, and the handler
-that answers every domain error (``controller.errors``) with its status.
+``build_api(app)`` puts it all on an app: the routers, the dashboard's static files, the handler
+that answers every domain error (``controller.errors``) with its status, and the OpenAPI additions
+(``controller.api.openapi``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from controller.api import (
     events,
     fleet,
     model_versions,
+    openapi,
     pages,
     tokens,
 )
@@ -40,3 +42,4 @@ def build_api(app: FastAPI) -> None:
         app.include_router(router)
     pages.mount_static(app)
     register_error_handlers(app)
+    openapi.install(app)

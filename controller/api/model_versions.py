@@ -15,6 +15,7 @@ from controller.errors import ConflictError, NotFoundError, TooLargeError
 from controller.fleet.deployments import APPLIED_STATES, list_deployments
 from controller.fleet.twin import uses
 from controller.registry.uploads import parse_multipart, register_upload
+from controller.types import ID_MAX, ID_PATTERN
 
 router = APIRouter(prefix="/api/v1/models", tags=["models"])
 
@@ -43,11 +44,37 @@ def list_models(session: SessionDep) -> list[ModelVersionPublic]:
     status_code=status.HTTP_201_CREATED,
     summary="Upload an ONNX model (multipart: file, name, version, optional manifest JSON); "
     "validated, stored by sha256, variants built in the background",
+    # The body is streamed by hand (parse_multipart), so FastAPI cannot describe it: declared here.
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["file", "name", "version"],
+                        "properties": {
+                            "file": {"type": "string", "format": "binary", "description": "the ONNX model"},
+                            "name": {"type": "string", "pattern": ID_PATTERN, "maxLength": ID_MAX},
+                            "version": {"type": "string", "pattern": ID_PATTERN, "maxLength": ID_MAX},
+                            "manifest": {
+                                "type": "string",
+                                "description": "optional manifest JSON; inferred from the graph when absent",
+                            },
+                        },
+                    }
+                }
+            },
+        }
+    },
     responses={
         200: {"description": "the same name:version with identical bytes was already registered"},
         400: {"description": "not a usable ONNX model; the detail says why"},
         409: {"description": "name:version exists with other bytes"},
-        413: {"description": "over the size limit"},
+        413: {
+            "description": "over the size limit: the file, a form field, or the model's tensors when "
+            "dense (max_model_dense_bytes)"
+        },
         422: {"description": "missing or invalid name/version"},
     },
 )
@@ -63,7 +90,14 @@ async def upload_model(
     parsed = await parse_multipart(
         request.headers.get("content-type", ""), request.stream(), rt.store, limit=limit
     )
-    reg = await run_in_threadpool(register_upload, rt.engine, rt.store, parsed, build=build)
+    reg = await run_in_threadpool(
+        register_upload,
+        rt.engine,
+        rt.store,
+        parsed,
+        build=build,
+        max_dense_bytes=rt.settings.max_model_dense_bytes,
+    )
     if reg.created:
         if build:
             rt.variants.submit(reg.model_version_id)

@@ -1,8 +1,11 @@
 """Validation of an uploaded ONNX model, and the manifest inferred from its graph when none is given.
 
 Checks, in order: it parses as ONNX, it carries no external data (every weight inside the one file),
-``onnx.checker`` passes, shape inference passes, and its input/output layout is one a decoder knows
-(``tf_od``, ``gfl``, ``yolov5``, ``yolov8``), or, with a manifest, the names it declares exist.
+the dense size of its initializers and constants is under a cap (a few-KB file can declare a sparse
+tensor of 2^62 elements, which agents and the variant builder would materialise), ``onnx.checker``
+passes, shape inference passes, and its input/output layout is one a decoder knows (``tf_od``, ``gfl``,
+``yolov5``, ``yolov8``), or, with a manifest, the names it declares exist and its input width/height
+match the graph's where the graph's input size is static.
 Every failure is a :class:`ModelRejectedError` whose message names the problem.
 
 ``onnx`` is imported inside the functions: the controller's other parts start without it.
@@ -25,8 +28,13 @@ NANODET_MEAN = (103.53, 116.28, 123.675)
 NANODET_STD = (57.375, 57.12, 58.395)
 
 
-def load_checked(path: Path) -> Any:
-    """The model at ``path`` after every structural check; raises ModelRejectedError naming the problem."""
+class ModelTooLargeError(ModelRejectedError):
+    """The model would take more memory than the cap once its tensors are materialised."""
+
+
+def load_checked(path: Path, *, max_dense_bytes: int | None = None) -> Any:
+    """The model at ``path`` after every structural check; raises ModelRejectedError naming the problem
+    (:class:`ModelTooLargeError` when its tensors' dense size is over ``max_dense_bytes``)."""
     import onnx
 
     try:
@@ -41,6 +49,14 @@ def load_checked(path: Path) -> Any:
             "the model uses external data files, which are not accepted (upload one self-contained "
             f"file): {', '.join(external[:5])}"
         )
+    if max_dense_bytes is not None:
+        dense, biggest = dense_bytes(model)
+        if dense > max_dense_bytes:
+            raise ModelTooLargeError(
+                f"the model's initializers and constants take {dense} bytes when dense (sparse ones at "
+                f"their dense size; largest: {biggest}), over the limit of {max_dense_bytes} bytes "
+                "(max_model_dense_bytes)"
+            )
     try:
         onnx.checker.check_model(model)
     except Exception as exc:
@@ -62,6 +78,87 @@ def external_data_tensors(model: Any) -> list[str]:
             where = next((e.value for e in t.external_data if e.key == "location"), "?")
             found.append(f"{t.name or '<unnamed>'} -> {where}")
     return found
+
+
+def dense_bytes(model: Any) -> tuple[int, str]:
+    """Bytes every initializer and constant tensor (subgraphs included) takes once materialised, sparse
+    ones at their dense size, and the largest one's name; from the declared shapes, so a tensor that
+    declares more than it carries counts at what it declares. Python ints: no overflow."""
+    total, biggest, biggest_n = 0, "-", -1
+    for name, n in _dense_sizes(model.graph):
+        total += n
+        if n > biggest_n:
+            biggest, biggest_n = f"{name or '<unnamed>'} ({n} bytes)", n
+    return total, biggest
+
+
+def _dense_sizes(graph: Any) -> Iterator[tuple[str, int]]:
+    import onnx
+
+    for t in graph.initializer:
+        yield t.name, _tensor_bytes(t, t.dims)
+    for sp in graph.sparse_initializer:
+        yield sp.values.name, _tensor_bytes(sp.values, sp.dims)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t.name or node.name, _tensor_bytes(attr.t, attr.t.dims)
+            elif attr.type == onnx.AttributeProto.SPARSE_TENSOR:
+                yield (
+                    attr.sparse_tensor.values.name or node.name,
+                    _tensor_bytes(attr.sparse_tensor.values, attr.sparse_tensor.dims),
+                )
+            elif attr.type == onnx.AttributeProto.TENSORS:
+                for t in attr.tensors:
+                    yield t.name or node.name, _tensor_bytes(t, t.dims)
+            elif attr.type == onnx.AttributeProto.SPARSE_TENSORS:
+                for sp in attr.sparse_tensors:
+                    yield sp.values.name or node.name, _tensor_bytes(sp.values, sp.dims)
+            elif attr.type == onnx.AttributeProto.GRAPH:
+                yield from _dense_sizes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _dense_sizes(g)
+
+
+def _tensor_bytes(tensor: Any, dims: Any) -> int:
+    """Dense bytes of a tensor of shape ``dims`` with ``tensor``'s element type (strings: their bytes)."""
+    import onnx
+
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return sum(len(b) for b in tensor.string_data)
+    elements = math.prod(int(d) for d in dims)
+    if elements < 0:
+        raise ModelRejectedError(
+            f"tensor {tensor.name or '<unnamed>'!r} has a negative dimension {list(dims)}"
+        )
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except Exception:
+        itemsize = 8  # an element type numpy does not know: count it at the widest
+    return elements * max(1, itemsize)
+
+
+def check_input_size(model: Any, spec: Any) -> None:
+    """The manifest's input width/height (``spec``: an InputSpec) must be the graph's where it is static."""
+    inputs, _ = _graph_io(model)
+    inp = next((i for i in inputs if i.name == spec.name), None)
+    if inp is None:
+        return  # check_manifest_names reports it
+    dims = _dims(inp)
+    if len(dims) != 4:
+        return
+    height, width = (dims[2], dims[3]) if spec.layout == "NCHW" else (dims[1], dims[2])
+    wrong = [
+        f"{what} {given} (the model's is {static})"
+        for what, given, static in (("width", spec.width, width), ("height", spec.height, height))
+        if static is not None and given != static
+    ]
+    if wrong:
+        raise ModelRejectedError(
+            f"manifest input {' and '.join(wrong)}: input {inp.name!r} has the static shape {dims} "
+            f"({spec.layout})"
+        )
 
 
 def _all_tensors(graph: Any) -> Iterator[Any]:

@@ -23,7 +23,13 @@ from controller.db.states import ModelVersionStatus
 from controller.db.tables import ModelVersion
 from controller.errors import ConflictError, ControllerError, InvalidError, MalformedError, TooLargeError
 from controller.registry.bundled import ModelRejectedError
-from controller.registry.onnx_check import check_manifest_names, infer_manifest, load_checked
+from controller.registry.onnx_check import (
+    ModelTooLargeError,
+    check_input_size,
+    check_manifest_names,
+    infer_manifest,
+    load_checked,
+)
 from controller.registry.store import ArtifactStore, IncomingFile, UploadTooLargeError
 from fleet_protocol.ids import valid_id
 from fleet_protocol.messages import ModelManifest
@@ -175,6 +181,7 @@ def register_upload(
     upload: ParsedUpload,
     *,
     build: bool,
+    max_dense_bytes: int | None = None,
 ) -> Registered:
     """Validate the received file and register it (runs on a worker thread: ONNX checks are CPU work).
 
@@ -198,7 +205,9 @@ def register_upload(
                     "versions are immutable: push a new version",
                 )
         try:
-            model = load_checked(incoming.path)
+            model = load_checked(incoming.path, max_dense_bytes=max_dense_bytes)
+        except ModelTooLargeError as exc:
+            raise UploadOverLimitError(str(exc)) from None
         except ModelRejectedError as exc:
             raise UploadMalformedError(str(exc)) from None
         manifest = _manifest(
@@ -258,9 +267,14 @@ def _manifest(model: Any, raw: str | None, *, name: str, version: str, sha: str,
     # The server owns identity and content fields, whatever the manifest said.
     given.update(name=name, version=version, sha256=sha, size=size)
     try:
-        return ModelManifest.model_validate(given)
+        manifest = ModelManifest.model_validate(given)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'manifest'}: {e['msg']}" for e in exc.errors()
         )
         raise UploadMalformedError(f"manifest is not valid: {problems}") from None
+    try:
+        check_input_size(model, manifest.input)
+    except ModelRejectedError as exc:
+        raise UploadMalformedError(str(exc)) from None
+    return manifest

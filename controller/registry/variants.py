@@ -8,7 +8,11 @@ From one upload the controller makes
     region is quantized; box decoding, NMS and Loop bodies stay in float (quantizing SSDLite's box
     decoding drops mean IoU to 0.86). QOperator format is the fallback when QDQ fails.
 and measures, for each, size, CPU latency at one and two threads, and fidelity against FP32 on
-held-out frames. Quantization fails silently in practice (NanoDet's Pad with -inf fill gets an
+held-out frames. The held-out frames are split in two: the first part judges and ranks the INT8
+candidates (and gives FP16 its first verdict), the second part, which took no part in any choice, gives
+the figures reported (F1, precision, recall, mean IoU, detections: what the API shows) and a second
+verdict; a variant must pass the bar on both. Reporting the figures of the frames that chose among four
+candidates would be selection-biased (optimistic). Quantization fails silently in practice (NanoDet's Pad with -inf fill gets an
 infinite scale and the model returns zero detections with no error), so a variant with non-finite
 scales, zero detections where FP32 has some, or F1 / mean IoU under the bar is marked unfit with the
 reason and never chosen.
@@ -95,11 +99,11 @@ class VariantReport(BaseModel):
     size: int | None = None
     latency_ms_1t: float | None = None  # CPU, on the controller, median after warm-up
     latency_ms_2t: float | None = None
-    f1: float | None = None  # against fp32 on held-out frames
+    f1: float | None = None  # against fp32 on the held-out frames that took no part in the choice
     precision: float | None = None
     recall: float | None = None
     mean_iou: float | None = None
-    detections: int | None = None  # on the held-out frames
+    detections: int | None = None  # on those report frames
     reference_detections: int | None = None  # fp32's on the same frames
     fit: bool = False
     reason: str | None = None
@@ -152,11 +156,25 @@ def build_variants(
 
     report("frames", 0.0)
     calib, held_out = read_footage_frames(footage, calib_frames, eval_frames)
-    if not held_out:
-        raise VariantError(f"footage {footage} gave no evaluation frames")
+    if len(held_out) < 2:
+        raise VariantError(
+            f"footage {footage} gave {len(held_out)} evaluation frame(s); at least 2 are needed (one part "
+            "chooses among the variants, the other gives the figures reported)"
+        )
     calib_inputs = [preprocess(f, manifest.input)[0] for f in calib]
     evaluation = [preprocess(f, manifest.input) for f in held_out]
-    log.info("variants of %s: %d calibration, %d held-out frames", manifest.name, len(calib), len(held_out))
+    # Contiguous parts (the held-out frames run in footage order), so the reported frames are later
+    # footage than the choosing ones, as a camera's next hour of video would be.
+    n_choose = len(evaluation) // 2
+    choosing, reporting = evaluation[:n_choose], evaluation[n_choose:]
+    log.info(
+        "variants of %s: %d calibration, %d held-out frames (%d choose, %d report)",
+        manifest.name,
+        len(calib),
+        len(held_out),
+        len(choosing),
+        len(reporting),
+    )
 
     report("fp32", 10.0)
     t0 = time.perf_counter()
@@ -164,7 +182,8 @@ def build_variants(
         reference = run_detections(model_path, manifest, evaluation)
     except Exception as exc:
         raise VariantError(f"the fp32 model does not run: {exc}") from exc
-    n_ref = sum(len(d) for d in reference)
+    ref_choosing, ref_reporting = reference[:n_choose], reference[n_choose:]
+    n_ref = sum(len(d) for d in ref_reporting)
     fp32 = VariantReport(
         variant="fp32",
         path=model_path,
@@ -183,15 +202,35 @@ def build_variants(
     )
 
     def judge(rep: VariantReport, path: Path) -> None:
-        """Run a built variant on the held-out frames and fill in its fidelity and verdict."""
-        dets = run_detections(path, manifest, evaluation)
-        fid = match(reference, dets)
+        """Run a built variant on the choosing frames and fill in its fidelity and verdict there."""
+        dets = run_detections(path, manifest, choosing)
+        fid = match(ref_choosing, dets)
         _apply_fidelity(rep, fid)
-        rep.reason = fidelity_problem(fid, bar_f1=bar_f1, bar_iou=bar_iou, frames=len(evaluation))
+        rep.reason = fidelity_problem(fid, bar_f1=bar_f1, bar_iou=bar_iou, frames=len(choosing))
         rep.fit = rep.reason is None
+
+    def report_figures(rep: VariantReport, path: Path) -> None:
+        """The figures reported: the variant on the frames no choice used; it must pass the bar there too."""
+        if rep.detections is None or not path.exists():
+            return  # never ran: nothing to measure
+        try:
+            dets = run_detections(path, manifest, reporting)
+        except Exception as exc:  # ran on the choosing frames, so hardly reachable
+            rep.fit, rep.reason = False, f"does not run on the report frames: {_short(exc)}"
+            return
+        fid = match(ref_reporting, dets)
+        _apply_fidelity(rep, fid)
+        problem = fidelity_problem(fid, bar_f1=bar_f1, bar_iou=bar_iou, frames=len(reporting))
+        if rep.fit and problem is not None:
+            rep.fit = False
+            rep.reason = (
+                f"{problem} on the {len(reporting)} report frames "
+                f"(it passed on the {len(choosing)} frames that chose it)"
+            )
 
     report("fp16", 20.0)
     fp16 = _build_fp16(model_path, out_dir / "fp16.onnx", fp16_timeout_s, judge)
+    report_figures(fp16, out_dir / "fp16.onnx")
 
     report("int8", 35.0)
 
@@ -207,6 +246,10 @@ def build_variants(
 
     int8 = _build_int8(
         model_path, manifest, out_dir / "int8.onnx", calib_inputs, judge, calib_progress, speed
+    )
+    report_figures(int8, out_dir / "int8.onnx")
+    int8.method += (
+        f"; chosen on {len(choosing)} held-out frames, figures from {len(reporting)} other held-out frames"
     )
     int8.int8_isa = cpu_isa(cpuinfo)
 
@@ -431,13 +474,27 @@ def measure_latency(
 # --------------------------------------------------------------------------- fp16
 
 
-def convert_fp16(src: Path, dst: Path, *, timeout_s: float) -> None:
-    """FP16 conversion with FP32 inputs/outputs, in a child process that is killed on timeout.
+FP16_MEMORY_BASE = 3 * 1024**3  # address space the converter's Python, onnx and numpy need
+FP16_MEMORY_PER_FILE_BYTE = 8  # the model, its protobuf copy, the fp16 copy, serialisation
+
+
+def fp16_memory_limit(src: Path) -> int:
+    """The fp16 child's address-space limit (RLIMIT_AS) for the model at ``src``."""
+    return FP16_MEMORY_BASE + FP16_MEMORY_PER_FILE_BYTE * src.stat().st_size
+
+
+def convert_fp16(src: Path, dst: Path, *, timeout_s: float, memory_bytes: int | None = None) -> None:
+    """FP16 conversion with FP32 inputs/outputs, in a child process that is killed on timeout and
+    whose address space is capped at ``memory_bytes`` (default :func:`fp16_memory_limit`).
 
     A separate process because onnxconverter-common may never return (measured on ped_ssdlite with
-    ``Cast`` blocked: its Loop bodies read outer tensors) and a Python thread cannot be stopped.
+    ``Cast`` blocked: its Loop bodies read outer tensors) and a Python thread cannot be stopped; the
+    memory cap keeps a model that materialises far more than its file (a ``ConstantOfShape`` folded
+    to gigabytes) from taking the controller's memory: it fails with MemoryError instead. The child
+    sets its own limit before importing anything (no preexec_fn: the controller has threads).
     """
-    cmd = [sys.executable, "-m", "controller.registry.variants", "fp16", str(src), str(dst)]
+    limit = memory_bytes if memory_bytes is not None else fp16_memory_limit(src)
+    cmd = [sys.executable, "-m", "controller.registry.variants", "fp16", str(src), str(dst), str(limit)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
@@ -451,7 +508,11 @@ def convert_fp16(src: Path, dst: Path, *, timeout_s: float) -> None:
         )
 
 
-def _fp16_main(src: str, dst: str) -> None:
+def _fp16_main(src: str, dst: str, memory_bytes: int | None = None) -> None:
+    if memory_bytes is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     import onnx
     from onnxconverter_common import float16
 
@@ -629,7 +690,8 @@ def _build_int8(
     on_calib: Callable[[int, int], None],
     speed: Callable[[dict[str, Path]], dict[str, float]],
 ) -> VariantReport:
-    """Quantize ``src`` several ways, judge each on the held-out frames, keep the fastest fit one.
+    """Quantize ``src`` several ways, judge each with ``judge`` (the choosing part of the held-out
+    frames), keep the fastest fit one; the caller measures the figures it reports on other frames.
 
     Which recipe is fastest, and which stays fit, depends on the model and on the CPU's integer
     instructions (measured on a VNNI CPU: NanoDet 1.44x with the first layer in float, 2.2x in
@@ -764,8 +826,9 @@ def _short(exc: BaseException | str, limit: int = 300) -> str:
 
 
 if __name__ == "__main__":
-    # The fp16 worker: ``python -m controller.registry.variants fp16 SRC DST`` (see convert_fp16).
-    if len(sys.argv) == 4 and sys.argv[1] == "fp16":
-        _fp16_main(sys.argv[2], sys.argv[3])
+    # The fp16 worker: ``python -m controller.registry.variants fp16 SRC DST [MEMORY_BYTES]`` (see
+    # convert_fp16).
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "fp16":
+        _fp16_main(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) == 5 else None)
     else:
-        sys.exit("usage: python -m controller.registry.variants fp16 SRC DST")
+        sys.exit("usage: python -m controller.registry.variants fp16 SRC DST [MEMORY_BYTES]")

@@ -4,12 +4,13 @@ real footage. Also the snapshot API on that real agent."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import cv2
 import httpx
@@ -84,11 +85,24 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, broker: MosquittoBroker) -> 
         controller.stop()
 
 
+def _browser_missing(why: str) -> NoReturn:
+    """Skip, or fail where a browser is required: tests/run.sh sets EDGEFLEET_REQUIRE_BROWSER=1, so in
+    CI a missing chromium or playwright fails the run instead of skipping it quietly."""
+    if os.environ.get("EDGEFLEET_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{why} (EDGEFLEET_REQUIRE_BROWSER=1)")
+    pytest.skip(why)
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} missing: install the Debian package 'chromium' (tests/run.sh does as root)")
-    sync_api = pytest.importorskip("playwright.sync_api")
+        _browser_missing(
+            f"{CHROMIUM} missing: install the Debian package 'chromium' (tests/run.sh does as root)"
+        )
+    try:
+        import playwright.sync_api as sync_api
+    except ImportError as exc:
+        _browser_missing(f"playwright is not installed ({exc}): pip install -e '.[dev]'")
     with sync_api.sync_playwright() as pw:
         b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield b
@@ -163,7 +177,12 @@ def test_device_page_matches_the_api_and_the_snapshot_button_shows_an_image(
         assert stats["inference_p99_ms"] is not None and float(value) == stats["inference_p99_ms"]
         # Compared as numbers: JS and Python round an exact tie (41.25) differently.
         assert text.endswith(" ms") and abs(float(text[:-3]) - stats["inference_p99_ms"]) <= 0.05 + 1e-9
-        assert "not measured" in page.locator("#gpus").inner_text()  # no GPU here: said, not invented
+        gpus_text = page.locator("#gpus").inner_text()
+        if payload.get("gpus"):  # a GPU host (NVML): the panel shows what the heartbeat reported
+            assert "no GPU reported" not in gpus_text
+            assert page.locator("#gpus tr[data-gpu]").count() == len(payload["gpus"])
+        else:  # no GPU here: said, not invented
+            assert "not measured" in gpus_text
         page.wait_for_selector("#events tr[data-kind]", timeout=15_000)
 
         page.locator('button.snap[data-camera="cam1"]').click()

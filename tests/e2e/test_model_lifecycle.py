@@ -22,6 +22,8 @@ pytestmark = pytest.mark.e2e
 
 DEVICE = "e2e-swap-1"
 FRAME_INTERVAL_S = 0.1  # the footage is 10 fps and the camera is paced at that rate
+# The longest gap in stored detections across a model swap (frame interval included).
+SWAP_GAP_MAX_S = 1.0
 
 
 @pytest.fixture
@@ -111,9 +113,9 @@ def test_uploaded_model_reaches_the_agent_and_detections_never_stop_across_the_s
         first_new = new[0]
         last_old = max(t for t in old if t <= first_new)
         gap = first_new - last_old
-        assert gap <= FRAME_INTERVAL_S * 1.5 + swap_s, (
-            f"gap across the swap {gap:.3f}s (swap {swap_s * 1000:.1f} ms)"
-        )
+        # A constant bound: a slow swap that reports itself slow must still fail.
+        print(f"\nswap: {swap_s * 1000:.1f} ms as the agent reports it; gap in detections {gap:.3f} s")
+        assert gap <= SWAP_GAP_MAX_S, f"gap across the swap {gap:.3f}s (swap {swap_s * 1000:.1f} ms)"
         dev = api.get(f"/api/v1/devices/{DEVICE}").json()
         assert dev["models"]["cam1"]["model"] == "coco:2" and dev["models"]["cam1"]["state"] == "running"
         assert agent.alive()

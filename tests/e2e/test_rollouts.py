@@ -180,6 +180,8 @@ def test_good_model_rolls_out_wave_by_wave_and_survives_a_controller_kill9(site:
         )
     before = _deployment(site.controller.client(), "ped-v2")["rollout"]
     site.controller.kill9()
+    # The kill landed mid-rollout: still running, with waves left to gate (the plan has 4).
+    assert before["state"] == "running" and len(before["gates"]) < len(before["plan"]), before
     site.controller.start()
     with site.api() as api:
         body = wait_for(

@@ -53,9 +53,28 @@ class WireTap:
         with self._lock:
             self.seqs.append(seq)
 
+    def mark(self) -> int:
+        """A position on the tape: ``since(mark)`` lists the seqs seen after it."""
+        with self._lock:
+            return len(self.seqs)
+
+    def since(self, mark: int) -> list[int]:
+        with self._lock:
+            return self.seqs[mark:]
+
     def close(self) -> None:
         self.client.loop_stop()
         self.client.disconnect()
+
+
+def in_flight(agent: AgentProcess) -> set[int]:
+    """Seqs the agent sent and the controller has not acked: outbox rows with a send time, on disk."""
+    path = Path(agent.cfg["data_dir"]) / "outbox.db"
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    try:
+        return {seq for (seq,) in db.execute("SELECT seq FROM outbox WHERE sent_at IS NOT NULL")}
+    finally:
+        db.close()
 
 
 def outbox_state(agent: AgentProcess, since: int = 0) -> dict[str, int]:
@@ -200,10 +219,16 @@ class Rig:
         )
         return int(events) + int(boxes) + int(seq_rows)
 
-    def converge(self, agent: AgentProcess, fault: str, timeout: float = 60) -> Figures:
+    def converge(
+        self, agent: AgentProcess, fault: str, timeout: float = 60, *, wire_complete: bool = True
+    ) -> Figures:
         """Stop the agent's camera traffic and count: the agent is stopped (SIGTERM), restarted without
         cameras to send what its outbox still holds, and stopped again once the controller acked
-        everything; then published (1..last seq) is compared with what the controller stored."""
+        everything; then published (1..last seq) is compared with what the controller stored.
+
+        ``wire_complete``: the wire-tap saw every published seq, none dropped by the outbox. Only
+        where the broker stays up: a stopped broker cuts the tap off too (and the agent may flush its
+        outbox before the tap has subscribed again)."""
         agent.stop()
         agent.cfg["cameras"] = []
         agent._write_config()
@@ -241,6 +266,9 @@ class Rig:
         print("\n" + fig.line())
         assert stats["max_seq"] == last
         assert box["pending"] == 0
+        if wire_complete:
+            unseen = sorted(set(range(1, last + 1)) - set(wire))
+            assert not unseen, f"seqs the wire-tap never saw: {unseen[:20]} ({len(unseen)})"
         return fig
 
     def close(self) -> None:

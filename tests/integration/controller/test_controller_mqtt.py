@@ -255,6 +255,11 @@ def test_bad_credentials_are_refused_without_retrying(tmp_path: Path, models_dir
             wait_for(lambda: transport.refused, timeout=10, what="refused CONNACK noticed")
             health = client.get("/healthz").json()
             assert health["mqtt"] is False and health["db"] is True
+            # Without retrying: over the next 3 s (a reconnect loop would try every second or so) the
+            # broker refuses no second CONNECT.
+            time.sleep(3)
+            refusals = broker.log.read_text().count("not authorised")
+            assert refusals == 1, broker.log.read_text()[-2000:]
         good = ControllerSettings(
             data_dir=tmp_path / "data2",
             models_dir=models_dir,

@@ -40,7 +40,16 @@ def _names_field(r: Any, field: str, value: str = "") -> None:
     if "/" in value and r.status_code == 404 and r.json() == {"detail": "Not Found"}:
         return  # a '/' splits the URL path: no route matches, nothing is looked up
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
-    assert field in r.text, f"the error does not name {field!r}: {r.text}"
+    detail = r.json().get("detail")
+    if isinstance(detail, list):  # a validation error: one of its entries is located at the field
+        # (the last name in its location: a list query parameter adds the item's index after it)
+        locs = [
+            [x for x in d.get("loc", []) if isinstance(x, str)][-1:] for d in detail if isinstance(d, dict)
+        ]
+        locs = [loc[0] for loc in locs if loc]
+        assert field in locs, f"the error does not name {field!r}: {r.text}"
+    else:  # the controller's own error: a sentence that names the field
+        assert isinstance(detail, str) and field in detail, f"the error does not name {field!r}: {r.text}"
 
 
 def _enroll(fleet: Fleet) -> None:
@@ -292,3 +301,82 @@ def test_json_routes_refuse_text_and_form_bodies(fleet: Fleet, method: str, url:
             continue
         assert r.status_code == 422, (kwargs, r.status_code, r.text[:300])
         assert r.json()["detail"][0]["loc"][0] == "body", r.text[:300]
+
+
+# --------------------------------------------------------------------------- model resource limits
+
+
+def test_a_sparse_initializer_declaring_exabytes_is_refused_with_the_numbers(fleet: Fleet) -> None:
+    """4.8 of the security review: a few-KB file whose sparse tensor is 2^62 floats once dense."""
+    from tests.onnx_models import with_sparse_bomb
+
+    bomb = with_sparse_bomb()
+    assert len(bomb) < 10_000
+    r = fleet.client.post(
+        "/api/v1/models", data={"name": "bomb", "version": "1"}, files={"file": ("m.onnx", bomb)}
+    )
+    assert r.status_code == 413, r.text
+    dense = 4 * 2**62 + 6 * 3 * 8 * 8 * 4 + 3 * 8  # the bomb, the model's conv weight and shape
+    limit = 2 * 1024**3
+    assert f"take {dense} bytes when dense" in r.text and f"limit of {limit} bytes" in r.text, r.text
+    assert "bomb" in r.text, "the error names the largest tensor"
+    assert fleet.client.get("/api/v1/models/bomb/versions/1").status_code == 404
+
+
+def test_the_dense_size_cap_is_a_setting_and_counts_dense_weights(make_fleet: FleetFactory) -> None:
+    fleet = make_fleet(max_model_dense_bytes=4096, build_variants_on_upload=False)
+    model = yolov8_like()  # a 6x3x8x8 float weight: 4608 bytes, plus 24 bytes of shape
+    r = fleet.client.post(
+        "/api/v1/models", data={"name": "w", "version": "1"}, files={"file": ("m.onnx", model)}
+    )
+    assert r.status_code == 413 and "take 4632 bytes" in r.text and "limit of 4096 bytes" in r.text, r.text
+    fleet = make_fleet(max_model_dense_bytes=4632, build_variants_on_upload=False)
+    r = fleet.client.post(
+        "/api/v1/models", data={"name": "w", "version": "1"}, files={"file": ("m.onnx", model)}
+    )
+    assert r.status_code == 201, r.text  # at the cap is allowed
+
+
+def _manifest_for_yolov8_like(width: int, height: int) -> str:
+    return json.dumps(
+        {
+            "decoder": "yolov8",
+            "input": {
+                "name": "images",
+                "layout": "NCHW",
+                "dtype": "float32",
+                "color": "RGB",
+                "width": width,
+                "height": height,
+            },
+            "outputs": ["output0"],
+            "labels": ["a", "b"],
+            "decoder_params": {"pad": "x" * 2000},
+        }
+    )
+
+
+def test_a_manifest_input_size_that_contradicts_the_static_graph_is_refused(make_fleet: FleetFactory) -> None:
+    """4.9 of the security review: a manifest saying 8192x8192 for a 64x64 model."""
+    fleet = make_fleet(build_variants_on_upload=False)
+    for width, height, named in [
+        (8192, 8192, "width 8192 (the model's is 64) and height 8192"),
+        (64, 32, "height 32"),
+    ]:
+        r = fleet.client.post(
+            "/api/v1/models",
+            data={
+                "name": "huge-input",
+                "version": f"{width}x{height}",
+                "manifest": _manifest_for_yolov8_like(width, height),
+            },
+            files={"file": ("m.onnx", yolov8_like(size=64))},
+        )
+        assert r.status_code == 400, r.text
+        assert named in r.text and "[1, 3, 64, 64]" in r.text, r.text
+    r = fleet.client.post(
+        "/api/v1/models",
+        data={"name": "huge-input", "version": "ok", "manifest": _manifest_for_yolov8_like(64, 64)},
+        files={"file": ("m.onnx", yolov8_like(size=64))},
+    )
+    assert r.status_code == 201, r.text

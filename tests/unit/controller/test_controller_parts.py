@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -54,6 +55,9 @@ def test_tracker_ack_and_loss() -> None:
 
 
 def test_settings_read_env_reject_unknown_keys_and_hide_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only what this test sets: a CI's own EDGEFLEET_* (DATABASE_URL, say) would change the defaults.
+    for name in [n for n in os.environ if n.startswith("EDGEFLEET_")]:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("EDGEFLEET_MQTT_URL", "mqtt://ops:s3cret@broker.example:1884")
     monkeypatch.setenv("EDGEFLEET_HEARTBEAT_TIMEOUT_S", "7")
     s = ControllerSettings()

@@ -11,12 +11,15 @@ import pytest
 
 from controller.registry.fidelity import Det, Fidelity, iou_matrix, match, preprocess, read_footage_frames
 from controller.registry.variants import (
+    FP16_MEMORY_BASE,
+    VariantError,
     VariantReport,
     _build_fp16,
     build_variants,
     choose_variant,
     convert_fp16,
     fidelity_problem,
+    fp16_memory_limit,
     nonfinite_scales,
     quantize_int8,
     run_detections,
@@ -252,6 +255,37 @@ def test_fp16_conversion_that_does_not_finish_is_unfit(tmp_path: Path) -> None:
     assert not dst.exists()
 
 
+def _add_model(path: Path, n: int) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.zeros((n,), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])],
+        "add",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+def test_fp16_conversion_runs_under_a_memory_limit(tmp_path: Path) -> None:
+    """F14: the converter child caps its own address space; a model needing more fails, not the controller."""
+    small, big, dst = tmp_path / "small.onnx", tmp_path / "big.onnx", tmp_path / "fp16.onnx"
+    _add_model(small, 16)
+    _add_model(big, 32 * 2**20)  # 128 MB of weights: several copies in the converter
+    limit = 400 * 2**20
+    convert_fp16(small, dst, timeout_s=60, memory_bytes=limit)
+    assert dst.exists()
+    dst.unlink()
+    with pytest.raises(VariantError, match="fp16 conversion failed"):
+        convert_fp16(big, dst, timeout_s=60, memory_bytes=limit)
+    assert not dst.exists()
+    assert fp16_memory_limit(big) == FP16_MEMORY_BASE + 8 * big.stat().st_size  # the default scales
+
+
 def test_fp16_of_ssdlite_does_not_load_and_is_unfit(tmp_path: Path) -> None:
     def load(_rep: VariantReport, path: Path) -> None:
         # build_variants' judge loads the file first; loading is what fails for this model.
@@ -346,3 +380,79 @@ def test_real_fp16_build_of_nanodet_is_fit_and_every_report_is_complete(
     assert pcts == sorted(pcts) and pcts[-1] == 100.0
     # Round trip through JSON, as the registry will store it.
     assert [VariantReport.model_validate_json(r.model_dump_json()) for r in reports] == reports
+
+
+def test_real_build_reports_figures_from_held_out_frames_that_did_not_choose(
+    nanodet_variants: tuple[list[VariantReport], list[tuple[str, float]]],
+) -> None:
+    """8 held-out frames: the first 4 chose among the INT8 candidates; F1/IoU/detections are the last 4's."""
+    reports, _ = nanodet_variants
+    by = {r.variant: r for r in reports}
+    int8 = by["int8"]
+    assert int8.path is not None
+    manifest = _manifest("nanodet_coco")
+    _, held_out = read_footage_frames(FOOTAGE, 16, 8)
+    later = [preprocess(f, manifest.input) for f in held_out[4:]]
+    ref = run_detections(MODELS / "nanodet_coco" / "model.onnx", manifest, later)
+    fid = match(ref, run_detections(int8.path, manifest, later))
+    assert by["fp32"].detections == by["fp32"].reference_detections == sum(len(d) for d in ref)
+    assert (int8.f1, int8.mean_iou, int8.detections) == (fid.f1, fid.mean_iou, fid.candidate)
+    assert "chosen on 4 held-out frames, figures from 4 other held-out frames" in int8.method
+
+
+def _fake_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, bar_f1: float
+) -> dict[str, VariantReport]:
+    """build_variants with every heavy step faked: 4 held-out frames, fp32 finds two boxes on each;
+    the INT8 candidate finds both on the 2 choosing frames and one of them on the 2 report frames."""
+    import controller.registry.variants as v
+
+    boxes = [det(0, 0, 10, 10), det(50, 50, 90, 90)]
+    monkeypatch.setattr(v, "read_footage_frames", lambda *_a: ([0], [0, 1, 2, 3]))
+    monkeypatch.setattr(v, "preprocess", lambda frame, _spec: (np.array([frame]), None))
+    monkeypatch.setattr(v, "measure_latency", lambda *_a, **_k: {})
+    monkeypatch.setattr(v, "_input_name", lambda _p: "images")
+
+    def fake_run(path: Path, _m: ModelManifest, frames: list[tuple[np.ndarray, object]]) -> list[list[Det]]:
+        if path.name == "model.onnx":
+            return [list(boxes) for _ in frames]
+        return [list(boxes) if int(t[0]) < 2 else boxes[:1] for t, _ in frames]
+
+    monkeypatch.setattr(v, "run_detections", fake_run)
+    monkeypatch.setattr(v, "_build_fp16", lambda *_a: VariantReport(variant="fp16", reason="not built"))
+
+    def fake_int8(_src: Path, _m: ModelManifest, dst: Path, _c: object, judge, _p: object, _s: object):  # type: ignore[no-untyped-def]
+        dst.write_bytes(b"int8")
+        rep = VariantReport(variant="int8", target="cpu", method="fake")
+        judge(rep, dst)
+        assert rep.fit and rep.f1 == 1.0  # perfect on the frames that choose
+        return rep
+
+    monkeypatch.setattr(v, "_build_int8", fake_int8)
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"fp32")
+    reports = v.build_variants(
+        model, _manifest("nanodet_coco"), tmp_path / "out", footage=FOOTAGE, bar_f1=bar_f1, bar_iou=0.5
+    )
+    return {r.variant: r for r in reports}
+
+
+def test_reported_f1_is_the_report_frames_and_a_variant_must_pass_there_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    by = _fake_build(monkeypatch, tmp_path, bar_f1=0.95)
+    int8 = by["int8"]
+    # Perfect on the choosing frames, F1 2/3 on the others: the figure shown is 2/3, and it is unfit.
+    assert int8.f1 == pytest.approx(2 / 3) and int8.detections == 2 and int8.reference_detections == 4
+    assert not int8.fit and int8.path is None
+    assert int8.reason is not None
+    assert "on the 2 report frames (it passed on the 2 frames that chose it)" in int8.reason
+    assert by["fp32"].detections == 4  # fp32's count on the report frames
+
+
+def test_a_variant_fit_on_both_parts_shows_the_report_frames_figure(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    int8 = _fake_build(monkeypatch, tmp_path, bar_f1=0.5)["int8"]
+    assert int8.fit and int8.reason is None and int8.path is not None
+    assert int8.f1 == pytest.approx(2 / 3)  # not the 1.0 of the frames that chose it
