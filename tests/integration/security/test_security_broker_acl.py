@@ -7,7 +7,6 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,42 +22,12 @@ from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import Box, Detection, DetectionBatch, FrameDetections
 from fleet_protocol.topics import SPECS
 from tests.conftest import FOOTAGE
-from tests.mqtt_broker import MosquittoBroker, dynsec_broker
+from tests.integration.security.dynsec import ADMIN_PASSWORD, ADMIN_USER
+from tests.mqtt_broker import MosquittoBroker
 from tests.processes import AgentProcess, ControllerProcess
 from tests.waiting import wait_for
 
-ADMIN_USER = "edgefleet-controller"
-ADMIN_PASSWORD = "test-admin-password-not-for-production"
 TOPICS = Topics()
-
-
-@pytest.fixture
-def secured_broker(tmp_path: Path) -> Iterator[MosquittoBroker]:
-    b = dynsec_broker(tmp_path / "mosquitto", ADMIN_USER, ADMIN_PASSWORD)
-    b.start()
-    yield b
-    b.kill()
-
-
-@pytest.fixture
-def controller(tmp_path: Path, secured_broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(
-        tmp_path,
-        f"mqtt://{ADMIN_USER}@{secured_broker.host}:{secured_broker.port}",
-        EDGEFLEET_MQTT_PASSWORD=ADMIN_PASSWORD,
-        EDGEFLEET_MQTT_BROKER_AUTH="dynsec",
-        EDGEFLEET_HEARTBEAT_TIMEOUT_S="30",
-    )
-    c.start()
-    wait_for(lambda: _healthz(c)["mqtt"], timeout=20, what="controller connected to the secured broker")
-    yield c
-    c.stop()
-
-
-def _healthz(c: ControllerProcess) -> dict[str, Any]:
-    with c.client() as api:
-        body: dict[str, Any] = api.get("/healthz").json()
-        return body
 
 
 class Device:

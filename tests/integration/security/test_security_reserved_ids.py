@@ -8,50 +8,16 @@ from __future__ import annotations
 import stat
 import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import paho.mqtt.client as mqtt
-import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.mqtt_broker import MosquittoBroker, dynsec_broker
+from tests.integration.security.dynsec import ADMIN_PASSWORD, ADMIN_USER, healthz
+from tests.mqtt_broker import MosquittoBroker
 from tests.processes import ControllerProcess
 from tests.waiting import wait_for
 
-ADMIN_USER = "edgefleet-controller"
-ADMIN_PASSWORD = "test-admin-password-not-for-production"
 SERVICE_PASSWORD = "grafana-password-not-for-production"
-
-
-@pytest.fixture
-def secured_broker(tmp_path: Path) -> Iterator[MosquittoBroker]:
-    b = dynsec_broker(tmp_path / "mosquitto", ADMIN_USER, ADMIN_PASSWORD)
-    b.start()
-    yield b
-    b.kill()
-
-
-@pytest.fixture
-def controller(tmp_path: Path, secured_broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(
-        tmp_path,
-        f"mqtt://{ADMIN_USER}@{secured_broker.host}:{secured_broker.port}",
-        EDGEFLEET_MQTT_PASSWORD=ADMIN_PASSWORD,
-        EDGEFLEET_MQTT_BROKER_AUTH="dynsec",
-        EDGEFLEET_HEARTBEAT_TIMEOUT_S="30",
-    )
-    c.start()
-    wait_for(lambda: _healthz(c)["mqtt"], timeout=20, what="controller connected to the secured broker")
-    yield c
-    c.stop()
-
-
-def _healthz(c: ControllerProcess) -> dict[str, Any]:
-    with c.client() as api:
-        body: dict[str, Any] = api.get("/healthz").json()
-        return body
 
 
 def _ctrl(broker: MosquittoBroker, *args: str) -> str:
@@ -84,7 +50,7 @@ def _connack(broker: MosquittoBroker, username: str, password: str, client_id: s
 def _still_connected(c: ControllerProcess) -> None:
     # A deleted or replaced controller user is disconnected by the broker within a moment.
     time.sleep(1.5)
-    health = _healthz(c)
+    health = healthz(c)
     assert health["mqtt"] is True, health
 
 
