@@ -22,6 +22,7 @@ The reported state names, per camera, the model and its state, and the desired v
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -261,9 +262,11 @@ class Twin:
     def _refuse(self, desired: DesiredState | None, reason: str, why: str) -> None:
         """Report a desired state refused as a whole; nothing of it is stored or applied."""
         version = desired.version if desired is not None else None
+        # The same payload again (a retained forgery on every reconnect) is reported once a minute; a
+        # different payload is a new attack even when the reason reads the same.
         what = why.encode()
         if desired is not None:
-            what = f"{desired.version} {desired.issued_at!r} {desired.signature}".encode() + what
+            what = hashlib.sha256(encode(desired)).digest() + what
         with self._lock:
             self.refused[reason] = self.refused.get(reason, 0) + 1
             have = self._taken.version if self._taken is not None else None

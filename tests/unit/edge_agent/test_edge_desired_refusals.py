@@ -176,6 +176,21 @@ def test_a_refusal_repeated_is_reported_once_and_the_next_real_state_applies(har
     assert persisted_version(harness.data_dir) == 3
 
 
+def test_two_different_forgeries_of_one_signed_state_are_each_reported(harness: Harness) -> None:
+    """Same version, issue time, signature and reason, different altered settings: two attacks, two
+    events (a once-a-minute repeat filter keyed on the signature alone hid the second)."""
+    t, a, _b, _ = running_a(harness)
+    good = desired(3, a, threshold=0.3)
+    for change in ({"threshold": 1.0}, {"threshold": 1.0, "labels": ["__nothing__"]}):
+        cams = {"cam1": good.cameras["cam1"].model_copy(update=change)}
+        t.deliver(TopicKind.TWIN_DESIRED, good.model_copy(update={"cameras": cams}))
+    wait_for(
+        lambda: sum(1 for e in t.of(Event) if e.data.get("reason") == REFUSED_SIGNATURE) == 2 or None,
+        what="two signature refusal events",
+    )
+    still_runs_a(harness, t)
+
+
 def test_a_desired_json_altered_on_disk_is_refused_at_start(harness: Harness) -> None:
     """F12: what is on disk is checked again; an altered file is not run."""
     _t, _a, _b, v2 = running_a(harness)
