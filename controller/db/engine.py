@@ -33,7 +33,25 @@ def make_engine(database_url: str, **kwargs: Any) -> Engine:
         )
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return sa.create_engine(url, pool_pre_ping=True, **kwargs)
+    return sa.create_engine(url, pool_pre_ping=True, connect_args=_postgres_liveness(url), **kwargs)
+
+
+# A controller killed (or cut off) while one of its transactions waits on a lock leaves a backend
+# that would keep that transaction, and its uncommitted dedup rows, open until the lock is free or
+# TCP gives up (two hours by default): the restarted controller could not store those seqs meanwhile.
+# The server checks the client every few seconds even mid-query, and both ends probe an idle link.
+PG_CLIENT_CHECK_MS = 2000
+PG_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
+
+
+def _postgres_liveness(url: sa.URL) -> dict[str, Any]:
+    """libpq connection parameters for ``url`` (a PostgreSQL URL): keepalives, and the server-side
+    client check added to any ``options`` the URL already carries."""
+    given = url.query.get("options")
+    options = " ".join(given) if isinstance(given, tuple) else (given or "")
+    if "client_connection_check_interval" not in options:
+        options = f"{options} -c client_connection_check_interval={PG_CLIENT_CHECK_MS}".strip()
+    return {**PG_KEEPALIVE, "options": options}
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

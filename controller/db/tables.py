@@ -168,7 +168,7 @@ class IngestedSeq(SQLModel, table=True):
 
     device_id: str = Field(primary_key=True, max_length=64)
     seq: int = Field(primary_key=True, sa_type=sa.BigInteger)
-    kind: str = Field(max_length=16)  # "detections", "event" or "dropped"
+    kind: str = Field(max_length=16)  # "detections", "events" (the topic kind) or "dropped"
     stored_at: datetime = Field(sa_type=UtcDateTime)
     dropped: bool = Field(default=False)
 
