@@ -22,6 +22,10 @@ leaves its results):
 Anything missing prints ``SKIP <what>: <why>`` and the run goes on with what it can. Without a GPU it
 exits 0 after saying why; with one it exits 1 when a check fails. Usage:
 ``python bench/gpu_check.py [--out gpu_check.json] [--models nanodet_coco] [--seconds 8]``.
+
+It runs no pytest. The opt-in GPU tests (the real ``TensorRtRuntime`` and onnxruntime's CUDA provider
+against onnxruntime CPU on a tiny model) are run beside it on the same machine:
+``EDGEFLEET_REQUIRE_GPU=1 .venv/bin/pytest tests/gpu``.
 """
 
 from __future__ import annotations
