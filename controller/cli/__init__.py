@@ -3,8 +3,8 @@
 One module per command group, each defining its own typer app and never importing this package's
 ``__init__``:
 
-- ``serve``: ``controller``, ``agent`` and ``demo`` (the long-running processes; ``agent`` dispatches
-  lazily to ``edge_agent``, so the controller package never depends on the agent)
+- ``serve``: ``controller``, ``agent``, ``demo`` and ``simulate`` (the long-running processes; ``agent``
+  and ``simulate`` dispatch lazily to ``edge_agent``, so the controller package never depends on the agent)
 - ``models``, ``devices``, ``rollouts``, ``deployments`` (with ``deploy``), ``tokens``: the operator
   commands, which talk to a controller's REST API through ``client``
 
@@ -54,6 +54,7 @@ def _root(
 app.command("controller")(serve.controller)
 app.command("agent")(serve.agent)
 app.command("demo")(serve.demo)
+app.command("simulate")(serve.simulate)
 app.command("deploy")(deploy)
 app.add_typer(models_app, name="models")
 app.add_typer(devices_app, name="devices")
