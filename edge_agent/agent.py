@@ -44,6 +44,7 @@ from edge_agent.pipeline import OUT_QUEUE_SIZE, DecodeFn, LoadedModel, Pipeline,
 from edge_agent.publisher import Publisher
 from edge_agent.queues import DropOldestQueue
 from edge_agent.settings import AgentSettings
+from edge_agent.storage import Reserve
 from edge_agent.trt import TrtRuntime
 from edge_agent.twin import EngineBuilds, Twin
 from edge_agent.watchdog import RestartLimiter, WatchdogAction, WatchdogNote
@@ -182,7 +183,14 @@ class Agent:
         # The inference -> publisher queue exists before the pipeline that fills it, so the publisher
         # (and the camera events that go through it) can exist before the cameras.
         frames: DropOldestQueue[FrameDetections] = DropOldestQueue(OUT_QUEUE_SIZE)
-        publisher = Publisher(outbox, frames, link.publish, settings.outbox, stop=stop)
+        publisher = Publisher(
+            outbox,
+            frames,
+            link.publish,
+            settings.outbox,
+            stop=stop,
+            reserve=Reserve(data_dir / "storage.reserve"),
+        )
         wake = threading.Event()
         workers: dict[str, CameraWorker] = {}
         camera_events = CameraEvents(publisher, workers, stop)

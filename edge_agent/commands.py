@@ -88,7 +88,8 @@ class CommandRunner:
                 result = self.execute(cmd)
             except Exception as exc:
                 log.exception("command %s failed", cmd.name)
-                result = CommandResult(id=cmd.id, ok=False, error=f"{type(exc).__name__}: {exc}")
+                # CommandResult.error is at most 4096 characters (fleet_protocol.messages.LongText).
+                result = CommandResult(id=cmd.id, ok=False, error=f"{type(exc).__name__}: {exc}"[:4096])
             self._answer(result)
 
     def execute(self, cmd: Command) -> CommandResult:
@@ -126,6 +127,8 @@ class CommandRunner:
                 "dropped": self.outbox.dropped,
                 "next_seq": self.outbox.next_seq,
             },
+            # What the data folder refuses to write now (disk full, read-only), and every refusal so far.
+            "storage": self.publisher.storage.status(),
             "queue_dropped": self.pipeline.out.dropped,
             "inference_errors": self.pipeline.inference_errors,
             "watchdog": self.pipeline.watchdog_status(),

@@ -4,14 +4,22 @@ SQLite in WAL mode with ``synchronous=FULL``: a commit is on disk when ``append`
 power cut loses nothing that was handed to the outbox. The next sequence number lives in the same
 database and is bumped in the same transaction as the row it numbers, so seqs stay monotonic across
 restarts without gaps. See PROTOCOL.md, "Sequence numbers, outbox, acks".
+
+A disk that refuses a write (full, read-only, failing) raises :class:`StorageError` from the write
+methods, with the whole transaction rolled back: nothing is half-written and no seq is consumed. Sent
+marks and acks it refused are remembered in memory (so a full disk does not make every unacked row due
+again and again) and written with the next write that succeeds.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +42,38 @@ CREATE INDEX IF NOT EXISTS outbox_sent ON outbox (sent_at);
 -- itself, its span goes back to the pending span, to be declared by the next report.
 CREATE TABLE IF NOT EXISTS drop_reports (seq INTEGER PRIMARY KEY, first INTEGER NOT NULL, last INTEGER NOT NULL);
 """
+
+
+# SQLite hands Python a result code, never the errno behind a refused write: the errno each code of a
+# disk that takes no writes stands for. A read-only folder is named so whatever code SQLite chose.
+_STORAGE_CODES = {
+    "SQLITE_FULL": errno.ENOSPC,
+    "SQLITE_READONLY": errno.EROFS,
+    "SQLITE_IOERR": errno.EIO,
+    "SQLITE_CANTOPEN": errno.EACCES,
+}
+# Ack spans remembered while the disk refuses to record them; beyond, the oldest is forgotten (its rows
+# are sent again after the ack timeout and acked again: duplicates, which the controller drops).
+_UNRECORDED_SPANS_MAX = 64
+
+
+def _folder_errno(folder: Path) -> int | None:
+    """EROFS for a read-only folder, ENOSPC for a full disk, else None: the cause behind whatever code
+    SQLite reports (a full disk refusing its shared-memory file reads SQLITE_IOERR_SHMSIZE)."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return errno.EROFS
+    # root may write into the blocks reserved for it: the disk is full for it when those are gone too.
+    free = st.f_bfree if os.geteuid() == 0 else st.f_bavail
+    return errno.ENOSPC if free == 0 else None
+
+
+class StorageError(OSError):
+    """The disk refused an outbox write: ``errno`` ENOSPC (full), EROFS (read-only), EIO, EACCES.
+    Nothing of the call was written. An OSError, handled like any refused write of the data folder."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,16 +104,61 @@ class Outbox:
         self.drop_chunk = drop_chunk or max(1, max_messages // 100)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        # drop_first..drop_last (0 = none) and drop_count: dropped by the bound and not yet in a report,
-        # on disk so that a kill -9 between a drop and its report loses nothing.
-        self._db.execute(
-            "INSERT OR IGNORE INTO meta (key, value) VALUES ('next_seq', 1), ('dropped', 0), "
-            "('drop_first', 0), ('drop_last', 0), ('drop_count', 0)"
-        )
+        # Sent marks (seq -> when) and acks ((first, last) spans) the disk refused to record; written by
+        # the next write transaction that succeeds. At most one mark per row, at most
+        # _UNRECORDED_SPANS_MAX spans.
+        self._unrecorded_sent: dict[int, float] = {}
+        self._unrecorded_acks: list[tuple[int, int]] = []
+        self._db: sqlite3.Connection | None = None
+        self._closed = False
+        try:
+            self._open()
+        except StorageError as exc:
+            # A disk that refuses even the opening (full: SQLite cannot size its shared-memory file;
+            # read-only: it cannot create it) must not stop the agent, which would then crash at every
+            # restart: writes raise StorageError until the database opens, reads find nothing.
+            log.error("cannot open the outbox %s: %s; opening it again with the next write", path, exc)
+
+    def _open(self) -> None:
+        """Open (and create) the database; StorageError when the disk refuses it (caller: no lock or
+        holds it)."""
+        db: sqlite3.Connection | None = None
+        try:
+            db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(_SCHEMA)
+            # drop_first..drop_last (0 = none) and drop_count: dropped by the bound and not yet in a
+            # report, on disk so that a kill -9 between a drop and its report loses nothing.
+            db.execute(
+                "INSERT OR IGNORE INTO meta (key, value) VALUES ('next_seq', 1), ('dropped', 0), "
+                "('drop_first', 0), ('drop_last', 0), ('drop_count', 0)"
+            )
+        except sqlite3.Error as exc:
+            if db is not None:
+                db.close()
+            refused = self._storage_error(exc)
+            if refused is not None:
+                raise refused from exc
+            raise
+        self._db = db
+
+    def _conn(self) -> sqlite3.Connection:
+        """The database, opened now if the disk refused it so far (StorageError while it still does)."""
+        if self._closed:
+            raise sqlite3.ProgrammingError("the outbox is closed")  # as sqlite3 says: never opened again
+        if self._db is None:
+            self._open()
+            log.warning("outbox %s opened at last", self.path)
+        assert self._db is not None
+        return self._db
+
+    def _reader(self) -> sqlite3.Connection | None:
+        """The database for a read; None while the disk refuses to open it (nothing to read then)."""
+        try:
+            return self._conn()
+        except StorageError:
+            return None
 
     # ------------------------------------------------------------------ writes
 
@@ -83,23 +168,75 @@ class Outbox:
         ``build_payload`` gets the seq so it can be embedded in the payload; if it raises, nothing is
         written and the seq is not consumed.
         """
-        with self._lock:
-            cur = self._db.cursor()
+        with self._lock, self._write() as cur:
+            (seq,) = cur.execute("SELECT value FROM meta WHERE key = 'next_seq'").fetchone()
+            payload = build_payload(seq)
+            cur.execute(
+                "INSERT INTO outbox (seq, kind, payload, created_at) VALUES (?, ?, ?, ?)",
+                (seq, kind, payload, now),
+            )
+            cur.execute("UPDATE meta SET value = ? WHERE key = 'next_seq'", (seq + 1,))
+            self._enforce_bound(cur)
+        return int(seq)
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Cursor]:
+        """One write transaction (the caller holds the lock): committed whole, or rolled back whole.
+
+        The marks and acks remembered from refused writes go first, in the same transaction. A refused
+        write raises :class:`StorageError` (from the SQLite error: ``__cause__``).
+        """
+        cur = self._conn().cursor()
+        try:
             cur.execute("BEGIN IMMEDIATE")
-            try:
-                (seq,) = cur.execute("SELECT value FROM meta WHERE key = 'next_seq'").fetchone()
-                payload = build_payload(seq)
-                cur.execute(
-                    "INSERT INTO outbox (seq, kind, payload, created_at) VALUES (?, ?, ?, ?)",
-                    (seq, kind, payload, now),
-                )
-                cur.execute("UPDATE meta SET value = ? WHERE key = 'next_seq'", (seq + 1,))
-                self._enforce_bound(cur)
-                cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
-            return int(seq)
+            remembered = self._record_remembered(cur)
+            yield cur
+            cur.execute("COMMIT")
+        except BaseException as exc:
+            self._rollback()
+            refused = self._storage_error(exc) if isinstance(exc, sqlite3.Error) else None
+            if refused is not None:
+                raise refused from exc
+            raise
+        if remembered:
+            self._unrecorded_sent.clear()
+            self._unrecorded_acks.clear()
+
+    def _rollback(self) -> None:
+        # SQLite has already rolled back after some errors (SQLITE_FULL among them): a ROLLBACK then
+        # fails with "no transaction is active", and used to hide the error that mattered.
+        if self._db is None or not self._db.in_transaction:
+            return
+        try:
+            self._db.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.warning("outbox rollback failed: %s", exc)
+
+    def _storage_error(self, exc: sqlite3.Error) -> StorageError | None:
+        """``exc`` as a StorageError when it is a disk refusing the write, else None."""
+        name = getattr(exc, "sqlite_errorname", "") or ""
+        code = _STORAGE_CODES.get("_".join(name.split("_")[:2]))
+        if code is None:
+            return None
+        code = _folder_errno(self.path.parent) or code
+        return StorageError(code, f"{os.strerror(code)} (SQLite: {exc})", str(self.path))
+
+    def _record_remembered(self, cur: sqlite3.Cursor) -> bool:
+        """Write the marks and acks the disk refused before; True when there were some."""
+        if not self._unrecorded_sent and not self._unrecorded_acks:
+            return False
+        for a, b in self._unrecorded_acks:
+            cur.execute("DELETE FROM outbox WHERE seq BETWEEN ? AND ?", (a, b))
+        if self._unrecorded_acks:
+            cur.execute("DELETE FROM drop_reports WHERE seq NOT IN (SELECT seq FROM outbox)")
+        cur.executemany(
+            "UPDATE outbox SET sent_at = ?, attempts = attempts + 1 WHERE seq = ?",
+            [(t, s) for s, t in self._unrecorded_sent.items()],
+        )
+        return True
+
+    def _acked_unrecorded(self, seq: int) -> bool:
+        return any(a <= seq <= b for a, b in self._unrecorded_acks)
 
     def _enforce_bound(self, cur: sqlite3.Cursor) -> None:
         (count,) = cur.execute("SELECT COUNT(*) FROM outbox").fetchone()
@@ -130,16 +267,9 @@ class Outbox:
         """The span dropped by the bound and not yet reported (``count``: rows newly dropped in it),
         cleared; None when there is none. The publisher uses :meth:`append_drop_report`, which also
         remembers the report's span."""
-        with self._lock:
-            cur = self._db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                dropped = self._take_pending(cur)
-                cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
-            return dropped
+        with self._lock, self._write() as cur:
+            dropped = self._take_pending(cur)
+        return dropped
 
     def append_drop_report(
         self, build_payload: Callable[[int, DroppedRange], bytes], *, now: float = 0.0
@@ -147,31 +277,23 @@ class Outbox:
         """Append the OUTBOX_DROPPED report for the pending span, in the transaction that clears it;
         returns its seq, or None when nothing is pending. Its own append may drop more rows (a full
         outbox): those form the next pending span, never a recursive report."""
-        with self._lock:
-            cur = self._db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                dropped = self._take_pending(cur)
-                if dropped is None:
-                    cur.execute("COMMIT")
-                    return None
-                (seq,) = cur.execute("SELECT value FROM meta WHERE key = 'next_seq'").fetchone()
-                payload = build_payload(seq, dropped)
-                cur.execute(
-                    "INSERT INTO outbox (seq, kind, payload, created_at) VALUES (?, 'events', ?, ?)",
-                    (seq, payload, now),
-                )
-                cur.execute(
-                    "INSERT INTO drop_reports (seq, first, last) VALUES (?, ?, ?)",
-                    (seq, dropped.first, dropped.last),
-                )
-                cur.execute("UPDATE meta SET value = ? WHERE key = 'next_seq'", (seq + 1,))
-                self._enforce_bound(cur)
-                cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
-            return int(seq)
+        with self._lock, self._write() as cur:
+            dropped = self._take_pending(cur)
+            if dropped is None:
+                return None
+            (seq,) = cur.execute("SELECT value FROM meta WHERE key = 'next_seq'").fetchone()
+            payload = build_payload(seq, dropped)
+            cur.execute(
+                "INSERT INTO outbox (seq, kind, payload, created_at) VALUES (?, 'events', ?, ?)",
+                (seq, payload, now),
+            )
+            cur.execute(
+                "INSERT INTO drop_reports (seq, first, last) VALUES (?, ?, ?)",
+                (seq, dropped.first, dropped.last),
+            )
+            cur.execute("UPDATE meta SET value = ? WHERE key = 'next_seq'", (seq + 1,))
+            self._enforce_bound(cur)
+        return int(seq)
 
     def drop_pending(self) -> bool:
         with self._lock:
@@ -185,72 +307,108 @@ class Outbox:
         return DroppedRange(int(meta["drop_first"]), int(meta["drop_last"]), int(meta["drop_count"]))
 
     def ack(self, msg: Ack) -> int:
-        """Delete every row the ack covers; returns how many were deleted."""
+        """Delete every row the ack covers; returns how many were deleted. Refused by the disk: the ack
+        is remembered (its rows are not sent again) and :class:`StorageError` raised."""
+        # SQLite integers stop at 2**63 - 1, and so do seqs: a larger bound (a garbled or hostile ack)
+        # means the same as that one, instead of an OverflowError.
+        top = 2**63 - 1
+        spans = [(1, min(msg.upto, top))] if msg.upto >= 1 else []
+        spans += [(a, min(b, top)) for a, b in msg.ranges if a <= top]
         with self._lock:
-            cur = self._db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
             try:
-                # SQLite integers stop at 2**63 - 1, and so do seqs: a larger bound (a garbled or hostile
-                # ack) means the same as that one, instead of an OverflowError.
-                top = 2**63 - 1
-                deleted = cur.execute("DELETE FROM outbox WHERE seq <= ?", (min(msg.upto, top),)).rowcount
-                for a, b in msg.ranges:
-                    if a <= top:
+                with self._write() as cur:
+                    deleted = 0
+                    for a, b in spans:
                         deleted += cur.execute(
-                            "DELETE FROM outbox WHERE seq BETWEEN ? AND ?", (a, min(b, top))
+                            "DELETE FROM outbox WHERE seq BETWEEN ? AND ?", (a, b)
                         ).rowcount
-                cur.execute("DELETE FROM drop_reports WHERE seq NOT IN (SELECT seq FROM outbox)")
-                cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
+                    cur.execute("DELETE FROM drop_reports WHERE seq NOT IN (SELECT seq FROM outbox)")
+            except StorageError:
+                self._unrecorded_acks = (self._unrecorded_acks + spans)[-_UNRECORDED_SPANS_MAX:]
+                for seq in [s for s in self._unrecorded_sent if self._acked_unrecorded(s)]:
+                    del self._unrecorded_sent[seq]
                 raise
             return deleted
 
     def mark_sent(self, seqs: Iterable[int], now: float) -> None:
+        """Refused by the disk: the marks are remembered (the rows are not due again before the ack
+        timeout) and :class:`StorageError` raised."""
+        marks = [(now, s) for s in seqs]
         with self._lock:
-            self._db.executemany(
-                "UPDATE outbox SET sent_at = ?, attempts = attempts + 1 WHERE seq = ?",
-                [(now, s) for s in seqs],
-            )
+            try:
+                with self._write() as cur:
+                    cur.executemany(
+                        "UPDATE outbox SET sent_at = ?, attempts = attempts + 1 WHERE seq = ?", marks
+                    )
+            except StorageError:
+                self._unrecorded_sent.update((s, t) for t, s in marks)
+                raise
+
+    def record_remembered(self) -> None:
+        """Write the sent marks and acks the disk refused before; StorageError while it still refuses."""
+        with self._lock:
+            if not self._unrecorded_sent and not self._unrecorded_acks:
+                return
+            with self._write():
+                pass
 
     def reset_sent(self) -> None:
         """Make every unacked row due now (after a reconnect, when in-flight sends may be lost)."""
         with self._lock:
-            self._db.execute("UPDATE outbox SET sent_at = NULL")
+            self._unrecorded_sent.clear()  # due now in memory, whatever the disk says below
+            with self._write() as cur:
+                cur.execute("UPDATE outbox SET sent_at = NULL")
 
     # ------------------------------------------------------------------ reads
 
     def due(self, now: float, timeout_s: float, limit: int) -> list[OutboxRow]:
-        """Rows never sent, or sent more than ``timeout_s`` ago and not acked; oldest first."""
+        """Rows never sent, or sent more than ``timeout_s`` ago and not acked; oldest first. Marks and
+        acks the disk refused to record count as if recorded."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT seq, kind, payload, attempts FROM outbox WHERE sent_at IS NULL OR sent_at <= ? "
-                "ORDER BY seq LIMIT ?",
-                (now - timeout_s, limit),
+            db = self._reader()
+            if db is None:
+                return []
+            acked = [f"AND seq NOT BETWEEN {int(a)} AND {int(b)}" for a, b in self._unrecorded_acks]
+            marks = {s: t for s, t in self._unrecorded_sent.items() if t > now - timeout_s}
+            rows = db.execute(
+                "SELECT seq, kind, payload, attempts FROM outbox WHERE (sent_at IS NULL OR sent_at <= ?) "
+                f"{' '.join(acked)} ORDER BY seq LIMIT ?",
+                (now - timeout_s, limit + len(marks)),
             ).fetchall()
-        return [OutboxRow(int(s), str(k), bytes(p), int(a)) for s, k, p, a in rows]
+        due = [OutboxRow(int(s), str(k), bytes(p), int(a)) for s, k, p, a in rows if s not in marks]
+        return due[:limit]
 
     def pending(self) -> int:
+        """Rows on disk not acked yet (0 while the database cannot be opened)."""
         with self._lock:
-            (n,) = self._db.execute("SELECT COUNT(*) FROM outbox").fetchone()
+            db = self._reader()
+            if db is None:
+                return 0
+            (n,) = db.execute("SELECT COUNT(*) FROM outbox").fetchone()
             return int(n)
 
     @property
     def dropped(self) -> int:
         with self._lock:
-            (n,) = self._db.execute("SELECT value FROM meta WHERE key = 'dropped'").fetchone()
-            return int(n)
+            return self._meta("dropped")
 
     def _meta(self, key: str) -> int:
-        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        # Caller holds the lock. 0 while the database cannot be opened.
+        db = self._reader()
+        if db is None:
+            return 0
+        row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return int(row[0]) if row else 0
 
     @property
     def next_seq(self) -> int:
+        """The seq the next message gets (0 while the database cannot be opened: not known)."""
         with self._lock:
-            (n,) = self._db.execute("SELECT value FROM meta WHERE key = 'next_seq'").fetchone()
-            return int(n)
+            return self._meta("next_seq")
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            self._closed = True
+            if self._db is not None:
+                self._db.close()
+                self._db = None

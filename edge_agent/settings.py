@@ -156,6 +156,9 @@ class OutboxConfig(_Strict):
     resend_batch: int = Field(default=100, ge=1)
     batch_max_frames: int = Field(default=10, ge=1, le=500)
     batch_max_delay_s: float = Field(default=0.5, gt=0.0)
+    held_max: int = Field(default=1000, ge=1)
+    """Messages (detection batches, events) held in memory while the disk refuses the outbox's writes
+    (full, read-only); beyond, the oldest is dropped, counted and reported once the disk takes writes."""
 
 
 class ArtifactConfig(_Strict):

@@ -22,6 +22,7 @@ The reported state names, per camera, the model and its state, and the desired v
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -80,6 +81,8 @@ REFUSED_STALE = "stale"  # a version older than the one the agent has
 REFUSED_CONFLICT = "conflict"  # the version the agent has, with other content
 REFUSED_ISSUED_AT = "issued_at"  # issued before the state the agent has
 REFUSED_UNDECODABLE = "undecodable"  # not a valid DesiredState (e.g. a version out of bounds)
+# The part name in storage events (edge_agent.storage) when desired.json cannot be written.
+DESIRED_STATE = "desired_state"
 
 
 @dataclass
@@ -165,6 +168,7 @@ class Twin:
         self._builds = builds
         # ``_received_version`` guards ordering; ``applied_version`` is what we report.
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()  # one writer of desired.json at a time (link thread, retry)
         self.applied_version = -1
         self._received_version = -1
         # The newest state taken (checked; maybe still being applied): what a new one is compared with.
@@ -294,13 +298,39 @@ class Twin:
         self._refuse(None, REFUSED_UNDECODABLE, why[:1000])
 
     def _save(self, desired: DesiredState) -> None:
-        # Written before it is applied: an agent restarted offline runs its last desired state.
+        # Written before it is applied: an agent restarted offline runs its last desired state. A disk
+        # that refuses the write (full, read-only) does not stop this checked state from being applied
+        # (it used to: the error ended the message handler, and the state was silently ignored): the
+        # failure is reported by a storage event, and the newest state taken is written once the disk
+        # takes writes again, so that a restart offline does not fall back to an older one.
+        try:
+            with self._save_lock:
+                self._write_desired(desired)
+        except OSError as exc:
+            self.publisher.storage.failed(DESIRED_STATE, self._path, exc, retry=self._save_taken)
+        else:
+            self.publisher.storage.cleared(DESIRED_STATE)
+
+    def _save_taken(self) -> None:
+        """The storage guard's retry: write the newest state taken (OSError while still refused)."""
+        with self._save_lock:  # read under it: a save of a newer state cannot be overwritten by this one
+            with self._lock:
+                desired = self._taken
+            if desired is not None:
+                self._write_desired(desired)
+
+    def _write_desired(self, desired: DesiredState) -> None:
         tmp = self._path.with_suffix(".json.tmp")
-        with tmp.open("wb") as f:
-            f.write(encode(desired))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._path)
+        try:
+            with tmp.open("wb") as f:
+                f.write(encode(desired))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path)
+        except OSError:
+            with contextlib.suppress(OSError):  # a partial file would hold room on a full disk
+                tmp.unlink(missing_ok=True)
+            raise
 
     def load_persisted(self) -> DesiredState | None:
         """The desired state saved on disk, if it still checks out (signature and device, as when it
