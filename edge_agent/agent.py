@@ -372,6 +372,9 @@ class Agent:
         else:
             log.warning("require_signed_artifacts is off and no key is set: models run UNVERIFIED")
         persisted = self.twin.load_persisted()
+        applied = self.twin.load_applied() if persisted is not None else None
+        if persisted is not None and applied is not None:
+            self.twin.serve_first(applied, persisted)
         self.publisher.emit_event(
             EventKind.AGENT_STARTED,
             message=f"agent {__version__} started",

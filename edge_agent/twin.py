@@ -161,6 +161,10 @@ class Twin:
         self.fetcher = fetcher
         self._publish = publish
         self._path = data_dir / "desired.json"
+        # The last state fully in effect (every camera ran what it asked): what a restart serves from
+        # the store while a newer desired state is still being fetched or loaded.
+        self._applied_path = data_dir / "applied.json"
+        self._warm: DesiredState | None = None
         self.device_id = device_id
         self.artifact_key = artifact_key
         self._require_signed = require_signed
@@ -305,7 +309,7 @@ class Twin:
         # takes writes again, so that a restart offline does not fall back to an older one.
         try:
             with self._save_lock:
-                self._write_desired(desired)
+                self._write_state(self._path, desired)
         except OSError as exc:
             self.publisher.storage.failed(DESIRED_STATE, self._path, exc, retry=self._save_taken)
         else:
@@ -317,16 +321,16 @@ class Twin:
             with self._lock:
                 desired = self._taken
             if desired is not None:
-                self._write_desired(desired)
+                self._write_state(self._path, desired)
 
-    def _write_desired(self, desired: DesiredState) -> None:
-        tmp = self._path.with_suffix(".json.tmp")
+    def _write_state(self, path: Path, desired: DesiredState) -> None:
+        tmp = path.with_suffix(".json.tmp")
         try:
             with tmp.open("wb") as f:
                 f.write(encode(desired))
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self._path)
+            os.replace(tmp, path)
         except OSError:
             with contextlib.suppress(OSError):  # a partial file would hold room on a full disk
                 tmp.unlink(missing_ok=True)
@@ -336,7 +340,20 @@ class Twin:
         """The desired state saved on disk, if it still checks out (signature and device, as when it
         came in): a file altered on disk is refused with an event, and the agent waits for the
         controller's retained state instead."""
-        path = self._path
+        return self._load_checked(self._path)
+
+    def load_applied(self) -> DesiredState | None:
+        """The last state that was fully in effect (``applied.json``), checked like the desired one."""
+        return self._load_checked(self._applied_path)
+
+    def serve_first(self, applied: DesiredState, desired: DesiredState) -> None:
+        """Before ``desired`` (restarted mid-swap: fetched or loaded only in part), serve what
+        ``applied`` ran from the models already in the store, so the cameras keep their old model
+        until the new one is ready, as they did before the restart. Call before :meth:`run` starts."""
+        if applied.version < desired.version:
+            self._warm = applied
+
+    def _load_checked(self, path: Path) -> DesiredState | None:
         if not path.exists():
             return None
         try:
@@ -353,6 +370,15 @@ class Twin:
     # ------------------------------------------------------------------ the twin thread
 
     def run(self) -> None:
+        warm, self._warm = self._warm, None
+        if warm is not None:
+            log.info("serving v%s from the store until the newer desired state is ready", warm.version)
+            try:
+                self._apply(warm, local_only=True)
+            except CudaFatalError:
+                return
+            except Exception:
+                log.exception("serving the last applied state v%s failed", warm.version)
         while not self._stop.is_set():
             self._wake.wait(0.5)
             self._wake.clear()
@@ -369,12 +395,16 @@ class Twin:
             except Exception:
                 log.exception("applying desired version %s failed", desired.version)
 
-    def _apply(self, desired: DesiredState) -> None:
+    def _apply(self, desired: DesiredState, *, local_only: bool = False) -> None:
+        """``local_only``: only models already in the store (verified), never a fetch; a camera whose
+        model is not there is left as it is."""
         log.info("applying desired state version %s", desired.version)
         for cam_id in self.pipeline.cameras:
             if self._stop.is_set():
                 return
-            self._apply_camera(cam_id, desired.cameras.get(cam_id))
+            self._apply_camera(cam_id, desired.cameras.get(cam_id), local_only=local_only)
+        if not local_only and self._in_effect(desired):
+            self._save_applied(desired)
         with self._lock:
             for cam_id in desired.cameras:
                 if cam_id not in self.pipeline.cameras:
@@ -384,7 +414,25 @@ class Twin:
             self.applied_version = max(self.applied_version, desired.version)
         self.report()
 
-    def _apply_camera(self, cam: str, cd: CameraDesired | None) -> None:
+    def _in_effect(self, desired: DesiredState) -> bool:
+        """Whether every camera runs exactly the model ``desired`` asks of it (none where none)."""
+        for cam_id in self.pipeline.cameras:
+            cd = desired.cameras.get(cam_id)
+            running = self.pipeline.model_of(cam_id)
+            want = cd.model.manifest.sha256 if cd is not None and cd.model is not None else None
+            if (running.sha256 if running is not None else None) != want:
+                return False
+        return True
+
+    def _save_applied(self, desired: DesiredState) -> None:
+        # Best effort: without it a restart mid-swap only runs nothing until the new model is ready.
+        try:
+            with self._save_lock:
+                self._write_state(self._applied_path, desired)
+        except OSError as exc:
+            log.warning("could not save %s: %s", self._applied_path.name, exc)
+
+    def _apply_camera(self, cam: str, cd: CameraDesired | None, *, local_only: bool = False) -> None:
         current = self.pipeline.model_of(cam)
         if cd is None or cd.model is None:
             if current is not None:
@@ -409,6 +457,8 @@ class Twin:
         if current is not None and current.sha256 == manifest.sha256 and current.manifest == manifest:
             self.pipeline.set_params(cam, params)
             self.set_reported(cam, self.running_report(cam, current), publish=False)
+            return
+        if local_only and not self.fetcher.path_for(manifest.sha256).exists():
             return
         try:
             model = self.pipeline.loaded(manifest.sha256)

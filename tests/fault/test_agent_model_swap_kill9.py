@@ -14,8 +14,9 @@ Proof that the kill hit the swap: the controller's device API shows the camera f
 new model (the device applying, not in sync), the agent's log has no activation of it, and its store
 holds a part file with only some chunks on disk (fetching) or the verified file and no part (loading);
 the old model's detections kept coming after the transfer began. After a restart the agent must
-stay up, resume the transfer with only the chunks it lacks (or re-check the stored file's sha256) and
-end running the new model, in sync; every seq it published is stored exactly once.
+stay up, serve the old model again from its store (the last state fully applied) while it resumes the
+transfer with only the chunks it lacks (or re-checks the stored file's sha256), and end running the
+new model, in sync; every seq it published is stored exactly once.
 """
 
 from __future__ import annotations
@@ -318,6 +319,14 @@ def _swap_killed_and_restarted(
     )
     assert {m for late, m in models if not late} == {OLD_KEY}, models
     assert new_key in {m for late, m in models if late}, models
+    if swap.phase == "fetching":
+        # Restarted mid-transfer: the old model (in the store, last fully applied) serves again while
+        # the rest of the new one is fetched, as before the kill; the camera is not dark for the
+        # whole resumed transfer.
+        assert (
+            "serving v" in restarted_log and "from the store until the newer desired state" in restarted_log
+        )
+        assert OLD_KEY in {m for late, m in models if late}, models
 
 
 def _rows(rig: Rig, sql: str, device: str, **params: Any) -> list[tuple[Any, ...]]:
