@@ -89,6 +89,9 @@ class MqttLink:
         self.fatal: str | None = None
         # Why the last connection attempt failed (TLS verification above all); None once connected.
         self.last_error: str | None = None
+        # Connection attempts so far (the first and every reconnect), counted as paho starts each one:
+        # shows that a failing link keeps trying with its backoff instead of having given up.
+        self.connect_attempts = 0
         self._last_error_logged: tuple[str, float] | None = None
         self.protocol_errors: dict[str, int] = {}
         # Told about every payload of a known kind that does not decode (after it is counted), e.g. so
@@ -114,6 +117,7 @@ class MqttLink:
         client.on_disconnect = self._handle_disconnect
         client.on_connect_fail = self._handle_connect_fail
         client.on_message = self._handle_message
+        client.on_pre_connect = self._handle_pre_connect
         self._client = client
 
     # ------------------------------------------------------------------ Transport
@@ -204,6 +208,9 @@ class MqttLink:
                 self._on_connected()
         except Exception:
             log.exception("on_connect failed")
+
+    def _handle_pre_connect(self, client: mqtt.Client, userdata: object) -> None:
+        self.connect_attempts += 1  # only paho's network thread writes it
 
     def _handle_connect_fail(self, client: mqtt.Client, userdata: object) -> None:
         # Not fatal: a CA or certificate can be fixed on the broker side while we back off, so the

@@ -93,35 +93,52 @@ def _first_error(exc: ValidationError) -> str:
 
 
 def decode_as(cls: type[M], payload: bytes) -> M:
-    """Decode ``payload`` as message class ``cls``."""
+    """Decode ``payload`` as message class ``cls``.
+
+    One validation decides: pydantic parses the JSON itself, in strict mode, so the wire's types are
+    JSON's (``true`` or ``"5"`` is not an integer, ``1`` is not a boolean; an integer is a float). The
+    payload must be UTF-8 JSON nested no deeper than that parser allows, and a message must carry its
+    ``type`` tag. When validation fails, :func:`_explain` says precisely why; it never accepts.
+    """
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise ProtocolError(f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > MAX_JSON_BYTES:
         raise ProtocolError(f"payload is {len(payload)} bytes, over the {MAX_JSON_BYTES} byte limit")
-    # Fast path (pydantic parses the JSON itself); a payload it refuses goes the slow way below, which
-    # says precisely what is wrong.
+    data = bytes(payload)
     try:
-        return _unicode_checked(cls.model_validate_json(bytes(payload)), bytes(payload))
-    except (ValidationError, RecursionError, ValueError):
-        pass
+        msg = cls.model_validate_json(data, strict=True)
+    except ValidationError as exc:
+        raise ProtocolError(_explain(cls, data, exc)) from None
+    except (RecursionError, ValueError):
+        raise ProtocolError(_explain(cls, data, None)) from None
+    # The tag has a default so that code can build messages without it; on the wire it is required
+    # (a payload without it was accepted only when it was otherwise valid, and refused as "expected
+    # message type" otherwise).
+    if "type" in cls.model_fields and "type" not in msg.model_fields_set:
+        expected = cls.model_fields["type"].default
+        raise ProtocolError(f"expected message type {expected!r}, got None")
+    return _unicode_checked(msg, data)
+
+
+def _explain(cls: type[BaseModel], payload: bytes, exc: ValidationError | None) -> str:
+    """Why ``payload`` is not a valid ``cls`` (validation already refused it)."""
     try:
-        obj = json.loads(bytes(payload))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"payload is not JSON: {exc}") from None
+        obj = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"payload is not JSON: {err}"
     except RecursionError:
-        raise ProtocolError("payload is nested too deeply") from None
+        return "payload is nested too deeply"
     if not isinstance(obj, dict):
-        raise ProtocolError(f"payload must be a JSON object, got {type(obj).__name__}")
+        return f"payload must be a JSON object, got {type(obj).__name__}"
     expected = cls.model_fields["type"].default if "type" in cls.model_fields else None
     got = obj.get("type")
     if expected is not None and got != expected:
-        raise ProtocolError(f"expected message type {expected!r}, got {got!r}")
-    try:
-        return _unicode_checked(cls.model_validate(obj), bytes(payload))
-    except ValidationError as exc:
-        raise ProtocolError(f"invalid {expected or cls.__name__}: {_first_error(exc)}") from None
-    except RecursionError:
-        raise ProtocolError("payload is nested too deeply") from None
+        return f"expected message type {expected!r}, got {got!r}"
+    if exc is None:
+        return f"invalid {expected or cls.__name__}: not a valid message"
+    if any(err["type"] == "json_invalid" for err in exc.errors()):
+        return "payload is nested too deeply (or is not JSON)"
+    return f"invalid {expected or cls.__name__}: {_first_error(exc)}"
 
 
 def decode(kind: TopicKind, payload: bytes) -> Message:

@@ -18,9 +18,29 @@ SCHEMA_VERSION = 1
 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
+# Bounds on what a peer may send (tests/unit/controller/test_controller_fuzz_topics.py pins payloads
+# that must be refused, independently of this module). Without them a hostile or broken sender got
+# values past decode that no column can hold or no reader should pay for, and each consumer had to
+# guard them on its own (or not): a counter of 2**70 or -1, a 70 kB agent version, NaN temperatures.
+# The highest integer on the wire: the databases' BIGINT and SQLite's INTEGER (seqs, frame numbers,
+# counters); the agent's outbox numbers seqs in the same range.
+MAX_WIRE_INT = 2**63 - 1
+# The highest desired-state version: the controller stores versions in 32-bit INTEGER columns, so a
+# state above it could never be superseded (PROTOCOL.md "Desired and reported state").
+MAX_DESIRED_VERSION = 2**31 - 1
+# A count or index: never negative, never past what a database column holds.
+Count = Annotated[int, Field(ge=0, le=MAX_WIRE_INT)]
+# Names, versions, host and GPU descriptions: one line of text.
+ShortText = Annotated[str, Field(max_length=256)]
+# Free text from a device (error messages): as long as an event's message.
+LongText = Annotated[str, Field(max_length=4096)]
+
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # allow_inf_nan=False: NaN and Infinity are not JSON, PostgreSQL's JSON refuses them, and no figure
+    # of the contract (times, percentages, watts, coordinates) is meaningful as one; refused everywhere
+    # instead of field by field. Free-form dicts (Event.data, CommandResult.result) are left as they are.
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
 class Msg(Strict):
@@ -69,7 +89,7 @@ class ModelManifest(Strict):
     name: Name
     version: Name
     sha256: Sha256
-    size: int = Field(gt=0)
+    size: int = Field(gt=0, le=MAX_WIRE_INT)
     decoder: DecoderKind
     input: InputSpec
     outputs: list[str] = Field(default_factory=list)
@@ -110,9 +130,9 @@ class ArtifactRef(Strict):
 
 
 class GpuInfo(Strict):
-    index: int
-    name: str
-    compute_capability: str | None = None
+    index: Count
+    name: ShortText
+    compute_capability: ShortText | None = None
     memory_total_mb: float | None = None
 
 
@@ -156,16 +176,16 @@ CpuFlag = Annotated[str, Field(max_length=32)]
 
 
 class Capabilities(Strict):
-    hostname: str = ""
-    os: str = ""
-    arch: str = ""
-    cpu_model: str = ""
-    cpu_count: int = 0
+    hostname: ShortText = ""
+    os: ShortText = ""
+    arch: ShortText = ""
+    cpu_model: ShortText = ""
+    cpu_count: Count = 0
     memory_total_mb: float = 0.0
     gpus: list[GpuInfo] = Field(default_factory=list)
-    execution_providers: list[str] = Field(default_factory=list)
-    onnxruntime_version: str | None = None
-    tensorrt_version: str | None = None
+    execution_providers: list[ShortText] = Field(default_factory=list)
+    onnxruntime_version: ShortText | None = None
+    tensorrt_version: ShortText | None = None
     cameras: list[CameraId] = Field(default_factory=list)
     # Instruction-set flags from KNOWN_CPU_FLAGS; None = not reported (an agent older than the field),
     # which the controller treats as "ISA unknown", unlike [] (reported: none of the known flags).
@@ -194,13 +214,13 @@ class Availability(Msg):
     type: Literal["availability"] = "availability"
     state: Literal["online", "offline"]
     ts: float | None = None
-    agent_version: str | None = None
+    agent_version: ShortText | None = None
     capabilities: Capabilities | None = None
 
 
 class GpuStats(Strict):
-    index: int
-    name: str
+    index: Count
+    name: ShortText
     utilization_pct: float | None = None
     memory_used_mb: float | None = None
     memory_total_mb: float | None = None
@@ -219,11 +239,11 @@ class CameraStats(Strict):
     camera: CameraId
     state: CameraState
     fps: float = 0.0
-    frames: int = 0
-    dropped: int = 0
+    frames: Count = 0
+    dropped: Count = 0
     # Median of the last 50 inference times of the model running now (fresh window at every swap).
     inference_ms: float | None = None
-    model: str | None = None
+    model: ShortText | None = None
     # p99 of the last 200 inference times of the model running now (same fresh window). Optional and
     # last: agents before it send none, and a receiver falls back to ``inference_ms``.
     inference_p99_ms: float | None = None
@@ -243,9 +263,9 @@ class Heartbeat(Msg):
     inference_ms: float | None = None  # the highest per-camera median
     # CPU package energy from RAPL, cumulative joules since the agent started (None: not measured).
     cpu_energy_j: float | None = None
-    outbox_pending: int = 0
-    outbox_dropped: int = 0
-    queue_dropped: int = 0
+    outbox_pending: Count = 0
+    outbox_dropped: Count = 0
+    queue_dropped: Count = 0
     inference_p99_ms: float | None = None  # the highest per-camera p99 (None: none reported)
 
 
@@ -268,25 +288,25 @@ class Box(Strict):
 
 class Detection(Strict):
     label: str = Field(max_length=64)
-    class_id: int = Field(ge=0)
+    class_id: Count
     score: float = Field(ge=0.0, le=1.0)
     box: Box
 
 
 class FrameDetections(Strict):
     camera: CameraId
-    frame: int = Field(ge=0)
+    frame: Count
     captured_at: float
-    width: int = Field(gt=0)
-    height: int = Field(gt=0)
-    model: str
+    width: int = Field(gt=0, le=MAX_WIRE_INT)
+    height: int = Field(gt=0, le=MAX_WIRE_INT)
+    model: ShortText
     inference_ms: float = Field(ge=0.0)
     detections: list[Detection] = Field(default_factory=list, max_length=1000)
 
 
 class DetectionBatch(Msg):
     type: Literal["detections"] = "detections"
-    seq: int = Field(ge=1)
+    seq: int = Field(ge=1, le=MAX_WIRE_INT)
     sent_at: float
     frames: list[FrameDetections] = Field(min_length=1, max_length=500)
 
@@ -322,7 +342,7 @@ class Severity(StrEnum):
 
 class Event(Msg):
     type: Literal["event"] = "event"
-    seq: int = Field(ge=1)
+    seq: int = Field(ge=1, le=MAX_WIRE_INT)
     ts: float
     kind: EventKind
     severity: Severity = Severity.INFO
@@ -332,10 +352,10 @@ class Event(Msg):
 
 
 class CameraReported(Strict):
-    model: str | None = None  # "name:version"
+    model: ShortText | None = None  # "name:version"
     sha256: Sha256 | None = None
     state: Literal["idle", "fetching", "verifying", "loading", "running", "failed"] = "idle"
-    error: str | None = None
+    error: LongText | None = None
     progress_pct: float | None = None
     # The settings the camera's running model applies now (PROTOCOL.md "Desired and reported state"):
     # the threshold in effect (the desired one, else the manifest's default), the FPS cap and the label
@@ -350,9 +370,10 @@ class CameraReported(Strict):
 class ReportedState(Msg):
     type: Literal["reported"] = "reported"
     ts: float
-    desired_version: int = Field(ge=0)
+    # A version the controller issued (DesiredState.version), so within the same bound.
+    desired_version: int = Field(ge=0, le=MAX_DESIRED_VERSION)
     cameras: dict[CameraId, CameraReported] = Field(default_factory=dict)
-    agent_version: str | None = None
+    agent_version: ShortText | None = None
 
 
 # How an agent's reported fetch failure (``CameraReported.error``) starts when the transfer failed (no
@@ -366,7 +387,7 @@ class ArtifactRequest(Msg):
 
     type: Literal["artifact_request"] = "artifact_request"
     sha256: Sha256
-    chunks: list[int] = Field(min_length=1, max_length=64)
+    chunks: list[Count] = Field(min_length=1, max_length=64)
     chunk_size: int = Field(ge=1024, le=4 * 1024 * 1024)
 
     @field_validator("chunks")
@@ -382,7 +403,7 @@ class CommandResult(Msg):
     id: str = Field(min_length=1, max_length=64)
     ok: bool
     result: dict[str, Any] = Field(default_factory=dict)
-    error: str | None = None
+    error: LongText | None = None
 
 
 # --------------------------------------------------------------------------- controller → device
@@ -393,11 +414,6 @@ class CameraDesired(Strict):
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     labels: list[str] | None = None  # keep only these labels; None keeps all
-
-
-# The highest desired-state version: the controller stores versions in 32-bit INTEGER columns, so a
-# state above it could never be superseded (PROTOCOL.md "Desired and reported state").
-MAX_DESIRED_VERSION = 2**31 - 1
 
 
 class DesiredState(Msg):
@@ -440,8 +456,8 @@ class Ack(Msg):
     """
 
     type: Literal["ack"] = "ack"
-    upto: int = Field(ge=0)
-    ranges: list[tuple[int, int]] = Field(default_factory=list, max_length=1000)
+    upto: Count
+    ranges: list[tuple[Count, Count]] = Field(default_factory=list, max_length=1000)
 
     @field_validator("ranges")
     @classmethod

@@ -142,62 +142,119 @@ def _stuck_client(url: str, path: str, token: str) -> socket.socket:
     return s
 
 
+def _live_clients(api: httpx.Client) -> list[dict[str, Any]]:
+    clients: list[dict[str, Any]] = api.get("/api/v1/detections/live/clients").json()
+    return clients
+
+
+def _stored(api: httpx.Client) -> int:
+    return int(api.get(f"/api/v1/devices/{DEVICE}").json()["stats"]["stored"])
+
+
+PER_FRAME = ["person", "car", "person", "bicycle", "person"]
+
+
+def _persons_accounted(persons: _Reader) -> int:
+    """Persons the filtered client received, plus those it was told were dropped."""
+    return len(persons.of_type("detection")) + sum(m["count"] for _, m in persons.of_type("dropped"))
+
+
+def _flood(
+    publisher: mqtt.Client,
+    api: httpx.Client,
+    persons: _Reader,
+    first_seq: int,
+    n: int,
+    what: str,
+    timeout: float = 60,
+) -> float:
+    """Publish ``n`` batches of 20 frames (100 detections, 60 persons) from ``first_seq`` (batch 1 had
+    one person); seconds from the first publish until the last of them is stored and every person is
+    accounted for at the reading client: stored, and through the live fan-out, which runs after each
+    commit on the ingest thread."""
+    total = first_seq - 1 + n
+    persons_total = 1 + (total - 1) * 20 * 3
+    t0 = time.monotonic()
+    for seq in range(first_seq, first_seq + n):
+        _send(publisher, TopicKind.DETECTIONS, _batch(seq, 20, PER_FRAME))
+    wait_for(
+        lambda: _stored(api) == total and _persons_accounted(persons) == persons_total,
+        timeout=timeout,
+        what=f"{what}: all {total} batches stored and their persons live",
+        interval=0.05,
+    )
+    return time.monotonic() - t0
+
+
 def test_person_filter_is_live_and_a_stuck_client_never_slows_ingest(
     controller: ControllerProcess, publisher: mqtt.Client
 ) -> None:
     ws_base = controller.url.replace("http://", "ws://")
     persons = _Reader(f"{ws_base}/api/v1/detections/live?label=person&device={DEVICE}", controller.token)
     persons.start()
-    stuck = _stuck_client(controller.url, "/api/v1/detections/live", controller.token)
+    stuck: socket.socket | None = None
     with controller.client() as api:
-        wait_for(
-            lambda: len(api.get("/api/v1/detections/live/clients").json()) == 2,
-            timeout=10,
-            what="both live clients registered",
-        )
+        wait_for(lambda: len(_live_clients(api)) == 1, timeout=10, what="the live client registered")
         try:
-            # 1. Live: a person published now reaches the filtered client within a second; a car never does.
+            # 1. Live: a person published now reaches the filtered client as it is stored (pushed, not
+            # found by some later poll); a car never does. The bound is loose: the machine may be busy.
             sent = time.monotonic()
             _send(publisher, TopicKind.DETECTIONS, _batch(1, 1, ["person", "car"]))
-            first = wait_for(lambda: persons.of_type("detection"), timeout=10, what="a live person detection")
+            first = wait_for(
+                lambda: persons.of_type("detection"),
+                timeout=10,
+                what="a live person detection",
+                interval=0.02,
+            )
             arrived, msg = first[0]
             assert msg["label"] == "person" and msg["device"] == DEVICE and msg["camera"] == "cam1"
             assert msg["box"] == {"x0": 10.0, "y0": 20.0, "x1": 60.0, "y1": 120.0}
-            assert arrived - sent < 1.0, f"live detection took {arrived - sent:.2f}s"
+            assert arrived - sent < 5.0, f"live detection took {arrived - sent:.2f}s"
 
-            # 2. A flood while one client never reads: every batch is stored, its queue stays bounded.
-            n = 120
-            per_frame = ["person", "car", "person", "bicycle", "person"]
-            for seq in range(2, n + 2):
-                _send(publisher, TopicKind.DETECTIONS, _batch(seq, 20, per_frame))
-            total = n + 1
-            wait_for(
-                lambda: api.get(f"/api/v1/devices/{DEVICE}").json()["stats"]["stored"] == total,
-                timeout=60,
-                what=f"all {total} batches stored",
+            # 2. The same flood three times: with only the reading client, then with a client that never
+            # reads as well, then without it again. The stuck client's queue is bounded and drops; ingest
+            # must not wait for it. The baseline is the mean of the floods before and after, so a machine
+            # that gets busier (or calmer) during the test moves both sides alike.
+            n = 300
+            before = _flood(publisher, api, persons, 2, n, "baseline before")
+            stuck = _stuck_client(controller.url, "/api/v1/detections/live", controller.token)
+            wait_for(lambda: len(_live_clients(api)) == 2, timeout=10, what="the stuck client registered")
+            # Blocked ingest never finishes: give up long before the default timeout.
+            with_stuck = _flood(
+                publisher, api, persons, 2 + n, n, "with a stuck client", timeout=10 * before + 20
             )
-            dev = api.get(f"/api/v1/devices/{DEVICE}").json()
-            assert dev["stats"]["lost"] == 0
 
             def stuck_dropped() -> dict[str, Any] | None:
-                for c in api.get("/api/v1/detections/live/clients").json():
+                for c in _live_clients(api):
                     if not c["filters"] and c["dropped"] > 0:
                         return dict(c)
                 return None
 
             info = wait_for(stuck_dropped, timeout=20, what="the stuck client's drops counted")
             assert info["queued"] <= info["queue_max"]
-            assert info["sent"] + info["queued"] + info["dropped"] <= 2 + n * 20 * 5
+            assert info["sent"] + info["queued"] + info["dropped"] <= n * 20 * 5
+            stuck.close()
+            stuck = None
+            wait_for(lambda: len(_live_clients(api)) == 1, timeout=10, what="the stuck client gone")
+            after = _flood(publisher, api, persons, 2 + 2 * n, n, "baseline after")
+            baseline = (before + after) / 2
+            # A sender that waited on the stuck socket would stall once its buffers filled (the flood is
+            # 30 000 live messages, megabytes) and never finish; one that paid per dropped message would
+            # take seconds longer. An unfiltered client costs some work of its own (an item per detection
+            # instead of per person): measured 0.96-1.26x at ~1.7 s per flood on 2 busy cores. 1.5x
+            # plus 1.5 s absorbs a busy shared machine.
+            assert with_stuck <= 1.5 * baseline + 1.5, (
+                f"ingest with a stuck client took {with_stuck:.2f}s against {baseline:.2f}s without "
+                f"(before {before:.2f}s, after {after:.2f}s)"
+            )
+            total = 1 + 3 * n
+            dev = api.get(f"/api/v1/devices/{DEVICE}").json()
+            assert dev["stats"]["stored"] == total and dev["stats"]["lost"] == 0
 
-            # The reading client got only persons, and every person either arrived or was reported dropped.
-            expected = 1 + n * 20 * 3
-
-            def all_accounted() -> bool:
-                got = len(persons.of_type("detection"))
-                dropped = sum(m["count"] for _, m in persons.of_type("dropped"))
-                return got + dropped == expected
-
-            wait_for(all_accounted, timeout=30, what="every person delivered or reported dropped")
+            # The reading client got only persons, and every person either arrived or was reported dropped
+            # (each flood waited for that).
+            expected = 1 + 3 * n * 20 * 3
+            assert _persons_accounted(persons) == expected
             assert {m["label"] for _, m in persons.of_type("detection")} == {"person"}
 
             # 3. Counts per label per bucket, from SQL.
@@ -208,10 +265,11 @@ def test_person_filter_is_live_and_a_stuck_client_never_slows_ingest(
             for b in stats["buckets"]:
                 for lbl, c in b["counts"].items():
                     sums[lbl] = sums.get(lbl, 0) + c
-            assert sums == {"person": expected, "car": 1 + n * 20, "bicycle": n * 20}
+            assert sums == {"person": expected, "car": 1 + 3 * n * 20, "bicycle": 3 * n * 20}
             assert stats["labels"]["person"] == expected
         finally:
-            stuck.close()
+            if stuck is not None:
+                stuck.close()
             persons.close()
 
 

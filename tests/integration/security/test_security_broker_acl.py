@@ -7,6 +7,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -93,12 +94,17 @@ class Device:
             assert self._acked.wait_for(lambda: mid in self.sub_results, timeout=10), f"no SUBACK for {topic}"
             return all(self.sub_results[mid])
 
-    def publish(self, topic: str, payload: bytes) -> None:
-        self.client.publish(topic, payload, qos=1).wait_for_publish(10)
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
 
     def got(self, topic_part: str) -> list[str]:
         with self._lock:
             return [t for t, _ in self.received if topic_part in t]
+
+    def carrying(self, marker: bytes) -> list[tuple[str, bytes]]:
+        """Every message received whose payload holds ``marker``."""
+        with self._lock:
+            return [(t, p) for t, p in self.received if marker in p]
 
     def close(self) -> None:
         self.client.disconnect()
@@ -200,6 +206,9 @@ def test_a_device_cannot_act_as_or_read_another_device(
             assert _detections(api, "acl-b") == []
             assert not a.got("acl-b"), "A received something of B's"
             assert not b.disconnected.is_set()
+
+            _forgeries_never_reach_a_subscriber(secured_broker, a)
+            assert not a.disconnected.is_set() and not b.disconnected.is_set()
         finally:
             a.close()
             b.close()
@@ -209,6 +218,41 @@ def test_a_device_cannot_act_as_or_read_another_device(
         assert Device(secured_broker, "acl-a", cred_a["mqtt_password"], client_id="acl-b").connect() != 0
         # No anonymous access at all.
         assert Device(secured_broker, None, None, client_id="anonymous").connect() != 0
+
+
+def _forgeries_never_reach_a_subscriber(broker: MosquittoBroker, a: Device) -> None:
+    """A wire-tap subscribed to everything as the broker admin: device A (acl-a) publishes on every
+    topic kind of device B (acl-b), retained where the kind is, and on its own controller-to-device
+    topics (its own retained desired state above all). The broker must drop each: the tap sees none,
+    while A's control message on its own allowed topic, sent after them on the same connection, gets
+    through (so the tap works, and the broker, which keeps one connection's messages in order, has
+    handled every forgery by then). A second tap subscribing afterwards gets the retained messages,
+    B's desired state among them, and no forged one."""
+    marker = f"forged-{uuid.uuid4().hex}".encode()
+    forgeries: list[tuple[str, bool]] = [
+        (TOPICS.device("acl-b", kind), spec.retain) for kind, spec in SPECS.items()
+    ] + [(TOPICS.device("acl-a", kind), spec.retain) for kind, spec in SPECS.items() if not spec.from_agent]
+    assert (TOPICS.device("acl-a", TopicKind.TWIN_DESIRED), True) in forgeries
+    tap = Device(broker, ADMIN_USER, ADMIN_PASSWORD, client_id="acl-test-tap")
+    late_tap = Device(broker, ADMIN_USER, ADMIN_PASSWORD, client_id="acl-test-late-tap")
+    try:
+        assert tap.connect() == 0 and tap.subscribe("#")
+        for topic, retain in forgeries:
+            a.publish(topic, marker + b" on " + topic.encode(), retain=retain)
+        control = f"control-{uuid.uuid4().hex}".encode()
+        a.publish(TOPICS.device("acl-a", TopicKind.EVENTS), control)
+        wait_for(lambda: tap.carrying(control), timeout=10, what="A's control message seen by the tap")
+        assert tap.carrying(marker) == [], "forged frames reached a subscriber"
+
+        assert late_tap.connect() == 0 and late_tap.subscribe("#")
+        control = f"control-{uuid.uuid4().hex}".encode()
+        a.publish(TOPICS.device("acl-a", TopicKind.EVENTS), control)
+        wait_for(lambda: late_tap.carrying(control), timeout=10, what="the late tap's control message")
+        assert late_tap.got("acl-b/twin/desired"), "the late tap got no retained message (B's desired)"
+        assert late_tap.carrying(marker) == [], "a forged message was retained"
+    finally:
+        tap.close()
+        late_tap.close()
 
 
 def test_agent_on_its_issued_credentials_works_and_revoking_cuts_it_off(

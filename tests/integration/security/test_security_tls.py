@@ -5,6 +5,7 @@ name fails with a clear error and keeps retrying instead of crashing."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from edge_agent.link import MqttLink
 from edge_agent.settings import MqttEndpoint, SettingsError, parse_settings
 from fleet_protocol import Topics
+from fleet_protocol.messages import Availability
 from tests.conftest import FOOTAGE
 from tests.integration.security.certs import TestCA
 from tests.mqtt_broker import MosquittoBroker, TlsFiles, tls_broker, wait_port
@@ -103,6 +105,10 @@ def _link(endpoint: MqttEndpoint, device_id: str) -> MqttLink:
     return MqttLink(endpoint, device_id=device_id, topics=Topics(), reconnect_min_s=1, reconnect_max_s=2)
 
 
+def _attempted(link: MqttLink, n: int) -> bool:
+    return link.connect_attempts >= n
+
+
 def _error_of(link: MqttLink) -> Callable[[], str | None]:
     return lambda: link.last_error
 
@@ -126,12 +132,28 @@ def test_a_wrong_ca_or_host_name_fails_clearly_and_keeps_retrying(
             key_file=pki.client.key,
         )
         link = _link(endpoint, "tls-wrong")
+        connected: list[bool] = []
+        fatal: list[str] = []
+        link.set_callbacks(
+            birth=lambda: Availability(state="online"),
+            on_connected=partial(connected.append, True),
+            on_fatal=fatal.append,
+        )
         link.start()
         try:
             error = wait_for(_error_of(link), timeout=15, what=f"a TLS error for {host} with {ca.name}")
             assert "TLS" in error and expected in error and "mqtt_ca_file" in error, error
-            # Not fatal: the reconnect policy applies (a CA can be fixed on the broker side).
-            assert link.fatal is None and not link.connected
+            # Not fatal: the reconnect policy applies (a CA can be fixed on the broker side). It keeps
+            # trying, with its 1-2 s backoff, and never gets through.
+            tried = link.connect_attempts
+            assert tried >= 1
+            wait_for(
+                partial(_attempted, link, tried + 2),
+                timeout=20,
+                what=f"two more connection attempts after {tried} (retrying, not given up)",
+            )
+            assert connected == [] and fatal == [] and link.fatal is None and not link.connected
+            assert link.last_error is not None and expected in link.last_error, link.last_error
         finally:
             link.stop()
 

@@ -2,7 +2,9 @@
 field by field (wrong types, NaN/inf, huge ints, missing and extra fields, deep nesting, odd unicode,
 huge strings). Nothing may escape the bridge or kill a worker; every payload the contract refuses is
 counted as ``invalid`` for its topic kind (in the stats API and in /metrics); afterwards valid
-messages on every topic are still handled and stored.
+messages on every topic are still handled and stored. Those tests take decode() as the judge of what
+the contract refuses; ``test_pinned_payloads_...`` writes the verdicts out by hand instead (what must
+be refused and leave no trace, what must be accepted and stored).
 
 Fed through the FakeTransport, on SQLite and on PostgreSQL (the ``fleet`` fixture).
 """
@@ -17,6 +19,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -424,4 +427,431 @@ def test_every_device_topic_survives_random_payloads(
         assert counters[kind.value].get("invalid", 0) >= sender.refused.get(kind.value, 0), kind
         assert "error" not in counters[kind.value], (kind, counters[kind.value])
     _still_works(fleet, FUZZ_DEV, seq=10**12)
+    assert _worker_failures(quiet_errors) == []
+
+
+# --------------------------------------------------------------------------- pinned verdicts
+# The fuzz tests above judge each payload by the production decode(): they prove counting and that
+# nothing crashes, not WHAT is refused. Here the verdicts are written out by hand, per topic kind,
+# without decode: each payload in REFUSE must be counted ``invalid`` and leave no trace; each in
+# ACCEPT must be handled and stored.
+
+LONG = "y" * 70_000  # over any one-line field, far under the payload limit
+NAN, INF = math.nan, math.inf
+NOW = 1.7e9
+BAD_UTF8 = "\u2063utf8\u2063"  # replaced, after dumping, by a JSON string holding bytes that are not UTF-8
+
+Verdicts = list[tuple[str, bytes]]
+
+# A string field of each kind, for the encoding cases (bytes that are not UTF-8, a lone surrogate).
+TEXT_FIELD: dict[TopicKind, tuple[Any, ...]] = {
+    TopicKind.AVAILABILITY: ("agent_version",),
+    TopicKind.HEARTBEAT: ("cameras", 0, "model"),
+    TopicKind.DETECTIONS: ("frames", 0, "detections", 0, "label"),
+    TopicKind.EVENTS: ("message",),
+    TopicKind.TWIN_REPORTED: ("agent_version",),
+    TopicKind.COMMAND_RESULT: ("error",),
+    TopicKind.ARTIFACT_REQUEST: ("sha256",),
+}
+
+# The free-form fields (dict[str, Any]) of the kinds that have one.
+FREE_FORM: dict[TopicKind, tuple[Any, ...]] = {
+    TopicKind.EVENTS: ("data", "a"),
+    TopicKind.COMMAND_RESULT: ("result", "k"),
+}
+
+# Field by field: (path in the valid message, value), or (path, DROP) for a required field left out.
+DROP = object()
+FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
+    TopicKind.AVAILABILITY: [
+        (("state",), "maybe"),
+        (("state",), None),
+        (("state",), DROP),
+        (("ts",), NAN),
+        (("ts",), INF),
+        (("ts",), -INF),
+        (("ts",), "now"),
+        (("ts",), True),
+        (("agent_version",), LONG),
+        (("agent_version",), 5),
+        (("capabilities",), []),
+        (("capabilities", "surprise"), 1),
+        (("capabilities", "hostname"), LONG),
+        (("capabilities", "os"), LONG),
+        (("capabilities", "cpu_model"), LONG),
+        (("capabilities", "cpu_count"), -1),
+        (("capabilities", "cpu_count"), 2**70),
+        (("capabilities", "cpu_count"), True),
+        (("capabilities", "cpu_count"), "2"),
+        (("capabilities", "cpu_count"), 2.5),
+        (("capabilities", "memory_total_mb"), NAN),
+        (("capabilities", "gpus"), {}),
+        (("capabilities", "gpus", 0, "index"), -1),
+        (("capabilities", "gpus", 0, "index"), 2**70),
+        (("capabilities", "gpus", 0, "name"), LONG),
+        (("capabilities", "gpus", 0, "name"), DROP),
+        (("capabilities", "gpus", 0, "compute_capability"), LONG),
+        (("capabilities", "gpus", 0, "memory_total_mb"), INF),
+        (("capabilities", "execution_providers", 0), LONG),
+        (("capabilities", "cameras", 0), "../cam"),
+        (("capabilities", "cameras", 0), LONG),
+    ],
+    TopicKind.HEARTBEAT: [
+        (("ts",), DROP),
+        (("ts",), None),
+        (("ts",), NAN),
+        (("ts",), INF),
+        (("ts",), "now"),
+        (("cpu_pct",), NAN),
+        (("cpu_pct",), "10"),
+        (("memory_pct",), -INF),
+        (("inference_ms",), INF),
+        (("cpu_energy_j",), NAN),
+        (("outbox_pending",), -1),
+        (("outbox_pending",), 2**70),
+        (("outbox_dropped",), 2**70),
+        (("queue_dropped",), -1),
+        (("queue_dropped",), 1.5),
+        (("gpus",), "gpu"),
+        (("gpus", 0, "surprise"), 1),
+        (("gpus", 0, "index"), -1),
+        (("gpus", 0, "index"), 2**70),
+        (("gpus", 0, "name"), LONG),
+        (("gpus", 0, "temperature_c"), NAN),
+        (("gpus", 0, "power_w"), INF),
+        (("cameras",), {}),
+        (("cameras", 0, "camera"), DROP),
+        (("cameras", 0, "camera"), LONG),
+        (("cameras", 0, "state"), "exploded"),
+        (("cameras", 0, "fps"), NAN),
+        (("cameras", 0, "frames"), -1),
+        (("cameras", 0, "frames"), 2**70),
+        (("cameras", 0, "dropped"), -1),
+        (("cameras", 0, "model"), LONG),
+    ],
+    TopicKind.DETECTIONS: [
+        (("seq",), DROP),
+        (("seq",), 0),
+        (("seq",), -1),
+        (("seq",), 2**63),  # one past the highest seq a database holds
+        (("seq",), 2**70),
+        (("seq",), True),
+        (("seq",), "5"),
+        (("seq",), 1.5),
+        (("seq",), None),
+        (("sent_at",), DROP),
+        (("sent_at",), NAN),
+        (("frames",), DROP),
+        (("frames",), []),
+        (("frames",), {}),
+        (("frames", 0, "camera"), LONG),
+        (("frames", 0, "camera"), "a/b"),
+        (("frames", 0, "frame"), -1),
+        (("frames", 0, "frame"), 2**70),
+        (("frames", 0, "captured_at"), INF),
+        (("frames", 0, "width"), 0),
+        (("frames", 0, "width"), 2**70),
+        (("frames", 0, "height"), -1),
+        (("frames", 0, "model"), LONG),
+        (("frames", 0, "inference_ms"), NAN),
+        (("frames", 0, "inference_ms"), -1.0),
+        (("frames", 0, "detections", 0, "surprise"), 1),
+        (("frames", 0, "detections", 0, "label"), LONG),
+        (("frames", 0, "detections", 0, "class_id"), -1),
+        (("frames", 0, "detections", 0, "class_id"), 2**70),
+        (("frames", 0, "detections", 0, "score"), NAN),
+        (("frames", 0, "detections", 0, "score"), 1.5),
+        (("frames", 0, "detections", 0, "box"), DROP),
+        (("frames", 0, "detections", 0, "box", "x0"), NAN),
+        (("frames", 0, "detections", 0, "box", "y1"), INF),
+        (("frames", 0, "detections", 0, "box", "x0"), 1e6),  # right of x1
+    ],
+    TopicKind.EVENTS: [
+        (("seq",), DROP),
+        (("seq",), 0),
+        (("seq",), -1),
+        (("seq",), 2**70),
+        (("seq",), "1"),
+        (("ts",), DROP),
+        (("ts",), NAN),
+        (("kind",), DROP),
+        (("kind",), "meltdown"),
+        (("severity",), "apocalyptic"),
+        (("camera",), LONG),
+        (("camera",), "../cam"),
+        (("message",), LONG),
+        (("message",), 5),
+        (("data",), []),
+        (("data",), "x"),
+    ],
+    TopicKind.TWIN_REPORTED: [
+        (("ts",), DROP),
+        (("ts",), NAN),
+        (("desired_version",), DROP),
+        (("desired_version",), -1),
+        (("desired_version",), 2**31),  # above the schema's bound, 2**31 - 1
+        (("desired_version",), 2**70),
+        (("desired_version",), "0"),
+        (("desired_version",), True),
+        (("agent_version",), LONG),
+        (("cameras",), []),
+        (("cameras", "../cam"), {}),
+        (("cameras", "cam1", "surprise"), 1),
+        (("cameras", "cam1", "model"), LONG),
+        (("cameras", "cam1", "sha256"), "not-hex"),
+        (("cameras", "cam1", "state"), "dancing"),
+        (("cameras", "cam1", "error"), LONG),
+        (("cameras", "cam1", "progress_pct"), NAN),
+        (("cameras", "cam1", "threshold"), 1.5),
+        (("cameras", "cam1", "max_fps"), INF),
+    ],
+    TopicKind.COMMAND_RESULT: [
+        (("id",), DROP),
+        (("id",), ""),
+        (("id",), LONG),
+        (("id",), 5),
+        (("ok",), DROP),
+        (("ok",), "true"),
+        (("ok",), 1),
+        (("ok",), None),
+        (("result",), []),
+        (("result",), "x"),
+        (("error",), LONG),
+        (("error",), 5),
+    ],
+    TopicKind.ARTIFACT_REQUEST: [
+        (("sha256",), DROP),
+        (("sha256",), "x" * 64),
+        (("sha256",), TINY_SHA.upper()),
+        (("sha256",), LONG),
+        (("chunks",), DROP),
+        (("chunks",), []),
+        (("chunks",), list(range(65))),
+        (("chunks", 0), -1),
+        (("chunks", 0), 2**70),
+        (("chunks", 0), "0"),
+        (("chunks", 0), 1.5),
+        (("chunk_size",), DROP),
+        (("chunk_size",), 1023),
+        (("chunk_size",), -1),
+        (("chunk_size",), 2**70),
+    ],
+}
+
+
+def _dump_utf8_broken(doc: Any) -> bytes:
+    return dump(doc).replace(json.dumps(BAD_UTF8).encode(), b'"ok\xff\xfeok"')
+
+
+def must_refuse(kind: TopicKind) -> Verdicts:
+    """Payloads the contract must refuse on a topic of ``kind``, written out, not derived from decode."""
+    good = encode(valid_message(kind))
+    doc = json.loads(good)
+    other_tag = "heartbeat" if kind != TopicKind.HEARTBEAT else "event"
+    text = TEXT_FIELD[kind]
+    out: Verdicts = [
+        ("empty payload", b""),
+        ("bytes that are not UTF-8", b"\xff\xfe\xfd"),
+        ("not UTF-8 inside a string", _dump_utf8_broken(set_at(doc, text, BAD_UTF8))),
+        ("a lone surrogate", dump(set_at(doc, text, "\ud800"))),
+        ("the message in UTF-16", good.decode().encode("utf-16")),
+        ("a JSON array holding the message", b"[" + good + b"]"),
+        ("JSON null", b"null"),
+        ("a JSON string", b'"online"'),
+        ("a JSON number", b"1"),
+        ("5000 nested arrays", b"[" * 5000 + b"]" * 5000),
+        ("a field nested 5000 deep", with_deep(dump(set_at(doc, text, DEEP)), depth=5000)),
+        ("no type tag", dump({k: v for k, v in doc.items() if k != "type"})),
+        ("another kind's type tag", dump({**doc, "type": other_tag})),
+        ("the tag alone", dump({"type": doc["type"]})),
+        ("schema version 2", dump({**doc, "v": 2})),
+        ('schema version "1"', dump({**doc, "v": "1"})),
+        ("an extra field", dump({**doc, "surprise": 1})),
+        ("truncated", good[:-1]),
+        ("trailing garbage", good + b"}"),
+        ("over the size limit", good + b" " * MAX_JSON_BYTES),
+    ]
+    if kind in FREE_FORM:  # any JSON object, but not nested past the parser's depth (about 200)
+        deep = with_deep(dump(set_at(doc, FREE_FORM[kind], DEEP)), depth=250)
+        out.append((f"{'.'.join(map(str, FREE_FORM[kind]))} nested 250 deep", deep))
+    for path, value in FIELD_REFUSALS[kind]:
+        name = ".".join(map(str, path))
+        if value is DROP:
+            out.append((f"{name} missing", dump(drop_at(doc, path))))
+        else:
+            shown = "70 kB string" if value is LONG else repr(value)[:40]
+            out.append((f"{name} = {shown}", dump(set_at(doc, path, value))))
+    return out
+
+
+def must_accept(kind: TopicKind) -> Verdicts:
+    """Payloads the contract must accept: the full message, the least one, and values at the bounds."""
+    good = encode(valid_message(kind))
+    doc = json.loads(good)
+    pretty = json.dumps(doc, indent=2, sort_keys=True).encode()
+    least: dict[TopicKind, dict[str, Any]] = {
+        TopicKind.AVAILABILITY: {"type": "availability", "state": "online"},
+        TopicKind.HEARTBEAT: {"type": "heartbeat", "ts": 1_700_000_000},  # an integer is a number
+        TopicKind.DETECTIONS: {
+            "type": "detections",
+            "seq": 1,
+            "sent_at": NOW,
+            "frames": [
+                {
+                    "camera": "cam1",
+                    "frame": 0,
+                    "captured_at": NOW,
+                    "width": 1,
+                    "height": 1,
+                    "model": "m",
+                    "inference_ms": 0,
+                }
+            ],
+        },
+        TopicKind.EVENTS: {"type": "event", "seq": 1, "ts": NOW, "kind": "disk_low"},
+        TopicKind.TWIN_REPORTED: {"type": "reported", "ts": NOW, "desired_version": 0},
+        TopicKind.COMMAND_RESULT: {"type": "command_result", "id": "c", "ok": True},
+        TopicKind.ARTIFACT_REQUEST: {
+            "type": "artifact_request",
+            "sha256": TINY_SHA,
+            "chunks": [0],
+            "chunk_size": 1024,
+        },
+    }
+    at_bounds: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
+        TopicKind.AVAILABILITY: [
+            (("agent_version",), "v" * 256),
+            (("capabilities", "hostname"), "caméra-站点-\U0001f600"),
+            (("capabilities", "cpu_count"), 0),
+        ],
+        TopicKind.HEARTBEAT: [
+            (("outbox_pending",), 2**63 - 1),
+            (("cameras", 0, "frames"), 2**63 - 1),
+            (("cpu_pct",), 0),
+        ],
+        TopicKind.DETECTIONS: [
+            (("seq",), 2**63 - 1),
+            (("frames", 0, "detections", 0, "label"), "piéton-\U0001f6b6" + "x" * 55),
+            (("frames", 0, "detections", 0, "box"), {"x0": 5, "y0": 5, "x1": 5, "y1": 5}),
+            (("frames", 0, "detections", 0, "score"), 1),
+        ],
+        TopicKind.EVENTS: [
+            (("message",), "é" * 4096),
+            (("data",), {"deep": json.loads("[" * 50 + "1" + "]" * 50), "big": 2**70, "text": LONG}),
+        ],
+        TopicKind.TWIN_REPORTED: [
+            (("desired_version",), 2**31 - 1),
+            (("cameras", "cam1", "error"), "e" * 4096),
+        ],
+        TopicKind.COMMAND_RESULT: [
+            (("error",), "e" * 4096),
+            (("result",), {"log": LONG}),  # free-form: a snapshot's image is far larger
+        ],
+        TopicKind.ARTIFACT_REQUEST: [
+            (("chunks",), list(range(64))),
+            (("chunk_size",), 4 * 1024 * 1024),
+        ],
+    }
+    out: Verdicts = [
+        ("the valid message", good),
+        ("the valid message, pretty-printed with its keys sorted", pretty),
+        ("only the required fields", json.dumps(least[kind]).encode()),
+    ]
+    for path, value in at_bounds[kind]:
+        out.append((f"{'.'.join(map(str, path))} at its bound", dump(set_at(doc, path, value))))
+    return out
+
+
+def _api_items(fleet: Fleet, what: str, device: str) -> list[dict[str, Any]]:
+    r = fleet.client.get(f"/api/v1/{what}", params={"device": device, "limit": 1000})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    items: list[dict[str, Any]] = body["items"] if isinstance(body, dict) else body
+    return items
+
+
+def _stored(fleet: Fleet, kind: TopicKind, device: str) -> bool:
+    """What ``kind`` leaves behind once handled, seen through the API."""
+    if kind == TopicKind.DETECTIONS:  # a batch of frames without detections stores no rows: count it
+        dev = fleet.device_or_none(device)
+        return dev is not None and dev["stats"]["stored"] == 1
+    if kind == TopicKind.EVENTS:
+        return bool(_api_items(fleet, "events", device))
+    if kind == TopicKind.COMMAND_RESULT:
+        return any(e["kind"] == "command_result" for e in _api_items(fleet, "events", device))
+    dev = fleet.device_or_none(device)
+    if dev is None:
+        return False
+    if kind == TopicKind.AVAILABILITY:
+        return bool(dev["status"] == "online")
+    if kind == TopicKind.HEARTBEAT:
+        return dev["last_health"] is not None
+    if kind == TopicKind.TWIN_REPORTED:
+        return dev["reported_version"] is not None
+    raise AssertionError(kind)
+
+
+def _outcomes(fleet: Fleet, kind: TopicKind) -> dict[str, int]:
+    return dict(fleet.counters().get(kind.value, {}))
+
+
+def _handled(fleet: Fleet, kind: TopicKind, n: int) -> bool:
+    """``n`` payloads of ``kind`` handled with any outcome but ``invalid``."""
+    return sum(v for k, v in _outcomes(fleet, kind).items() if k != "invalid") == n
+
+
+def test_pinned_payloads_are_refused_or_accepted_as_the_contract_says(
+    fleet: Fleet, quiet_errors: pytest.LogCaptureFixture
+) -> None:
+    bridge = fleet.client.app.state.runtime.bridge  # type: ignore[attr-defined]
+    refused: dict[TopicKind, list[tuple[str, str]]] = {}  # kind -> [(device, why)]
+    accepted: dict[TopicKind, list[tuple[str, str]]] = {}
+    wrong: list[str] = []
+    for kind in CONSUMED:
+        slug = kind.name.lower().replace("_", "-")
+        for i, (why, payload) in enumerate(must_refuse(kind)):
+            device = f"pin-{slug}-r{i}"
+            before = bridge.counters.get(kind.value, "invalid")
+            fleet.transport.inject(fleet.topics.device(device, kind), payload)
+            if bridge.counters.get(kind.value, "invalid") - before != 1:
+                wrong.append(f"{kind.value}: {why}: not counted invalid once")
+            refused.setdefault(kind, []).append((device, why))
+        for i, (why, payload) in enumerate(must_accept(kind)):
+            device = f"pin-{slug}-a{i}"
+            before = bridge.counters.get(kind.value, "invalid")
+            fleet.transport.inject(fleet.topics.device(device, kind), payload)
+            if bridge.counters.get(kind.value, "invalid") != before:
+                wrong.append(f"{kind.value}: {why}: counted invalid")
+            accepted.setdefault(kind, []).append((device, why))
+    assert wrong == [], "\n".join(wrong)
+
+    # Every accepted payload handled (ingest and artifacts count once their worker is done) and stored.
+    for kind in CONSUMED:
+        n_ok = len(accepted[kind])
+        wait_for(
+            partial(_handled, fleet, kind, n_ok),
+            timeout=20,
+            what=f"{n_ok} accepted {kind.value} payloads handled",
+            interval=0.05,
+        )
+        if kind == TopicKind.ARTIFACT_REQUEST:
+            continue  # not stored: answered from the device's desired state (none here)
+        for device, why in accepted[kind]:
+            wait_for(
+                partial(_stored, fleet, kind, device),
+                timeout=20,
+                what=f"{kind.value} {why!r} stored",
+                interval=0.05,
+            )
+    # The workers are FIFO and the accepted payloads came after the refused ones: had a refused payload
+    # been queued, it would be stored by now. None left a trace, and each was counted exactly once.
+    for kind in CONSUMED:
+        counts = _outcomes(fleet, kind)
+        assert counts.get("invalid") == len(refused[kind]), (kind, counts)
+        assert "error" not in counts and "store_failed" not in counts, (kind, counts)
+        for device, why in refused[kind]:
+            assert fleet.device_or_none(device) is None, f"{kind.value} {why!r} registered {device}"
+            assert _api_items(fleet, "detections", device) == [], f"{kind.value} {why!r}"
+            assert _api_items(fleet, "events", device) == [], f"{kind.value} {why!r}"
+            assert not [p for p in fleet.transport.published if f"/devices/{device}/" in p.topic], why
     assert _worker_failures(quiet_errors) == []

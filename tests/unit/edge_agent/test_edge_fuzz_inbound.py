@@ -5,7 +5,9 @@ chunk frames with broken framing, headers, sizes and checksums in the middle of 
 
 Each payload is ignored or reported (counted in the link's ``protocol_errors``, the fetcher's
 ``bad_chunks``, a refused model); nothing crashes a thread, and afterwards the agent still fetches a
-model, applies desired state, answers commands and keeps detecting.
+model, applies desired state, answers commands and keeps detecting. The fuzz test counts what decode()
+refuses; ``test_pinned_inbound_...`` writes the verdicts out by hand: what must be refused and change
+nothing (no state applied, no command answered, no outbox row acked), what must be accepted and act.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -26,8 +29,9 @@ from hypothesis import strategies as st
 
 from edge_agent.agent import Agent
 from edge_agent.link import MqttLink
-from fleet_protocol.codec import CHUNK_MAGIC, ProtocolError, decode, encode, encode_chunk
+from fleet_protocol.codec import CHUNK_MAGIC, MAX_JSON_BYTES, ProtocolError, decode, encode, encode_chunk
 from fleet_protocol.messages import (
+    MAX_DESIRED_VERSION,
     Ack,
     ArtifactRef,
     ArtifactRequest,
@@ -350,4 +354,203 @@ def test_the_agent_shrugs_off_bad_input_on_every_inbound_topic(
         what="detections after the fuzzing",
     )
     assert all(t.is_alive() for t in agent._threads), [t.name for t in agent._threads if not t.is_alive()]
+    assert _crashes(caplog) == []
+
+
+# --------------------------------------------------------------------------- pinned verdicts
+# The fuzz test above counts what decode() refuses, with decode() as its own oracle. Here the verdicts
+# are written out by hand (as in the controller's tests/unit/controller/test_controller_fuzz_topics.py):
+# each payload below must be counted as a protocol error and change nothing, each valid one must act.
+
+LONG = "y" * 70_000
+NAN, INF = math.nan, math.inf
+DROP = object()
+
+FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[object, ...], object]]] = {
+    TopicKind.TWIN_DESIRED: [
+        (("version",), DROP),
+        (("version",), -1),
+        (("version",), MAX_DESIRED_VERSION + 1),  # above the schema's bound: it could never be superseded
+        (("version",), 2**70),
+        (("version",), "2"),
+        (("version",), True),
+        (("version",), 2.0),
+        (("issued_at",), DROP),
+        (("issued_at",), NAN),
+        (("issued_at",), INF),
+        (("issued_at",), "now"),
+        (("device_id",), LONG),
+        (("device_id",), "../dev-1"),
+        (("signature",), LONG),
+        (("key_id",), LONG),
+        (("cameras",), []),
+        (("cameras", "../cam"), {}),
+        (("cameras", "cam1", "surprise"), 1),
+        (("cameras", "cam1", "threshold"), NAN),
+        (("cameras", "cam1", "threshold"), 1.5),
+        (("cameras", "cam1", "threshold"), "high"),
+        (("cameras", "cam1", "max_fps"), INF),
+        (("cameras", "cam1", "max_fps"), 0),
+        (("cameras", "cam1", "labels"), "person"),
+        (("cameras", "cam1", "model", "chunk_size"), -1),
+        (("cameras", "cam1", "model", "chunk_size"), 2**70),
+        (("cameras", "cam1", "model", "signature"), LONG),
+        (("cameras", "cam1", "model", "key_id"), LONG),
+        (("cameras", "cam1", "model", "manifest"), DROP),
+        (("cameras", "cam1", "model", "manifest", "size"), -1),
+        (("cameras", "cam1", "model", "manifest", "size"), 2**70),
+        (("cameras", "cam1", "model", "manifest", "sha256"), "x" * 64),
+        (("cameras", "cam1", "model", "manifest", "decoder"), "magic"),
+        (("cameras", "cam1", "model", "manifest", "labels"), []),
+        (("cameras", "cam1", "model", "manifest", "default_threshold"), NAN),
+        (("cameras", "cam1", "model", "manifest", "input", "width"), 2**70),
+        (("cameras", "cam1", "model", "manifest", "input", "mean"), [NAN, 0.0, 0.0]),
+        (("cameras", "cam1", "model", "manifest", "input", "std"), [INF, 1.0, 1.0]),
+    ],
+    TopicKind.COMMANDS: [
+        (("id",), DROP),
+        (("id",), ""),
+        (("id",), LONG),
+        (("id",), 5),
+        (("name",), DROP),
+        (("name",), "format_disk"),
+        (("name",), None),
+        (("args",), []),
+        (("args",), "x"),
+    ],
+    TopicKind.ACKS: [
+        (("upto",), DROP),
+        (("upto",), -1),
+        (("upto",), 2**70),
+        (("upto",), True),
+        (("upto",), "5"),
+        (("upto",), 1.5),
+        (("upto",), NAN),
+        (("ranges",), "x"),
+        (("ranges",), {}),
+        (("ranges",), [[5, 3]]),
+        (("ranges",), [[0, 1]]),
+        (("ranges",), [[1]]),
+        (("ranges",), [[1, 2, 3]]),
+        (("ranges",), [[1, 2**70]]),
+        (("ranges",), [[True, 2]]),
+        (("ranges",), [[1, 2]] * 1001),
+    ],
+}
+TEXT_FIELD = {
+    TopicKind.TWIN_DESIRED: ("cameras", "cam1", "model", "variant"),
+    TopicKind.COMMANDS: ("id",),
+    TopicKind.ACKS: None,
+}
+
+
+def _must_refuse(kind: TopicKind, msg: object) -> list[tuple[str, bytes]]:
+    """Payloads the contract must refuse on ``kind``, made from the valid ``msg``, without decode."""
+    good = encode(msg)  # type: ignore[arg-type]
+    doc = json.loads(good)
+    other = "ack" if kind != TopicKind.ACKS else "command"
+    out = [
+        ("empty payload", b""),
+        ("bytes that are not UTF-8", b"\xff\xfe\xfd"),
+        ("the message in UTF-16", good.decode().encode("utf-16")),
+        ("a JSON array holding the message", b"[" + good + b"]"),
+        ("JSON null", b"null"),
+        ("a JSON number", b"4"),
+        ("5000 nested arrays", b"[" * 5000 + b"]" * 5000),
+        ("no type tag", dump({k: v for k, v in doc.items() if k != "type"})),
+        ("another kind's type tag", dump({**doc, "type": other})),
+        ("schema version 2", dump({**doc, "v": 2})),
+        ('schema version "1"', dump({**doc, "v": "1"})),
+        ("an extra field", dump({**doc, "surprise": 1})),
+        ("truncated", good[:-1]),
+        ("over the size limit", good + b" " * MAX_JSON_BYTES),
+    ]
+    text = TEXT_FIELD[kind]
+    if text is not None:
+        marker = "\u2063utf8\u2063"
+        broken = dump(set_at(doc, text, marker)).replace(json.dumps(marker).encode(), b'"a\xff\xfeb"')
+        out.append(("not UTF-8 inside a string", broken))
+        out.append(("a lone surrogate", dump(set_at(doc, text, "\ud800"))))
+        out.append(("a field nested 5000 deep", with_deep(dump(set_at(doc, text, DEEP)), depth=5000)))
+    if kind == TopicKind.COMMANDS:  # free-form: any JSON object, but not nested past the parser's depth
+        out.append(("args nested 250 deep", with_deep(dump(set_at(doc, ("args", "camera"), DEEP)), 250)))
+    for path, value in FIELD_REFUSALS[kind]:
+        name = ".".join(map(str, path))
+        if value is DROP:
+            out.append((f"{name} missing", dump(drop_at(doc, path))))
+        else:
+            shown = "70 kB string" if value is LONG else repr(value)[:40]
+            out.append((f"{name} = {shown}", dump(set_at(doc, path, value))))
+    return out
+
+
+def _pending_seqs(agent: Agent) -> list[int]:
+    return [row.seq for row in agent.outbox.due(time.time() + 1e9, 0.0, 1_000_000)]
+
+
+def _oldest_of_several(agent: Agent) -> int | None:
+    """The oldest pending seq once there are a few."""
+    seqs = _pending_seqs(agent)
+    return seqs[0] if len(seqs) >= 3 else None
+
+
+def _answered(link: OfflineLink) -> list[str]:
+    ids = []
+    for p in link.of(TopicKind.COMMAND_RESULT):
+        r = decode(TopicKind.COMMAND_RESULT, p)
+        assert isinstance(r, CommandResult)
+        ids.append(r.id)
+    return ids
+
+
+def test_pinned_inbound_payloads_are_refused_or_accepted_as_the_contract_says(
+    rig: tuple[Agent, OfflineLink], caplog: pytest.LogCaptureFixture
+) -> None:
+    agent, link = rig
+    local = model_in_store(agent.data_dir, "local")
+    link.deliver(TopicKind.TWIN_DESIRED, encode(_desired(1, local)))
+    wait_for(lambda: _running(link, 1, "local:1"), timeout=20, what="v1 running from the store")
+    # Detections wait in the outbox for an ack that never came: an ack wrongly taken would delete them.
+    oldest = wait_for(lambda: _oldest_of_several(agent), timeout=20, what="detections in the outbox")
+
+    # Each refusal, if it were taken, would act: a newer signed state, a command to answer, an ack that
+    # covers the oldest pending detection.
+    bases: dict[TopicKind, Callable[[int], object]] = {
+        TopicKind.TWIN_DESIRED: lambda i: _desired(2, local),
+        TopicKind.COMMANDS: lambda i: Command(id=f"pin-r{i}", name="diagnostics", args={"camera": "cam1"}),
+        TopicKind.ACKS: lambda i: Ack(upto=oldest, ranges=[(oldest, oldest)]),
+    }
+    wrong: list[str] = []
+    sent = 0
+    for kind, base in bases.items():
+        for i, (why, payload) in enumerate(_must_refuse(kind, base(0))):
+            if kind == TopicKind.COMMANDS:  # one id per command, to see which (if any) was answered
+                payload = payload.replace(b'"pin-r0"', f'"pin-r{i}"'.encode())
+            before = link.protocol_errors.get(kind.value, 0)
+            link.deliver(kind, payload)
+            sent += 1
+            if link.protocol_errors.get(kind.value, 0) - before != 1:
+                wrong.append(f"{kind.value}: {why}: not counted as a protocol error once")
+    assert wrong == [], "\n".join(wrong)
+    assert sent > 100
+    n_desired = len(_must_refuse(TopicKind.TWIN_DESIRED, bases[TopicKind.TWIN_DESIRED](0)))
+    assert agent.twin.refused == {"undecodable": n_desired}, agent.twin.refused
+
+    # Valid ones, after the refused: each acts, and each proves the same kind's refusals did not.
+    errors_before = dict(link.protocol_errors)
+    link.deliver(TopicKind.ACKS, encode(Ack(upto=0)))  # accepted, covers nothing
+    link.deliver(TopicKind.COMMANDS, encode(Command(id="pin-ok", name="diagnostics", args={"note": "é🙂"})))
+    wait_for(lambda: "pin-ok" in _answered(link), timeout=10, what="the valid command answered")
+    assert oldest in _pending_seqs(agent), "a refused ack deleted a pending detection"
+    assert not [i for i in _answered(link) if i.startswith("pin-r")], "a refused command was answered"
+    reported = {decode(TopicKind.TWIN_REPORTED, p).desired_version for p in link.of(TopicKind.TWIN_REPORTED)}  # type: ignore[union-attr]
+    assert reported <= {0, 1}, f"a refused desired state was applied: {reported}"
+    link.deliver(TopicKind.ACKS, encode(Ack(upto=oldest)))
+    wait_for(lambda: oldest not in _pending_seqs(agent), timeout=10, what="the valid ack deletes the oldest")
+    link.deliver(TopicKind.TWIN_DESIRED, encode(_desired(2, local)))
+    wait_for(lambda: _running(link, 2, "local:1"), timeout=20, what="the valid v2 applied")
+    top = MAX_DESIRED_VERSION  # the bound itself is a version
+    link.deliver(TopicKind.TWIN_DESIRED, encode(_desired(top, local)))
+    wait_for(lambda: _running(link, top, "local:1"), timeout=20, what=f"v{top} applied")
+    assert link.protocol_errors == errors_before
     assert _crashes(caplog) == []
