@@ -1,15 +1,18 @@
 """Pipeline benchmark: ped_ssdlite on the bundled footage, over one or several cameras.
 
 Raw limit (measured in this process): frames decoded and preprocessed beforehand with the agent's own
-Preprocessor, held in memory, stacked ``batch`` at a time (batch = min(cameras, max batch)), and
-``session.run`` in a tight loop on a session with the agent's session options (same intra-op threads,
-ORT_ENABLE_ALL, CPU execution provider). Measured with onnxruntime's intra-op spinning off (the agent's
-default) and on; the faster one is the limit.
+Preprocessor, held in memory, stacked ``batch`` at a time, and ``session.run`` in a tight loop on a
+session with the agent's session options (ORT_ENABLE_ALL, CPU execution provider), in each layout of
+the same cores: the agent's (``--workers`` threads calling the session at once, each run on
+``--threads`` intra-op threads with its share of the cameras, batch = ceil(cameras / workers)) and,
+with several workers, one run at a time on workers x threads intra-op threads with every camera in the
+batch. Each with onnxruntime's intra-op spinning off (the agent's default) and on; the fastest of all
+is the limit.
 
-Pipeline: a real agent process (capture threads -> prepare thread -> inference thread -> publisher)
-with N cameras, each playing the bundled footage in a loop as fast as the pipeline takes frames
-(``realtime: false``), frames of all cameras batched up to the max batch (default N, at most 64, so
-one model run per round as in the raw loop; the agent's own default is 4), publishing to a real
+Pipeline: a real agent process (capture threads -> prepare thread -> inference worker threads ->
+publisher) with N cameras, each playing the bundled footage in a loop as fast as the pipeline takes
+frames (``realtime: false``), each worker's cameras batched up to the max batch (default N, at most
+64, so one model run per worker per round as in the raw loop; the agent's own default is 4), publishing to a real
 Mosquitto with a real controller storing every row. Aggregate FPS: the distinct frames whose capture
 time falls in a window of ``--seconds`` (after ``--warmup`` seconds of frames flowing), over the window.
 
@@ -18,18 +21,20 @@ faster of the two raw runs either side of it (the stricter limit); the median an
 are printed.
 
 Where the time goes, per pipeline run, from what the agent publishes and from the OS:
-  - ``busy``: the inference thread's share of the window spent in model run + decode (the sum over
+  - ``busy``: the inference threads' share of the window spent in model run + decode (the sum over
     distinct batches of the ``inference_ms`` each frame reports; an estimate, +- one batch at each edge
-    of the window, so it can read a little over 1 in short windows), and ``speed``: raw ms per frame over
-    the pipeline's inference ms per frame. ratio = busy x speed exactly, so ``busy`` < 1 means the
-    inference thread waited for frames (capture/prepare too slow), ``speed`` < 1 means each run was
-    slower than raw (other work on the cores, or smaller batches);
+    of the window, so it can read a little over the worker count in short windows), and ``speed``: raw
+    ms per frame over the pipeline's inference ms per frame. ratio = busy x
+    speed exactly, so ``busy`` below the worker count means a worker waited for frames (capture or
+    prepare too slow), and ``speed`` x workers below 1 means each run was slower than raw (other work on
+    the cores, or smaller batches);
   - the mean batch size;
   - CPU seconds per second of the agent, controller, broker, this bench, and everything else on the
     machine (other people's jobs).
 And the latency from frame capture (agent clock) to the row stored at the controller, p50 and p99.
 
-Usage: ``python bench/pipeline.py [--cameras 4] [--threads 2] [--runs 3] [--seconds 10] [--smoke]``.
+Usage: ``python bench/pipeline.py [--cameras 4] [--threads 2] [--workers 1] [--runs 3] [--seconds 10]
+[--smoke]``.
 """
 
 from __future__ import annotations
@@ -82,28 +87,41 @@ def _ts(value: str | float) -> float:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How the raw loop runs the model: ``workers`` threads calling one session at once, each run on
+    ``threads`` intra-op threads with ``batch`` frames."""
+
+    workers: int
+    threads: int
+    batch: int
+
+    def __str__(self) -> str:
+        return f"{self.workers}x{self.threads}t b{self.batch}"
+
+
+@dataclass(frozen=True)
 class RawFps:
-    spin_off: float
-    spin_on: float
+    fps: dict[str, float]  # per layout and spinning ("1x2t b4 spin off": FPS)
     other_cpu: float  # CPU s/s of other processes on the machine meanwhile
 
     @property
     def best(self) -> float:
-        return max(self.spin_off, self.spin_on)
+        return max(self.fps.values())
 
 
 class RawLoop:
-    """Preprocessed frames in memory, ``batch`` at a time, session.run in a tight loop."""
+    """Preprocessed frames in memory, ``batch`` at a time, session.run in a tight loop, in each of
+    ``layouts`` (the agent's own, and the other ways of spending the same cores)."""
 
-    def __init__(self, threads: int, batch: int) -> None:
-        self.threads = threads
-        self.batch = batch
+    def __init__(self, layouts: list[Layout]) -> None:
+        self.layouts = layouts
         manifest = ModelManifest.model_validate_json((MODEL_DIR / "manifest.json").read_text())
         self.input_name = manifest.input.name
         pre = Preprocessor(manifest.input)  # the agent's own preprocessing
         cap = cv2.VideoCapture(str(FOOTAGE))
         tensors: list[np.ndarray] = []
-        while len(tensors) < max(RAW_FRAMES, 4 * batch):
+        biggest = max(lay.batch for lay in layouts)
+        while len(tensors) < max(RAW_FRAMES, 4 * biggest):
             ok, frame = cap.read()
             if not ok:
                 cap.release()
@@ -111,34 +129,47 @@ class RawLoop:
                 continue
             tensors.append(pre(frame)[0])
         cap.release()
-        # Consecutive frames in one batch, as N cameras started together would give.
-        self.batches = [np.stack(tensors[i : i + batch]) for i in range(0, len(tensors) - batch + 1, batch)]
+        self.tensors = tensors
 
-    def _fps(self, spin: bool, seconds: float) -> float:
+    def _fps(self, layout: Layout, spin: bool, seconds: float) -> float:
         # The agent's own session options, so the only difference is everything around the session.
-        opts = session_options(self.threads, spin=spin)
+        opts = session_options(layout.threads, spin=spin)
         sess = ort.InferenceSession(str(MODEL_DIR / "model.onnx"), opts, providers=["CPUExecutionProvider"])
-        feeds = [{self.input_name: b} for b in self.batches]
+        b, t = layout.batch, self.tensors
+        # Consecutive frames in one batch, as N cameras started together would give.
+        feeds = [{self.input_name: np.stack(t[i : i + b])} for i in range(0, len(t) - b + 1, b)]
         for f in feeds[:5]:
             sess.run(None, f)
-        n = 0
+        counts = [0] * layout.workers
         start = time.perf_counter()
-        while True:
-            sess.run(None, feeds[n % len(feeds)])
-            n += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds and n >= 3:
-                break
-        del sess  # no idle spinning threads left behind while the agent runs
-        return n * self.batch / elapsed
+
+        def loop(w: int) -> None:
+            n = w
+            while counts[w] < 3 or time.perf_counter() - start < seconds:
+                sess.run(None, feeds[n % len(feeds)])
+                n += layout.workers
+                counts[w] += 1
+
+        threads = [threading.Thread(target=loop, args=(w,)) for w in range(layout.workers)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        elapsed = time.perf_counter() - start
+        # The session (and its spinning threads) goes with this frame: none left while the agent runs.
+        return sum(counts) * b / elapsed
 
     def measure(self, seconds: float) -> RawFps:
         me = {"bench": psutil.Process(os.getpid())}
         cpu0, t0 = _cpu_seconds(me), time.perf_counter()
-        off, on = self._fps(False, seconds), self._fps(True, seconds)
+        fps = {
+            f"{lay} spin {'on' if spin else 'off'}": self._fps(lay, spin, seconds)
+            for lay in self.layouts
+            for spin in (False, True)
+        }
         cpu1, wall = _cpu_seconds(me), time.perf_counter() - t0
         other = (cpu1["machine"] - cpu0["machine"] - (cpu1["bench"] - cpu0["bench"])) / wall
-        return RawFps(spin_off=off, spin_on=on, other_cpu=max(0.0, other))
+        return RawFps(fps=fps, other_cpu=max(0.0, other))
 
 
 # ----------------------------------------------------------------------------------------- pipeline
@@ -216,7 +247,14 @@ class Fleet:
             return list(self._got.get(device, {}).values())
 
     def run(
-        self, index: int, cameras: int, threads: int, max_batch: int, warmup: float, seconds: float
+        self,
+        index: int,
+        cameras: int,
+        threads: int,
+        workers: int,
+        max_batch: int,
+        warmup: float,
+        seconds: float,
     ) -> dict[str, Any]:
         assert self.controller is not None
         device = f"bench-{index}"
@@ -226,7 +264,7 @@ class Fleet:
             device,
             self.broker.url,
             cameras=[{"id": c, "source": str(FOOTAGE), "loop": True, "realtime": False} for c in cams],
-            inference={"threads": threads, "max_batch": max_batch, **AGENT_INFERENCE},
+            inference={"threads": threads, "workers": workers, "max_batch": max_batch, **AGENT_INFERENCE},
             controller=self.controller,
         )
         try:
@@ -325,7 +363,15 @@ AGENT_INFERENCE: dict[str, Any] = {}
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cameras", type=int, default=1, help="cameras, each playing the footage (default 1)")
-    ap.add_argument("--threads", type=int, default=2, help="intra-op threads (raw and agent alike)")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="intra-op threads of each model run (raw and agent alike)"
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="the agent's inference workers (inference.workers), each with --threads (default 1)",
+    )
     ap.add_argument(
         "--agent-spin",
         action="store_true",
@@ -354,8 +400,16 @@ def main() -> None:
         ap.error("--cameras, --runs and --seconds must be positive")
     if args.max_batch is not None and not 1 <= args.max_batch <= MAX_BATCH:
         ap.error(f"--max-batch must be 1..{MAX_BATCH} (the agent's limit)")
+    if not 1 <= args.workers <= 16 or args.threads < 1:
+        ap.error("--workers must be 1..16 and --threads positive")
     max_batch = args.max_batch or min(args.cameras, MAX_BATCH)
-    batch = min(args.cameras, max_batch)
+    # Each worker batches its own cameras (camera i: worker i mod workers).
+    batch = min(-(-args.cameras // args.workers), max_batch)
+    # The raw limit is the best way to spend the same cores on the model: the agent's layout, and one
+    # session run on all of them with every camera in one batch.
+    layouts = [Layout(args.workers, args.threads, batch)]
+    if args.workers > 1:
+        layouts.append(Layout(1, args.threads * args.workers, min(args.cameras, max_batch)))
     target = args.target if args.target is not None else (0.90 if args.cameras == 1 else 0.85)
 
     def say(text: str) -> None:
@@ -363,12 +417,13 @@ def main() -> None:
             print(text, flush=True)
 
     say(
-        f"{MODEL} on {FOOTAGE.name}: {args.cameras} camera(s), batch {batch}, {args.threads} intra-op threads, "
-        f"CPU execution provider; {args.runs} run(s) of {args.seconds:g} s"
+        f"{MODEL} on {FOOTAGE.name}: {args.cameras} camera(s), {args.workers} inference worker(s) of "
+        f"{args.threads} intra-op thread(s), batch {batch}, CPU execution provider; {args.runs} run(s) of "
+        f"{args.seconds:g} s; raw layouts: {', '.join(str(lay) for lay in layouts)}"
     )
     if args.agent_spin:
         AGENT_INFERENCE["spin"] = True
-    raw_loop = RawLoop(args.threads, batch)
+    raw_loop = RawLoop(layouts)
     raws: list[RawFps] = []
     pipes: list[dict[str, Any]] = []
     ratios: list[float] = []
@@ -376,15 +431,15 @@ def main() -> None:
     def raw_run() -> None:
         r = raw_loop.measure(args.seconds)
         raws.append(r)
-        say(
-            f"  raw {len(raws)}: {r.best:7.1f} FPS  (spin off {r.spin_off:.1f}, spin on {r.spin_on:.1f});  "
-            f"CPU s/s of other jobs {r.other_cpu:.2f}"
-        )
+        each = ", ".join(f"{k} {v:.1f}" for k, v in r.fps.items())
+        say(f"  raw {len(raws)}: {r.best:7.1f} FPS  ({each});  CPU s/s of other jobs {r.other_cpu:.2f}")
 
     with tempfile.TemporaryDirectory(prefix="edgefleet-bench-") as tmp, Fleet(Path(tmp)) as fleet:
         raw_run()
         for i in range(args.runs):
-            p = fleet.run(i + 1, args.cameras, args.threads, max_batch, args.warmup, args.seconds)
+            p = fleet.run(
+                i + 1, args.cameras, args.threads, args.workers, max_batch, args.warmup, args.seconds
+            )
             pipes.append(p)
             cpu = p["cpu_s_per_s"]
             per_cam = p["per_camera"].values()
@@ -401,8 +456,8 @@ def main() -> None:
             ratios.append(ratio)
             p["speed"] = (1000.0 / limit) / p["infer_ms_per_frame"] if p["infer_ms_per_frame"] else 0.0
             say(
-                f"  ratio {i + 1}: {ratio:.3f} = inference thread busy {p['busy']:.2f} x speed of its runs "
-                f"against raw {p['speed']:.2f}"
+                f"  ratio {i + 1}: {ratio:.3f} = inference threads busy {p['busy']:.2f} (of {args.workers}) x "
+                f"speed of their runs against raw {p['speed']:.2f}"
             )
     med = statistics.median(ratios)
     lat50 = statistics.median(p["lat_p50_ms"] for p in pipes)
@@ -412,10 +467,11 @@ def main() -> None:
         "cameras": args.cameras,
         "batch": batch,
         "threads": args.threads,
+        "workers": args.workers,
+        "raw_layouts": [str(lay) for lay in layouts],
         "seconds": args.seconds,
         "raw_fps": [round(r.best, 1) for r in raws],
-        "raw_fps_spin_off": [round(r.spin_off, 1) for r in raws],
-        "raw_fps_spin_on": [round(r.spin_on, 1) for r in raws],
+        "raw_fps_each": [{k: round(v, 1) for k, v in r.fps.items()} for r in raws],
         "raw_other_jobs_cpu_s_per_s": [round(r.other_cpu, 2) for r in raws],
         "pipeline_fps": [round(p["fps"], 1) for p in pipes],
         "ratios": [round(r, 3) for r in ratios],
@@ -442,7 +498,8 @@ def main() -> None:
             "so these figures are not comparable with a quiet machine's"
         )
     print(
-        f"raw onnxruntime, batch {batch} (preprocessed frames in memory, faster of spin on/off): "
+        f"raw onnxruntime (preprocessed frames in memory, the fastest of layouts "
+        f"{', '.join(str(lay) for lay in layouts)}, spin on/off): "
         f"median {statistics.median(r.best for r in raws):.1f} FPS over {len(raws)} runs"
     )
     print(

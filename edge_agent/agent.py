@@ -226,6 +226,7 @@ class Agent:
             wake=wake,
             backend_factory=backend_factory,
             max_batch=inf.max_batch,
+            workers=inf.workers,
             out=frames,
             preprocessor_factory=preprocessor_factory,
             decode_fn=decode_fn,

@@ -634,6 +634,12 @@ class OnnxRuntimeBackend:
         except Exception:
             return []
 
+    @property
+    def concurrent_runs(self) -> bool:
+        """Whether several threads may call :meth:`run` at once: onnxruntime's session.run is
+        thread-safe, but the kept IOBinding and device buffers of the GPU path are not."""
+        return self.provider == "CPUExecutionProvider" and not self._binding_wanted()
+
     def _binding_wanted(self) -> bool:
         # CPU provider: session.run already hands onnxruntime the numpy memory; IOBinding buys nothing.
         wanted = self.provider in GPU_PROVIDERS if self._use_io_binding is None else self._use_io_binding

@@ -58,8 +58,9 @@ M_contra = TypeVar("M_contra", bound=WatchedModel, contravariant=True)
 class InferenceHost(Protocol[M_contra]):
     """The pipeline, as the watchdog sees it."""
 
-    def run_inference(self, gen: int) -> None:
-        """The body of the inference thread of generation ``gen``; returns once ``gen`` is not current."""
+    def run_inference(self, gen: int, worker: int) -> None:
+        """The body of inference thread ``worker`` of generation ``gen``; returns once ``gen`` is not
+        current."""
 
     def reload(self, model: M_contra) -> str | None:
         """A fresh backend for ``model`` if it still serves a camera; why not, or None."""
@@ -76,7 +77,7 @@ class InferenceHost(Protocol[M_contra]):
 
 @dataclass(frozen=True)
 class _Busy(Generic[M]):
-    """The run in progress on the inference thread of generation ``gen``."""
+    """The run in progress on one inference thread of generation ``gen``."""
 
     gen: int
     since: float  # time.monotonic()
@@ -85,9 +86,10 @@ class _Busy(Generic[M]):
 
 
 class InferenceWatchdog(Generic[M]):
-    """Owns the inference thread: starts it, abandons it when a run hangs, starts a fresh one.
+    """Owns the inference threads (``workers`` of them, one generation): starts them, abandons the
+    whole generation when a run on any of them hangs, starts a fresh one.
 
-    ``hang_timeout_s`` None: hangs are not watched (the inference thread still runs here).
+    ``hang_timeout_s`` None: hangs are not watched (the inference threads still run here).
     ``limiter`` default: 3 restarts in 10 min, then retries 10 s doubling to 10 min.
     """
 
@@ -100,8 +102,12 @@ class InferenceWatchdog(Generic[M]):
         limiter: RestartLimiter | None = None,
         on_note: WatchdogCallback | None = None,
         on_fatal: FatalCallback | None = None,
+        workers: int = 1,
     ) -> None:
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
         self._host = host
+        self.workers = workers
         self._stop = stop
         self.hang_timeout_s = hang_timeout_s
         self._limiter = limiter or RestartLimiter(
@@ -115,7 +121,7 @@ class InferenceWatchdog(Generic[M]):
         # ``_gen`` names the live inference thread; a thread of an older generation was abandoned
         # and must not touch anything shared when (if ever) its run returns.
         self._gen = 0
-        self._busy: _Busy[M] | None = None
+        self._busy: dict[int, _Busy[M]] = {}  # per worker of the live generation
         self._ok_gen = -1  # the generation of the last run that completed
         # Abandoned threads with the backend each was stuck in: such a backend is closed only once
         # its thread has returned (closing a session under a running call could crash the process).
@@ -126,47 +132,48 @@ class InferenceWatchdog(Generic[M]):
         self._state: dict[str, Any] = {"failed": False}
         self._retry_now = False
         self._failed_model: M | None = None  # the model whose run hung last
-        self._thread: threading.Thread | None = self._inference_thread(0)
+        self._threads: list[threading.Thread] = self._inference_threads(0)
         self._watch_thread = threading.Thread(target=self._watch_loop, name="watchdog", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        assert self._thread is not None
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         if self.hang_timeout_s is not None:
             self._watch_thread.start()
 
     def join(self, timeout: float) -> None:
-        """Wait for the watchdog thread; the inference thread is the caller's (:attr:`inference_thread`)."""
+        """Wait for the watchdog thread; the inference threads are the caller's (:attr:`inference_threads`)."""
         if self._watch_thread.is_alive():
             self._watch_thread.join(timeout)
 
     @property
-    def inference_thread(self) -> threading.Thread | None:
-        """The live inference thread; abandoned (stuck) ones are daemons and are not waited for."""
-        return self._thread
+    def inference_threads(self) -> list[threading.Thread]:
+        """The live inference threads; abandoned (stuck) ones are daemons and are not waited for."""
+        return list(self._threads)
 
     # ------------------------------------------------------------------ the inference thread's side
 
     def is_current(self, gen: int) -> bool:
         return self._gen == gen
 
-    def run_started(self, gen: int, model: M, cameras: tuple[str, ...]) -> bool:
-        """A run begins on the thread of ``gen``; False when that thread was abandoned meanwhile."""
+    def run_started(self, gen: int, model: M, cameras: tuple[str, ...], worker: int = 0) -> bool:
+        """A run begins on thread ``worker`` of ``gen``; False when that thread was abandoned meanwhile."""
         with self._lock:
             if self._gen != gen:
                 return False
-            self._busy = _Busy(gen, time.monotonic(), model, cameras)
+            self._busy[worker] = _Busy(gen, time.monotonic(), model, cameras)
             return True
 
-    def run_finished(self, gen: int, *, ok: bool) -> bool:
-        """The run of ``gen`` returned; False when it was abandoned (its result is stale: drop it)."""
+    def run_finished(self, gen: int, *, ok: bool, worker: int = 0) -> bool:
+        """The run of thread ``worker`` of ``gen`` returned; False when it was abandoned (its result
+        is stale: drop it)."""
         with self._lock:
             if self._gen != gen:
                 self.late_results += 1
                 return False
-            self._busy = None
+            self._busy.pop(worker, None)
             if ok:
                 self._ok_gen = gen
             return True
@@ -234,9 +241,16 @@ class InferenceWatchdog(Generic[M]):
 
     # ------------------------------------------------------------------ the watchdog thread
 
-    def _inference_thread(self, gen: int) -> threading.Thread:
-        name = "inference" if gen == 0 else f"inference-{gen}"
-        return threading.Thread(target=self._host.run_inference, args=(gen,), name=name, daemon=True)
+    def _inference_threads(self, gen: int) -> list[threading.Thread]:
+        out = []
+        for w in range(self.workers):
+            name = "inference" if gen == 0 else f"inference-{gen}"
+            if self.workers > 1:
+                name = f"{name}.{w}"
+            out.append(
+                threading.Thread(target=self._host.run_inference, args=(gen, w), name=name, daemon=True)
+            )
+        return out
 
     def _watch_loop(self) -> None:
         assert self.hang_timeout_s is not None
@@ -259,14 +273,25 @@ class InferenceWatchdog(Generic[M]):
         now = time.monotonic()
         stuck: threading.Thread | None = None
         with self._lock:
-            busy = self._busy
-            if busy is not None and busy.gen == self._gen and now - busy.since > self.hang_timeout_s:
-                # Abandon it: from here on the stuck thread's generation is not the live one.
+            hung = [
+                (w, b)
+                for w, b in self._busy.items()
+                if b.gen == self._gen and now - b.since > self.hang_timeout_s
+            ]
+            busy: _Busy[M] | None = None
+            if hung:
+                # Abandon the generation: from here on the stuck thread's generation is not the live
+                # one. Its other workers finish their runs (results dropped as late) and exit.
+                worker, busy = min(hung, key=lambda wb: wb[1].since)
                 self._gen += 1
-                self._busy = None
-                stuck, self._thread = self._thread, None
-            else:
-                busy = None
+                others = [(w, b) for w, b in self._busy.items() if w != worker]
+                self._busy = {}
+                threads, self._threads = self._threads, []
+                stuck = threads[worker] if worker < len(threads) else None
+                # A run still under way on another worker may be inside the same backend: it must not
+                # be closed under that one either.
+                for w, b in others:
+                    self._stuck.append((threads[w] if w < len(threads) else None, b.model.backend))
             retry_now, self._retry_now = self._retry_now, False
             ran_ok = self._ok_gen == self._gen
         if busy is not None:
@@ -335,10 +360,11 @@ class InferenceWatchdog(Generic[M]):
         self.release_returned()
         self._host.drop_prepared()
         with self._lock:
-            thread = self._inference_thread(self._gen)
-            self._thread = thread
+            threads = self._inference_threads(self._gen)
+            self._threads = threads
             self.restarts += 1
-        thread.start()
+        for t in threads:
+            t.start()
         return None
 
     def _note(

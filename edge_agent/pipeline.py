@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -100,6 +101,18 @@ class LoadedModel:
     preprocessor: PreprocessorLike
     closed: bool = False
     path: Path | None = None  # the file it was loaded from: the watchdog makes a fresh backend of it
+    # One run at a time on a backend that cannot take concurrent runs (several inference workers),
+    # per backend: a fresh one after a hang is not blocked by the lock a stuck run still holds.
+    _run_lock: tuple[object, threading.Lock] | None = field(default=None, repr=False)
+
+    def run_guard(self) -> AbstractContextManager[Any]:
+        backend = self.backend
+        if getattr(backend, "concurrent_runs", False):
+            return nullcontext()
+        held = self._run_lock
+        if held is None or held[0] is not backend:
+            held = self._run_lock = (backend, threading.Lock())
+        return held[1]
 
     @property
     def key(self) -> str:
@@ -178,8 +191,10 @@ class Pipeline:
         on_watchdog: WatchdogCallback | None = None,
         on_fatal: FatalCallback | None = None,
         on_provider_fallback: FallbackCallback | None = None,
+        workers: int = 1,
     ) -> None:
-        """``out`` None: a fresh queue of OUT_QUEUE_SIZE (the agent passes its own, built before the
+        """``workers``: inference threads; each serves a fixed share of the cameras (camera i: worker
+        i mod workers), so one camera's frames stay in order. ``out`` None: a fresh queue of OUT_QUEUE_SIZE (the agent passes its own, built before the
         publisher that drains it). ``hang_timeout_s`` None: no watchdog. ``restart_limiter`` default: 3
         restarts in 10 min, then retries 10 s doubling to 10 min. ``on_fatal`` (also settable later as
         ``watchdog.on_fatal``) gets a CudaFatalError once; ``on_provider_fallback`` a ProviderFallback."""
@@ -208,8 +223,14 @@ class Pipeline:
         self._stats = {c: _CamStats() for c in self.cameras}
         self._error_log_at = 0.0
         self.on_provider_fallback = on_provider_fallback
-        # Prepare -> inference. Drop policy: none; the prepare thread waits (see HandoffQueue).
-        self._prepared: HandoffQueue[_Prepared] = HandoffQueue(1)
+        # Prepare -> inference, one queue per worker. Drop policy: none; the prepare thread waits (see
+        # HandoffQueue), and prepares only for workers with room, so one busy worker never holds
+        # frames back from an idle one.
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
+        self._prepared: list[HandoffQueue[_Prepared]] = [HandoffQueue(1) for _ in range(workers)]
+        self._room = threading.Event()  # a worker took a prepared batch
+        self._worker_of = {c.id: i % workers for i, c in enumerate(cameras)}
         self._prep_thread = threading.Thread(target=self._prepare_loop, name="prepare", daemon=True)
         # Runs the inference thread (run_inference) and replaces it when a run hangs.
         self.watchdog: InferenceWatchdog[LoadedModel] = InferenceWatchdog(
@@ -219,6 +240,7 @@ class Pipeline:
             limiter=restart_limiter,
             on_note=on_watchdog,
             on_fatal=on_fatal,
+            workers=workers,
         )
 
     # ------------------------------------------------------------------ models
@@ -314,13 +336,14 @@ class Pipeline:
                 log.warning("capture thread of %s did not stop in time", cam.id)
         self._prep_thread.join(max(0.1, deadline - time.monotonic()))
         self.watchdog.join(max(0.1, deadline - time.monotonic()))
-        thread = self.watchdog.inference_thread
-        if thread is not None and thread.is_alive():
+        threads = self.watchdog.inference_threads
+        for thread in threads:
             thread.join(max(0.1, deadline - time.monotonic()))
-        if (thread is not None and thread.is_alive()) or self._prep_thread.is_alive():
+        if any(t.is_alive() for t in threads) or self._prep_thread.is_alive():
             log.warning("prepare or inference thread did not stop in time")
             return
-        self._prepared.drain()
+        for q in self._prepared:
+            q.drain()
         with self._lock:
             models = {id(m): m for m, _ in self._slots.values()}
             self._slots.clear()
@@ -390,26 +413,34 @@ class Pipeline:
 
     def _prepare_loop(self) -> None:
         while not self._stop.is_set():
+            ready = {w for w, q in enumerate(self._prepared) if len(q) < q.maxsize}
+            if not ready:
+                # Every worker has a batch waiting: frames keep refreshing in the camera slots.
+                self._room.wait(0.1)
+                self._room.clear()
+                continue
             self._wake.wait(0.1)
             self._wake.clear()
             try:
-                for prepared in self._prepare_round():
-                    if not self._prepared.put(prepared, self._stop):
+                for worker, prepared in self._prepare_round(ready):
+                    if not self._prepared[worker].put(prepared, self._stop):
                         return
             except Exception:
                 # One bad round must not stop analytics on every camera.
                 log.exception("prepare round failed")
 
-    def _prepare_round(self) -> list[_Prepared]:
+    def _prepare_round(self, workers: set[int]) -> list[tuple[int, _Prepared]]:
+        """Batches for the cameras of ``workers``, as (worker, batch)."""
         with self._lock:
             slots = dict(self._slots)
             stats = self._stats
         now = time.monotonic()
-        groups: dict[int, list[tuple[Frame, CameraParams]]] = {}
-        models: dict[int, LoadedModel] = {}
+        groups: dict[tuple[int, int], list[tuple[Frame, CameraParams]]] = {}
+        models: dict[tuple[int, int], LoadedModel] = {}
         for cam_id, (model, params) in slots.items():
             cam = self.cameras.get(cam_id)
-            if cam is None:
+            worker = self._worker_of.get(cam_id, 0)
+            if cam is None or worker not in workers:
                 continue
             frame = cam.slot.take()
             if frame is None:
@@ -419,9 +450,9 @@ class Pipeline:
                 st.skipped += 1  # the FPS cap asked for it; not a loss
                 continue
             st.last_inferred = now
-            groups.setdefault(id(model), []).append((frame, params))
-            models[id(model)] = model
-        out: list[_Prepared] = []
+            groups.setdefault((worker, id(model)), []).append((frame, params))
+            models[(worker, id(model))] = model
+        out: list[tuple[int, _Prepared]] = []
         for key, items in groups.items():
             model = models[key]
             step = self.max_batch if model.backend.dynamic_batch else 1
@@ -439,17 +470,19 @@ class Pipeline:
                         stats[f.camera].errors += 1
                     self._log_error("preprocessing for %s failed: %s", model.key, exc)
                     continue
-                out.append(_Prepared(model=model, items=chunk, batch=batch, metas=metas))
+                out.append((key[0], _Prepared(model=model, items=chunk, batch=batch, metas=metas)))
         return out
 
     def _live(self, gen: int) -> bool:
         return self.watchdog.is_current(gen) and not self._stop.is_set()
 
-    def run_inference(self, gen: int) -> None:
-        """The inference thread of generation ``gen`` (started and replaced by the watchdog)."""
+    def run_inference(self, gen: int, worker: int = 0) -> None:
+        """Inference thread ``worker`` of generation ``gen`` (started and replaced by the watchdog)."""
+        queue = self._prepared[worker]
         while self._live(gen):
-            prepared = self._prepared.get(0.1)
+            prepared = queue.get(0.1)
             if prepared is not None:
+                self._room.set()
                 with self._lock:
                     stats = self._stats
                 if prepared.model.closed:
@@ -458,7 +491,7 @@ class Pipeline:
                         stats[f.camera].skipped += 1
                 else:
                     try:
-                        self._infer(prepared, stats, gen)
+                        self._infer(prepared, stats, gen, worker)
                     except CudaFatalError as exc:
                         # Even from an abandoned run: the context of the whole process is dead.
                         self.watchdog.fatal(exc, "run")
@@ -488,22 +521,25 @@ class Pipeline:
         except Exception:
             log.exception("closing a backend failed")
 
-    def _infer(self, prepared: _Prepared, stats: dict[str, _CamStats], gen: int) -> None:
+    def _infer(self, prepared: _Prepared, stats: dict[str, _CamStats], gen: int, worker: int = 0) -> None:
         model, items, metas = prepared.model, prepared.items, prepared.metas
-        if not self.watchdog.run_started(gen, model, tuple(f.camera for f, _ in items)):
-            return
-        t0 = time.perf_counter()
         error: Exception | None = None
-        try:
-            outputs = model.backend.run(prepared.batch)
-            threshold = min(p.threshold for _, p in items)
-            decoded = self._decode(model.manifest, outputs, metas, threshold)
-        except CudaFatalError:
-            self.watchdog.run_finished(gen, ok=False)
-            raise  # to run_inference, which stops: no retry, no reload
-        except Exception as exc:
-            error = exc
-        if not self.watchdog.run_finished(gen, ok=error is None):
+        # The guard is taken before the run is declared started: waiting for another worker's run on
+        # a backend that takes one at a time is not this run hanging.
+        with model.run_guard():
+            if not self.watchdog.run_started(gen, model, tuple(f.camera for f, _ in items), worker):
+                return
+            t0 = time.perf_counter()
+            try:
+                outputs = model.backend.run(prepared.batch)
+                threshold = min(p.threshold for _, p in items)
+                decoded = self._decode(model.manifest, outputs, metas, threshold)
+            except CudaFatalError:
+                self.watchdog.run_finished(gen, ok=False, worker=worker)
+                raise  # to run_inference, which stops: no retry, no reload
+            except Exception as exc:
+                error = exc
+        if not self.watchdog.run_finished(gen, ok=error is None, worker=worker):
             return  # the watchdog gave up on this run and restarted; whatever it returned is stale
         if error is not None:
             for f, _ in items:
@@ -580,7 +616,7 @@ class Pipeline:
 
     def drop_prepared(self) -> None:
         """What was prepared before a hang may be old by now: newer frames are waiting upstream."""
-        dropped = self._prepared.drain()
+        dropped = [p for q in self._prepared for p in q.drain()]
         with self._lock:
             for p in dropped:
                 for f, _ in p.items:

@@ -103,6 +103,13 @@ class CameraConfig(_Strict):
 
 class InferenceConfig(_Strict):
     threads: int = Field(default=2, ge=1, le=256)
+    """onnxruntime intra-op threads of each session run."""
+    workers: int = Field(default=1, ge=1, le=16)
+    """Inference threads, each running its share of the cameras (camera i: worker i mod workers, so a
+    camera's frames stay in order). On a CPU-only device with several cameras, ``workers: 2`` with
+    ``threads: 1`` ran 1.2x the frames of one worker with two threads on 2 cores (BENCHMARKS.md): one
+    thread per run has no per-operator barrier for capture and publishing to stall. Backends that
+    cannot take concurrent runs (GPU with IOBinding, TensorRT) run one batch at a time whatever this."""
     providers: list[str] = Field(
         default_factory=lambda: [
             "TensorrtExecutionProvider",

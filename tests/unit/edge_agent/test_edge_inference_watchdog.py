@@ -45,7 +45,7 @@ class Host:
         self.errors: list[str] = []
         self.dropped = 0
 
-    def run_inference(self, gen: int) -> None:
+    def run_inference(self, gen: int, worker: int = 0) -> None:
         assert self.wd is not None
         self.started.append(gen)
         if gen == 0 and self.wd.run_started(0, self.model, ("c0",)):
@@ -158,3 +158,45 @@ def test_without_a_hang_timeout_only_the_inference_thread_runs(stop: threading.E
         "late_results_dropped": 0,
         "stuck_threads": 0,
     }
+
+
+class TwoWorkerHost(Host):
+    """Worker 1 of generation 0 hangs; worker 0 and every later worker run and return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workers: list[tuple[int, int]] = []
+
+    def run_inference(self, gen: int, worker: int = 0) -> None:
+        assert self.wd is not None
+        with self.release_lock:
+            self.workers.append((gen, worker))
+        if gen == 0 and worker == 1 and self.wd.run_started(0, self.model, ("c1",), worker=1):
+            self.release.wait(10)
+            self.late.append(self.wd.run_finished(0, ok=True, worker=1))
+
+    release_lock = threading.Lock()
+
+
+def test_a_hang_on_one_worker_restarts_every_worker_of_the_generation(stop: threading.Event) -> None:
+    host = TwoWorkerHost()
+    notes: list[WatchdogNote] = []
+    hung = FakeBackend()
+    host.model.backend = hung
+    wd: InferenceWatchdog[Model] = InferenceWatchdog(
+        host, stop=stop, hang_timeout_s=0.2, on_note=notes.append, workers=2
+    )
+    host.wd = wd
+    wd.start()
+    try:
+        wait_for(lambda: notes)
+        assert notes[0].action == WatchdogAction.RESTARTED
+        wait_for(lambda: sorted(host.workers) == [(0, 0), (0, 1), (1, 0), (1, 1)])
+        assert [t.name for t in wd.inference_threads] == ["inference-1.0", "inference-1.1"]
+        assert wd.stuck_in(hung) and host.reloaded == ["m:1"]
+        host.release.set()
+        wait_for(lambda: host.late == [False])  # the abandoned worker's late result is dropped
+    finally:
+        host.release.set()
+        stop.set()
+        wd.join(5)

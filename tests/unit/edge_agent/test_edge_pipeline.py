@@ -266,3 +266,77 @@ def test_a_hung_run_is_abandoned_its_backend_replaced_and_its_late_result_droppe
         stop.set()
         p.join(5)
     assert made[1].closed and made[0].closed, "both closed at the end, the hung one once it returned"
+
+
+class ConcurrentBackend(FakeBackend):
+    """Records which threads ran and how many runs overlapped; ``concurrent_runs`` as declared."""
+
+    def __init__(self, concurrent: bool, delay: float = 0.02) -> None:
+        super().__init__(delay=delay)
+        self.concurrent_runs = concurrent
+        self._lock = threading.Lock()
+        self.inside = 0
+        self.max_inside = 0
+        self.threads: set[str] = set()
+
+    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        with self._lock:
+            self.inside += 1
+            self.max_inside = max(self.max_inside, self.inside)
+            self.threads.add(threading.current_thread().name)
+        try:
+            return super().run(batch)
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+
+def make_workers_pipeline(
+    stop: threading.Event, backend: FakeBackend, cameras: int, workers: int
+) -> Pipeline:
+    wake = threading.Event()
+    cams = [
+        CameraWorker(
+            CameraConfig(id=f"c{i}", source=f"rtsp://fake/{i}"),
+            stop=stop,
+            opener=lambda c: Frames(),
+            wake=wake,
+        )
+        for i in range(cameras)
+    ]
+    p = Pipeline(
+        cams, stop=stop, wake=wake, backend_factory=lambda path, m: backend, max_batch=4, workers=workers
+    )
+    p.start()
+    return p
+
+
+def test_two_workers_run_their_own_cameras_concurrently_and_keep_each_camera_in_order(
+    stop: threading.Event,
+) -> None:
+    backend = ConcurrentBackend(concurrent=True)
+    p = make_workers_pipeline(stop, backend, cameras=4, workers=2)
+    model = p.load(Path("a.onnx"), manifest("a", SHA_A))
+    for i in range(4):
+        p.activate(f"c{i}", model, CameraParams(threshold=0.5))
+    got = results(p, 80)
+    assert backend.threads - {"MainThread"} == {"inference.0", "inference.1"}  # MainThread: the warm-up
+    assert backend.max_inside == 2, "the two workers' runs overlapped"
+    # Camera i is worker i mod 2's: batches of two cameras, never all four in one run.
+    assert set(backend.batches[2:]) <= {1, 2}
+    for cam in ("c0", "c1", "c2", "c3"):
+        frames = [r.frame for r in got if r.camera == cam]
+        assert frames and frames == sorted(frames), (cam, frames)
+    p.join(5)
+
+
+def test_a_backend_that_cannot_run_concurrently_gets_one_run_at_a_time(stop: threading.Event) -> None:
+    backend = ConcurrentBackend(concurrent=False)
+    p = make_workers_pipeline(stop, backend, cameras=2, workers=2)
+    model = p.load(Path("a.onnx"), manifest("a", SHA_A))
+    for i in range(2):
+        p.activate(f"c{i}", model, CameraParams(threshold=0.5))
+    got = results(p, 30)
+    assert {r.camera for r in got} == {"c0", "c1"}
+    assert backend.threads - {"MainThread"} == {"inference.0", "inference.1"} and backend.max_inside == 1
+    p.join(5)
