@@ -15,10 +15,21 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_pipeline_bench_smoke_with_two_cameras_prints_its_ratio() -> None:
-    # Two cameras: the agent batches frames across cameras, as the multi-camera figures need.
+def test_pipeline_bench_smoke_with_two_cameras_on_two_workers_prints_its_ratio() -> None:
+    # Two cameras on two inference workers (one each): the raw limit measures both layouts of the
+    # cores, and the agent runs its multi-worker path end to end.
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "pipeline.py"), "--smoke", "--cameras", "2"],
+        [
+            sys.executable,
+            str(REPO / "bench" / "pipeline.py"),
+            "--smoke",
+            "--cameras",
+            "2",
+            "--workers",
+            "2",
+            "--threads",
+            "1",
+        ],
         capture_output=True,
         text=True,
         timeout=270,
@@ -26,10 +37,12 @@ def test_pipeline_bench_smoke_with_two_cameras_prints_its_ratio() -> None:
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert re.search(
-        r"^  raw 1: +\d+\.\d+ FPS +\(spin off \d+\.\d+, spin on \d+\.\d+\);", proc.stdout, re.M
-    ), out
-    assert re.search(r"^  pipeline 1: +\d+\.\d+ FPS", proc.stdout, re.M), out
+    raw = re.search(r"^  raw 1: +\d+\.\d+ FPS +\((.*)\);", proc.stdout, re.M)
+    assert raw, out
+    labels = {part.rsplit(" ", 1)[0] for part in raw.group(1).split(", ")}
+    assert labels == {f"{lay} spin {s}" for lay in ("2x1t b1", "1x2t b2") for s in ("off", "on")}, out
+    assert re.search(r"^  pipeline 1: +\d+\.\d+ FPS .*mean batch 1\.\d+/1\)", proc.stdout, re.M), out
+    assert re.search(r"^  ratio 1: .*busy \d\.\d+ \(of 2\)", proc.stdout, re.M), out
     assert re.search(
         r"^ratio pipeline / raw: median \d+\.\d+, range \d+\.\d+-\d+\.\d+ over 1 run", proc.stdout, re.M
     ), out
