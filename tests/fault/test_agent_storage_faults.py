@@ -149,6 +149,33 @@ def alive(agent: AgentProcess, pid: int | None = None) -> bool:
     return True
 
 
+def streamed_then_stopped(rig: Rig, disk: AgentDisk, device: str) -> AgentProcess:
+    """An agent of ``device`` on ``disk`` that ran until the controller stored its batches, stopped."""
+    rig.deploy(device)
+    agent = rig.agent(device, data_dir=str(disk.data))
+    agent.start()
+    rig.wait_streaming(agent)
+    agent.stop()
+    return agent
+
+
+def infers_for_2s(rig: Rig, agent: AgentProcess, pid: int, started: float, what: str) -> None:
+    """Wait until process ``pid`` of ``agent`` (started at monotonic ``started``) has inferred for two
+    seconds by its own clock (batches close every 0.5 s at most), from its heartbeats."""
+
+    def inferring() -> float | None:
+        """The uptime of this process's newest heartbeat once it says the model infers, else None."""
+        alive(agent, pid)
+        health = rig.device(agent.device_id)["last_health"] or {}
+        uptime = float(health.get("uptime_s", float("inf")))
+        cams = health.get("cameras") or [{}]
+        fresh = uptime <= time.monotonic() - started + 1  # a heartbeat of this process, not the last one
+        return uptime if fresh and cams[0].get("fps", 0) > 0 else None
+
+    since = wait_for(inferring, timeout=90, what=what)
+    wait_for(lambda: (up := inferring()) is not None and up >= since + 2, timeout=60, what=f"{what}, 2 s")
+
+
 def assert_failing(event: dict[str, Any], path: Path) -> None:
     """A clear report: an error, naming the file, the full disk and its errno."""
     data = event["data"]
@@ -237,11 +264,7 @@ def test_agent_restarted_on_a_full_disk_runs_reports_and_recovers(rig: Rig, disk
     model from its own disk, report the full disk through the room it kept, and catch up once there
     is room."""
     device = "fault-disk-restart"
-    rig.deploy(device)
-    agent = rig.agent(device, data_dir=str(disk.data))
-    agent.start()
-    rig.wait_streaming(agent)
-    agent.stop()
+    agent = streamed_then_stopped(rig, disk, device)
     assert disk.fill() > 0 and disk.free() == 0
     agent.start()
     started = time.monotonic()
@@ -256,22 +279,7 @@ def test_agent_restarted_on_a_full_disk_runs_reports_and_recovers(rig: Rig, disk
     assert_failing(failing, disk.data / "outbox.db")
 
     # It runs: its model comes from its own disk and infers on its camera, the disk still full.
-    def inferring() -> float | None:
-        """The uptime of this process's newest heartbeat once it says the model infers, else None."""
-        alive(agent, pid)
-        health = rig.device(device)["last_health"] or {}
-        uptime = float(health.get("uptime_s", float("inf")))
-        cams = health.get("cameras") or [{}]
-        fresh = uptime <= time.monotonic() - started + 1  # a heartbeat of this process, not the last one
-        return uptime if fresh and cams[0].get("fps", 0) > 0 else None
-
-    since = wait_for(inferring, timeout=90, what="the restarted agent inferring while the disk is full")
-    # Two seconds of inference (batches close every 0.5 s at most) by the agent's own clock.
-    wait_for(
-        lambda: (up := inferring()) is not None and up >= since + 2,
-        timeout=60,
-        what="the restarted agent inferring 2 s while the disk is full",
-    )
+    infers_for_2s(rig, agent, pid, started, "the restarted agent inferring while the disk is full")
     assert disk.full and storage_events(rig, device, "recovered", "outbox") == []
 
     disk.make_room()
@@ -366,3 +374,51 @@ def test_desired_state_on_a_full_disk_is_applied_reported_and_saved_later(rig: R
     assert alive(agent, pid)
     assert agent_starts(rig, device) == 1, "no restart"
     zero_seq_loss(rig.converge(agent, "desired state saved on a full disk (tmpfs ENOSPC)"))
+
+
+def test_agent_started_on_a_read_only_data_folder_runs_and_reports_once_writable(
+    rig: Rig, disk: AgentDisk
+) -> None:
+    """The agent's data folder read-only (a remount, as a failing SD card turns itself): the agent must
+    not crash-loop; it runs its model from what it can read, holds what it makes in memory, and once the
+    folder takes writes again stores a failing report (EROFS, made while read-only) and a recovered one,
+    and every batch it made. The failing report cannot reach the controller while nothing can be
+    stored: an outbox write is what gives a message its seq."""
+    device = "fault-disk-readonly"
+    agent = streamed_then_stopped(rig, disk, device)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk.mount)], check=True, capture_output=True)
+    try:
+        with pytest.raises(OSError) as refused:
+            (disk.data / "probe").write_bytes(b"x")
+        assert refused.value.errno == errno.EROFS
+        agent.start()
+        started = time.monotonic()
+        assert agent.proc is not None
+        pid = agent.proc.pid
+
+        infers_for_2s(rig, agent, pid, started, "the agent inferring on a read-only data folder")
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(disk.mount)], check=True, capture_output=True)
+
+    failing = wait_for(
+        lambda: first_report(rig, agent, pid, "failing", "outbox"),
+        timeout=60,
+        what="the read-only report, stored once the folder takes writes",
+    )
+    data = failing["data"]
+    assert failing["severity"] == "error" and data["errno_name"] == "EROFS", failing
+    assert "read-only" in failing["message"], failing
+    recovered = wait_for(
+        lambda: first_report(rig, agent, pid, "recovered", "outbox"),
+        timeout=60,
+        what="the agent's report that its outbox takes writes again",
+    )
+    figures = recovered["data"]
+    assert figures["held_batches"] >= 1 and figures["dropped_batches"] == 0, recovered
+    rig.wait_streaming(agent)
+    assert alive(agent, pid)
+    fig = rig.converge(agent, "agent started on a read-only data folder (tmpfs remounted ro)")
+    zero_seq_loss(fig)
+    written = stored_batches_between(rig, device, failing["seq"], recovered["seq"])
+    print(f"STORAGE read-only start: held_batches={figures['held_batches']} written_and_stored={written}")
+    assert written == figures["held_batches"], (written, figures)
