@@ -21,10 +21,33 @@ from pathlib import Path
 MOSQUITTO_HINT = "mosquitto is not installed: install the Debian/Ubuntu package 'mosquitto'"
 
 
+# Under pytest-xdist each worker takes ports from a range of its own, below the kernel's ephemeral
+# range: a port is probed free and then bound by another process (mosquitto, a controller) a moment
+# later, and two workers must never probe the same one in that moment (the second would find the
+# first one's broker listening, and talk to it).
+_PORT_RANGE = 3000
+_PORT_BASE = 12000
+_next_port: dict[str, int] = {}
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    first = _PORT_BASE + int(worker[2:]) % 6 * _PORT_RANGE
+    start = _next_port.get(worker, first + (os.getpid() * 7) % _PORT_RANGE)
+    for i in range(_PORT_RANGE):
+        port = first + (start - first + i) % _PORT_RANGE
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _next_port[worker] = first + (port - first + 1) % _PORT_RANGE
+        return port
+    raise RuntimeError(f"no free port in {first}..{first + _PORT_RANGE - 1} for xdist worker {worker}")
 
 
 def wait_port(host: str, port: int, timeout: float = 10.0, *, open_: bool = True) -> None:

@@ -57,8 +57,16 @@ export EDGEFLEET_REQUIRE_BROWSER=${EDGEFLEET_REQUIRE_BROWSER:-1}
 # The tests run in a random order (pytest-randomly, in '.[dev]'): pytest's header says
 # "Using --randomly-seed=N"; `bash tests/run.sh --randomly-seed=N` replays that order, and
 # `bash tests/run.sh -p no:randomly` runs in file order.
+# Most tests wait on real processes (brokers, controllers, agents), so they run on several workers
+# (pytest-xdist), a test file per worker at a time (module fixtures start processes once); each worker
+# takes ports from a range of its own (tests/mqtt_broker.py). EDGEFLEET_TEST_WORKERS=0 runs in one process.
+WORKERS=${EDGEFLEET_TEST_WORKERS:-3}
+XDIST=()
+if [ "$WORKERS" != 0 ]; then
+  XDIST=(-n "$WORKERS" --dist loadfile)
+fi
 set +e
-.venv/bin/pytest "$@"
+.venv/bin/pytest "${XDIST[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

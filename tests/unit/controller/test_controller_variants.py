@@ -348,19 +348,45 @@ def nanodet_variants(
     return reports, seen
 
 
-def test_real_int8_build_is_fit_smaller_and_matches_fp32(
+@pytest.fixture(scope="module")
+def nanodet_int8_kept(tmp_path_factory: pytest.TempPathFactory) -> list[VariantReport]:
+    """The same build with no bar, so the INT8 file is kept whatever its figures (on a CPU without
+    VNNI NanoDet's INT8 can fall below 0.95 against FP32, and an unfit variant's file is deleted)."""
+    return build_variants(
+        MODELS / "nanodet_coco" / "model.onnx",
+        _manifest("nanodet_coco"),
+        tmp_path_factory.mktemp("variants-kept"),
+        footage=FOOTAGE,
+        calib_frames=16,
+        eval_frames=8,
+        bar_f1=0.0,
+        bar_iou=0.0,
+        latency_rounds=1,
+        latency_runs=2,
+    )
+
+
+def test_real_int8_build_is_smaller_judged_on_its_figures_and_fit_on_vnni(
     nanodet_variants: tuple[list[VariantReport], list[tuple[str, float]]],
 ) -> None:
     reports, _ = nanodet_variants
     by = {r.variant: r for r in reports}
     fp32, int8 = by["fp32"], by["int8"]
-    assert int8.fit, int8.reason
-    assert int8.path is not None and int8.path.exists()
     assert int8.size is not None and fp32.size is not None and int8.size < fp32.size / 2
-    assert int8.f1 is not None and int8.f1 >= 0.9
-    assert int8.detections and fp32.detections
-    assert nonfinite_scales(int8.path) == []
+    assert int8.f1 is not None and int8.mean_iou is not None and int8.detections and fp32.detections
     assert int8.latency_ms_1t and int8.latency_ms_2t  # measured; how fast is bench/variants.py's job
+    # Fit is the figures' verdict, not a hardware fact: on a VNNI CPU (where it was judged) NanoDet's
+    # INT8 passes the 0.95 bars; without VNNI it may not, and then no file is kept and the reason says so.
+    if int8.int8_isa == "vnni":
+        assert int8.fit, int8.reason
+    if int8.fit:
+        assert int8.f1 >= 0.95 and int8.mean_iou >= 0.95, int8
+        assert int8.path is not None and int8.path.exists()
+        assert nonfinite_scales(int8.path) == []
+    else:
+        assert min(int8.f1, int8.mean_iou) < 0.95, int8
+        assert int8.path is None and int8.sha256 is None, int8
+        assert "below the bar" in (int8.reason or ""), int8.reason
 
 
 def test_real_fp16_build_of_nanodet_is_fit_and_every_report_is_complete(
@@ -383,11 +409,10 @@ def test_real_fp16_build_of_nanodet_is_fit_and_every_report_is_complete(
 
 
 def test_real_build_reports_figures_from_held_out_frames_that_did_not_choose(
-    nanodet_variants: tuple[list[VariantReport], list[tuple[str, float]]],
+    nanodet_int8_kept: list[VariantReport],
 ) -> None:
     """8 held-out frames: the first 4 chose among the INT8 candidates; F1/IoU/detections are the last 4's."""
-    reports, _ = nanodet_variants
-    by = {r.variant: r for r in reports}
+    by = {r.variant: r for r in nanodet_int8_kept}
     int8 = by["int8"]
     assert int8.path is not None
     manifest = _manifest("nanodet_coco")
