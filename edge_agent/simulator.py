@@ -67,6 +67,13 @@ from pydantic import SecretStr
 
 from edge_agent import __version__
 from fleet_protocol.codec import ProtocolError, decode, encode
+from fleet_protocol.desired import (
+    REFUSED_DEVICE,
+    REFUSED_SIGNATURE,
+    REFUSED_UNDECODABLE,
+    order_problem,
+    trust_problem,
+)
 from fleet_protocol.endpoint import MqttEndpoint, check_tls_files, describe_connect_error
 from fleet_protocol.messages import (
     Ack,
@@ -91,13 +98,7 @@ from fleet_protocol.messages import (
     cpu_flags_from_cpuinfo,
 )
 from fleet_protocol.paho_client import Connack, Will, classify_connack, make_client
-from fleet_protocol.signing import (
-    SignatureError,
-    desired_canonical_bytes,
-    load_public_key,
-    verify,
-    verify_desired,
-)
+from fleet_protocol.signing import SignatureError, desired_canonical_bytes, load_public_key, verify
 from fleet_protocol.topics import DEFAULT_PREFIX, SPECS, TopicKind, Topics, valid_device_id
 
 log = logging.getLogger(__name__)
@@ -114,13 +115,6 @@ CLOSE_WAIT_S = 5.0
 STATUS_EVERY_S = 5.0
 MISC_EVERY_S = 1.0
 
-# Why a desired state is refused as a whole (the agent's reasons, PROTOCOL.md "Desired and reported state").
-REFUSED_SIGNATURE = "signature"
-REFUSED_DEVICE = "device"
-REFUSED_STALE = "stale"
-REFUSED_CONFLICT = "conflict"
-REFUSED_ISSUED_AT = "issued_at"
-REFUSED_UNDECODABLE = "undecodable"
 APPLIED = "applied"
 IGNORED = "ignored"
 
@@ -584,44 +578,22 @@ class SimDevice:
     def on_desired(self, state: DesiredState, now_wall: float) -> str:
         """Take ``state`` as the agent would: APPLIED, IGNORED (the retained copy of the state it has)
         or the reason it was refused as a whole (nothing of it applied, an error event sent)."""
-        problem = self._trust_problem(state)
+        problem = trust_problem(state, self.public_key, self.device_id)
         if problem is not None:
             return self._refuse(state, *problem, now_wall=now_wall)
         try:
             content = desired_canonical_bytes(state)
         except ValueError as exc:
             return self._refuse(state, REFUSED_SIGNATURE, str(exc), now_wall=now_wall)
-        have = self.taken
-        if have is not None:
-            if state.version < have.version:
-                why = f"v{state.version} is older than v{have.version} it already has"
-                return self._refuse(state, REFUSED_STALE, why, now_wall=now_wall)
-            if state.version == have.version:
-                if content == self._taken_bytes:
-                    return IGNORED
-                why = f"v{state.version} differs from the v{have.version} it already has"
-                return self._refuse(state, REFUSED_CONFLICT, why, now_wall=now_wall)
-            if state.issued_at < have.issued_at:
-                why = f"v{state.version} was issued before v{have.version} it already has"
-                return self._refuse(state, REFUSED_ISSUED_AT, why, now_wall=now_wall)
+        problem = order_problem(state, content, self.taken, self._taken_bytes)
+        if problem is not None:
+            return self._refuse(state, *problem, now_wall=now_wall) if problem[0] else IGNORED
         self.taken, self._taken_bytes = state, content
         self._apply(state, now_wall)
         return APPLIED
 
     def refuse_undecodable(self, why: str, now_wall: float) -> str:
         return self._refuse(None, REFUSED_UNDECODABLE, why[:1000], now_wall=now_wall)
-
-    def _trust_problem(self, state: DesiredState) -> tuple[str, str] | None:
-        if self.public_key is not None:
-            try:
-                verify_desired(state, self.public_key)
-            except SignatureError as exc:
-                return REFUSED_SIGNATURE, str(exc)
-            if state.device_id != self.device_id:
-                return REFUSED_DEVICE, f"signed for {state.device_id!r}, not for {self.device_id!r}"
-        elif state.device_id is not None and state.device_id != self.device_id:
-            return REFUSED_DEVICE, f"for device {state.device_id!r}, not for {self.device_id!r}"
-        return None
 
     def _refuse(self, state: DesiredState | None, reason: str, why: str, *, now_wall: float) -> str:
         self.refused[reason] += 1

@@ -50,6 +50,13 @@ from edge_agent.pipeline import CameraParams, LoadedModel, ModelLoadError, Pipel
 from edge_agent.publisher import Publisher, PublishFn
 from edge_agent.queues import LatestSlot
 from fleet_protocol.codec import ProtocolError, decode_as, encode
+from fleet_protocol.desired import (
+    REFUSED_DEVICE,
+    REFUSED_SIGNATURE,
+    REFUSED_UNDECODABLE,
+    order_problem,
+    trust_problem,
+)
 from fleet_protocol.messages import (
     ArtifactRef,
     CameraDesired,
@@ -61,7 +68,7 @@ from fleet_protocol.messages import (
     ReportedState,
     Severity,
 )
-from fleet_protocol.signing import SignatureError, desired_canonical_bytes, verify, verify_desired
+from fleet_protocol.signing import SignatureError, desired_canonical_bytes, verify
 from fleet_protocol.topics import TopicKind
 
 log = logging.getLogger(__name__)
@@ -75,12 +82,6 @@ _REFUSAL_REPEAT_S = 60.0
 _REFUSAL_EVENTS_MAX = 20
 
 # Why a desired state is refused as a whole (Event data["reason"]; PROTOCOL.md "What is signed").
-REFUSED_SIGNATURE = "signature"  # unsigned, malformed, or not by the trusted key
-REFUSED_DEVICE = "device"  # signed for another device, or for none
-REFUSED_STALE = "stale"  # a version older than the one the agent has
-REFUSED_CONFLICT = "conflict"  # the version the agent has, with other content
-REFUSED_ISSUED_AT = "issued_at"  # issued before the state the agent has
-REFUSED_UNDECODABLE = "undecodable"  # not a valid DesiredState (e.g. a version out of bounds)
 # The part name in storage events (edge_agent.storage) when desired.json cannot be written.
 DESIRED_STATE = "desired_state"
 
@@ -227,17 +228,7 @@ class Twin:
         one (development; every model is refused anyway unless require_signed_artifacts is off) the
         signature cannot be checked, but a state naming another device is still not for this one.
         """
-        if self.artifact_key is not None:
-            try:
-                verify_desired(desired, self.artifact_key)
-            except SignatureError as exc:
-                return REFUSED_SIGNATURE, str(exc)
-            if desired.device_id != self.device_id:
-                named = f"device {desired.device_id!r}" if desired.device_id else "no device"
-                return REFUSED_DEVICE, f"signed for {named}, not for this device {self.device_id!r}"
-        elif desired.device_id is not None and desired.device_id != self.device_id:
-            return REFUSED_DEVICE, f"for device {desired.device_id!r}, not for this device {self.device_id!r}"
-        return None
+        return trust_problem(desired, self.artifact_key, self.device_id)
 
     def _order_problem(self, desired: DesiredState, content: bytes) -> tuple[str, str] | None:
         """Why ``desired`` does not follow the state taken (caller holds the lock), or None.
@@ -245,27 +236,7 @@ class Twin:
         (reason, message); reason "" for the state already taken coming again (the retained copy on
         every reconnect), which is ignored without an event.
         """
-        have = self._taken
-        if have is None:
-            if desired.version <= self.applied_version:
-                return REFUSED_STALE, f"v{desired.version} is not newer than v{self.applied_version} it runs"
-            return None
-        if desired.version < have.version:
-            return REFUSED_STALE, f"v{desired.version} is older than v{have.version} it already has"
-        if desired.version == have.version:
-            if content == self._taken_bytes:
-                return "", f"v{desired.version} already taken"
-            return (
-                REFUSED_CONFLICT,
-                f"v{desired.version} differs from the v{have.version} it already has (replayed or forged)",
-            )
-        if desired.issued_at < have.issued_at:
-            return (
-                REFUSED_ISSUED_AT,
-                f"v{desired.version} was issued at {desired.issued_at:.3f}, before v{have.version} "
-                f"({have.issued_at:.3f}) it already has",
-            )
-        return None
+        return order_problem(desired, content, self._taken, self._taken_bytes, self.applied_version)
 
     def _refuse(self, desired: DesiredState | None, reason: str, why: str) -> None:
         """Report a desired state refused as a whole; nothing of it is stored or applied."""

@@ -674,7 +674,13 @@ def must_refuse(kind: TopicKind) -> Verdicts:
     if kind in FREE_FORM:  # any JSON object, but not nested past the parser's depth (about 200)
         deep = with_deep(dump(set_at(doc, FREE_FORM[kind], DEEP)), depth=250)
         out.append((f"{'.'.join(map(str, FREE_FORM[kind]))} nested 250 deep", deep))
-    for path, value in FIELD_REFUSALS[kind]:
+    return out + field_verdicts(doc, FIELD_REFUSALS[kind])
+
+
+def field_verdicts(doc: Any, changes: list[tuple[tuple[Any, ...], Any]]) -> Verdicts:
+    """``doc`` with each (path, value) change applied, or the field dropped for DROP, named."""
+    out: Verdicts = []
+    for path, value in changes:
         name = ".".join(map(str, path))
         if value is DROP:
             out.append((f"{name} missing", dump(drop_at(doc, path))))

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.twin import (
+from fleet_protocol.codec import encode
+from fleet_protocol.desired import (
     REFUSED_CONFLICT,
     REFUSED_DEVICE,
     REFUSED_ISSUED_AT,
     REFUSED_SIGNATURE,
     REFUSED_STALE,
 )
-from fleet_protocol.codec import encode
 from fleet_protocol.messages import DesiredState, Event, EventKind, ModelManifest
 from fleet_protocol.signing import generate_private_key, signed_desired
 from fleet_protocol.topics import TopicKind

@@ -47,9 +47,12 @@ from fleet_protocol.signing import signed, signed_desired
 from fleet_protocol.topics import TopicKind, Topics
 from tests.unit.controller.test_controller_fuzz_topics import (
     DEEP,
+    DROP,
+    LONG,
     NASTY,
     drop_at,
     dump,
+    field_verdicts,
     json_values,
     paths,
     set_at,
@@ -362,9 +365,7 @@ def test_the_agent_shrugs_off_bad_input_on_every_inbound_topic(
 # are written out by hand (as in the controller's tests/unit/controller/test_controller_fuzz_topics.py):
 # each payload below must be counted as a protocol error and change nothing, each valid one must act.
 
-LONG = "y" * 70_000
 NAN, INF = math.nan, math.inf
-DROP = object()
 
 FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[object, ...], object]]] = {
     TopicKind.TWIN_DESIRED: [
@@ -474,14 +475,7 @@ def _must_refuse(kind: TopicKind, msg: object) -> list[tuple[str, bytes]]:
         out.append(("a field nested 5000 deep", with_deep(dump(set_at(doc, text, DEEP)), depth=5000)))
     if kind == TopicKind.COMMANDS:  # free-form: any JSON object, but not nested past the parser's depth
         out.append(("args nested 250 deep", with_deep(dump(set_at(doc, ("args", "camera"), DEEP)), 250)))
-    for path, value in FIELD_REFUSALS[kind]:
-        name = ".".join(map(str, path))
-        if value is DROP:
-            out.append((f"{name} missing", dump(drop_at(doc, path))))
-        else:
-            shown = "70 kB string" if value is LONG else repr(value)[:40]
-            out.append((f"{name} = {shown}", dump(set_at(doc, path, value))))
-    return out
+    return out + field_verdicts(doc, FIELD_REFUSALS[kind])
 
 
 def _pending_seqs(agent: Agent) -> list[int]:

@@ -85,7 +85,9 @@ def stop() -> Iterator[threading.Event]:
     ev.set()
 
 
-def make_pipeline(stop: threading.Event, backends: dict[str, FakeBackend], cameras: int = 1) -> Pipeline:
+def make_pipeline(
+    stop: threading.Event, backends: dict[str, FakeBackend], cameras: int = 1, workers: int = 1
+) -> Pipeline:
     wake = threading.Event()
     cams = [
         CameraWorker(
@@ -96,7 +98,14 @@ def make_pipeline(stop: threading.Event, backends: dict[str, FakeBackend], camer
         )
         for i in range(cameras)
     ]
-    p = Pipeline(cams, stop=stop, wake=wake, backend_factory=lambda path, m: backends[m.name], max_batch=4)
+    p = Pipeline(
+        cams,
+        stop=stop,
+        wake=wake,
+        backend_factory=lambda path, m: backends[m.name],
+        max_batch=4,
+        workers=workers,
+    )
     p.start()
     return p
 
@@ -291,31 +300,11 @@ class ConcurrentBackend(FakeBackend):
                 self.inside -= 1
 
 
-def make_workers_pipeline(
-    stop: threading.Event, backend: FakeBackend, cameras: int, workers: int
-) -> Pipeline:
-    wake = threading.Event()
-    cams = [
-        CameraWorker(
-            CameraConfig(id=f"c{i}", source=f"rtsp://fake/{i}"),
-            stop=stop,
-            opener=lambda c: Frames(),
-            wake=wake,
-        )
-        for i in range(cameras)
-    ]
-    p = Pipeline(
-        cams, stop=stop, wake=wake, backend_factory=lambda path, m: backend, max_batch=4, workers=workers
-    )
-    p.start()
-    return p
-
-
 def test_two_workers_run_their_own_cameras_concurrently_and_keep_each_camera_in_order(
     stop: threading.Event,
 ) -> None:
     backend = ConcurrentBackend(concurrent=True)
-    p = make_workers_pipeline(stop, backend, cameras=4, workers=2)
+    p = make_pipeline(stop, {"a": backend}, cameras=4, workers=2)
     model = p.load(Path("a.onnx"), manifest("a", SHA_A))
     for i in range(4):
         p.activate(f"c{i}", model, CameraParams(threshold=0.5))
@@ -332,7 +321,7 @@ def test_two_workers_run_their_own_cameras_concurrently_and_keep_each_camera_in_
 
 def test_a_backend_that_cannot_run_concurrently_gets_one_run_at_a_time(stop: threading.Event) -> None:
     backend = ConcurrentBackend(concurrent=False)
-    p = make_workers_pipeline(stop, backend, cameras=2, workers=2)
+    p = make_pipeline(stop, {"a": backend}, cameras=2, workers=2)
     model = p.load(Path("a.onnx"), manifest("a", SHA_A))
     for i in range(2):
         p.activate(f"c{i}", model, CameraParams(threshold=0.5))

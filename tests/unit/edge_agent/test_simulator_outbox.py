@@ -9,19 +9,9 @@ from typing import Any
 
 import pytest
 
-from edge_agent.simulator import (
-    APPLIED,
-    IGNORED,
-    REFUSED_CONFLICT,
-    REFUSED_DEVICE,
-    REFUSED_SIGNATURE,
-    REFUSED_STALE,
-    SeqStore,
-    SimDevice,
-    SimOutbox,
-    percentile,
-)
+from edge_agent.simulator import APPLIED, IGNORED, SeqStore, SimDevice, SimOutbox, percentile
 from fleet_protocol.codec import decode, encode
+from fleet_protocol.desired import REFUSED_CONFLICT, REFUSED_DEVICE, REFUSED_SIGNATURE, REFUSED_STALE
 from fleet_protocol.messages import (
     Ack,
     ArtifactRef,
