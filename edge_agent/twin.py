@@ -374,8 +374,6 @@ class Twin:
             if self._stop.is_set():
                 return
             self._apply_camera(cam_id, desired.cameras.get(cam_id), local_only=local_only)
-        if not local_only and self._in_effect(desired):
-            self._save_applied(desired)
         with self._lock:
             for cam_id in desired.cameras:
                 if cam_id not in self.pipeline.cameras:
@@ -384,6 +382,9 @@ class Twin:
                     )
             self.applied_version = max(self.applied_version, desired.version)
         self.report()
+        # After the report: the controller hears of the version without waiting for this disk write.
+        if not local_only and self._in_effect(desired):
+            self._save_applied(desired)
 
     def _in_effect(self, desired: DesiredState) -> bool:
         """Whether every camera runs exactly the model ``desired`` asks of it (none where none)."""
