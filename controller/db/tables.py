@@ -360,3 +360,32 @@ class ApiToken(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
     last_used_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
     revoked_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+class LeaderLease(SQLModel, table=True):
+    """The fencing token of the leader among controller replicas (one row per leadership name).
+
+    ``epoch`` grows by one at every takeover; a leader's transactions check it (``controller.fleet.leader``),
+    so a replica that lost its advisory lock cannot commit after another one took over.
+    """
+
+    __tablename__ = "leader_lease"
+
+    name: str = Field(primary_key=True, max_length=32)
+    epoch: int = Field(default=0, sa_type=sa.BigInteger)
+    holder: str | None = Field(default=None, max_length=64)
+    acquired_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+
+
+class ControllerReplica(SQLModel, table=True):
+    """A running controller replica: its id (unique; a duplicate refuses to start) and when it was last alive."""
+
+    __tablename__ = "controller_replica"
+
+    replica_id: str = Field(primary_key=True, max_length=64)
+    host: str = Field(default="", max_length=256)
+    started_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    seen_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
