@@ -7,14 +7,15 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
-import uuid
 from typing import Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from controller.db.engine import make_engine, migrate
+from controller.db.leader import ALWAYS_LEADER, Leadership, PgLeadership, ReplicaRegistry
 from controller.fleet.rollouts import RolloutService
 from controller.fleet.twin import ResendPolicy, TwinConverger, TwinService
 from controller.link.artifacts import ArtifactServer, DeviceCaps
@@ -24,6 +25,7 @@ from controller.link.commands import CommandService
 from controller.link.ingest import IngestService, StoredBatch
 from controller.link.presence import StatusService
 from controller.observe.live import LiveHub
+from controller.observe.live_relay import LiveRelay
 from controller.observe.metrics import ControllerMetrics
 from controller.observe.retention import RetentionPolicy, RetentionService
 from controller.registry.builder import VariantBuilder, VariantWorker
@@ -58,16 +60,37 @@ class ControllerRuntime:
         variant_builder: VariantBuilder | None = None,
     ) -> None:
         self.settings = settings
+        self.replica_id = settings.resolved_replica_id()
+        # Replicas (a share group) must all sign with the key the devices trust and accept one admin
+        # token: they read both and never make their own.
+        replicas = settings.mqtt_share_group is not None
         # First: a key that cannot be used must stop the start before anything else is opened.
-        self.signer = load_or_create_signer(settings.data_dir)
-        admin_token = load_or_create_admin_token(settings.data_dir, settings.admin_token)
+        self.signer = load_or_create_signer(
+            settings.data_dir, key_file=settings.signing_key_file, create=not replicas
+        )
+        admin_token = load_or_create_admin_token(
+            settings.data_dir, settings.admin_token, token_file=settings.admin_token_file, create=not replicas
+        )
+        if settings.admin_token_file is not None and (why := settings.admin_token_file_problem(admin_token)):
+            raise ValueError(f"environment 'production' refuses {why}")
         self.stop_event = threading.Event()
         self.engine: Engine = make_engine(settings.resolved_database_url())
         self.auth = TokenAuthority(self.engine, admin_token)
+        # Who does the work that must run once: the elected replica, or this one process.
+        self.elector: PgLeadership | None = None
+        self.leadership: Leadership = ALWAYS_LEADER
+        if replicas:
+            # Settings validation refuses a share group on SQLite, so this is PostgreSQL.
+            self.elector = PgLeadership(self.engine, replica_id=self.replica_id, stop=self.stop_event)
+            self.leadership = self.elector
+        self.replicas = ReplicaRegistry(
+            self.engine, replica_id=self.replica_id, host=socket.gethostname(), stop=self.stop_event
+        )
         if transport is None:
-            client_id = settings.mqtt_client_id or f"edgefleet-controller-{uuid.uuid4().hex[:8]}"
-            transport = PahoTransport(settings.mqtt_target(), client_id=client_id)
-        self.bridge = MqttBridge(transport, Topics(settings.topic_prefix))
+            transport = PahoTransport(settings.mqtt_target(), client_id=settings.controller_client_id())
+        self.bridge = MqttBridge(
+            transport, Topics(settings.topic_prefix), share_group=settings.mqtt_share_group
+        )
         # Per-device broker credentials (off unless EDGEFLEET_MQTT_BROKER_AUTH=dynsec).
         self.broker_admin: DynsecAdmin | None = None
         if settings.mqtt_broker_auth == "dynsec":
@@ -78,12 +101,24 @@ class ControllerRuntime:
                 username=admin_user,
                 password=admin_password,
                 controller_username=settings.mqtt_target().username,
+                share_group=settings.mqtt_share_group,
             )
             if isinstance(transport, PahoTransport):
                 # A role granted after the bridge subscribed (broker down at start) needs a resubscribe.
                 self.broker_admin.on_controller_access(transport.resubscribe)
         # Live view, commands, metrics, retention: fed by the ingest hook and the command results.
         self.hub = LiveHub(queue_max=settings.live_queue_max)
+        # Replicas: what another replica stored reaches this one's live clients (its own MQTT client,
+        # so the relay never waits behind the bridge's device traffic).
+        self.live_relay: LiveRelay | None = None
+        if replicas:
+            self.live_relay = LiveRelay(
+                self.hub,
+                PahoTransport(settings.mqtt_target(), client_id=f"{settings.controller_client_id()}-live"),
+                prefix=settings.topic_prefix,
+                replica_id=self.replica_id,
+                stop=self.stop_event,
+            )
         self.commands = CommandService(self.bridge, stop=self.stop_event)
         self.metrics = ControllerMetrics()
         self.retention = RetentionService(
@@ -95,6 +130,7 @@ class ControllerRuntime:
             ),
             interval_s=settings.retention_interval_s,
             stop=self.stop_event,
+            leadership=self.leadership,
         )
         self.ingest = IngestService(
             self.engine,
@@ -104,7 +140,13 @@ class ControllerRuntime:
             stop=self.stop_event,
             on_stored=self._on_stored,
         )
-        self.twin = TwinService(self.engine, self.bridge, chunk_size=settings.chunk_size, signer=self.signer)
+        self.twin = TwinService(
+            self.engine,
+            self.bridge,
+            chunk_size=settings.chunk_size,
+            signer=self.signer,
+            leadership=self.leadership,
+        )
         self.converger = TwinConverger(
             self.engine,
             self.twin,
@@ -114,8 +156,11 @@ class ControllerRuntime:
                 backoff_max_s=settings.twin_resend_backoff_max_s,
             ),
             stop=self.stop_event,
+            leadership=self.leadership,
         )
-        self.rollouts = RolloutService(self.engine, self.twin, stop=self.stop_event)
+        self.rollouts = RolloutService(
+            self.engine, self.twin, stop=self.stop_event, leadership=self.leadership
+        )
         self.status = StatusService(
             self.engine,
             self.bridge,
@@ -124,6 +169,7 @@ class ControllerRuntime:
             stop=self.stop_event,
             republish=self.twin.republish_all,
             on_capabilities=self.twin.recompute,
+            leadership=self.leadership,
         )
         self.artifacts = ArtifactServer(
             self.engine,
@@ -152,8 +198,11 @@ class ControllerRuntime:
             stop=self.stop_event,
             on_built=self.twin.recompute_for_model,
         )
-        # Started in this order, joined in reverse after the stop event.
+        # Started in this order, joined in reverse after the stop event: the replica's row and the
+        # leadership first (leader-only workers ask it from their first round), and last to go.
         self.workers: list[Worker] = [
+            self.replicas,
+            *([self.elector] if self.elector is not None else []),
             self.ingest,
             self.status,
             self.artifacts,
@@ -161,6 +210,7 @@ class ControllerRuntime:
             self.rollouts,
             self.converger,
             self.retention,
+            *([self.live_relay] if self.live_relay is not None else []),
         ]
         for kind in (TopicKind.DETECTIONS, TopicKind.EVENTS):
             self.bridge.on(kind, self.ingest.submit)
@@ -172,16 +222,23 @@ class ControllerRuntime:
         # now run it twice: the bridge keeps every handler.)
         self.bridge.on(TopicKind.COMMAND_RESULT, self.commands.results_then(self.status.submit))
         self.bridge.on(TopicKind.ARTIFACT_REQUEST, self.artifacts.submit)
-        self.bridge.on_connect(self.status.request_republish)
+        self.bridge.on_connect(self._on_broker_connect)
+        if self.elector is not None:
+            self.elector.on_change(self._on_leadership)
 
     def start(self) -> None:
         migrate(self.settings.resolved_database_url(), engine=self.engine)
         register_bundled_models(self.engine, self.settings.models_dir)
-        self.store.collect_garbage(self.engine)
-        # Workers first: the bridge's first messages (retained births) need somewhere to go.
+        self.replicas.register()  # a duplicate replica id stops the start here
+        if self.elector is None:  # one process: the leader from the start
+            self.store.collect_garbage(self.engine)
+        # Workers first: the bridge's first messages (retained births) need somewhere to go. The
+        # elector's first attempt runs in its start(), so a lone replica leads once it returns (and
+        # has done the leader's start-up work, _on_leadership).
         for worker in self.workers:
             worker.start()
-        self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
+        if self.elector is None:
+            self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
         self.metrics.bind(
             bridge=self.bridge,
             ingest=self.ingest,
@@ -210,9 +267,31 @@ class ControllerRuntime:
         self.engine.dispose()
         log.info("controller stopped")
 
+    def _on_leadership(self, leading: bool) -> None:
+        """Leader-only start-up work, done by whichever replica gains the leadership (on the election
+        thread), and the leader-only subscriptions, which follow the leadership both ways."""
+        if leading:
+            try:
+                self.store.collect_garbage(self.engine)
+            except Exception:
+                log.exception("artifact store garbage collection failed")
+            try:
+                self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
+            except Exception:
+                log.exception("queueing the pending variant builds failed")
+        self.bridge.set_leader(leading)
+
+    def _on_broker_connect(self) -> None:
+        # Every replica reconnects after a broker blip; one republish of the fleet's desired states is
+        # enough, and it is the leader's to do.
+        if self.leadership.is_leader():
+            self.status.request_republish()
+
     def _on_stored(self, stored: StoredBatch) -> None:
         """The ingest worker's hook: live clients and metrics (both only enqueue or count)."""
         self.hub.on_stored(stored)
+        if self.live_relay is not None:
+            self.live_relay.on_stored(stored)
         self.metrics.on_stored(stored)
 
     def db_ok(self) -> bool:

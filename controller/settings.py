@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+import re
+import secrets
+import socket
 from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -42,8 +45,16 @@ class ControllerSettings(BaseSettings):
     # The dynsec admin user; default the user and password the controller connects with.
     mqtt_admin_username: str | None = None
     mqtt_admin_password: SecretStr | None = None
-    # None: a unique id per process, so a second controller never kicks the first off the broker.
+    # None: a unique id per process, so a second controller never kicks the first off the broker. With
+    # replicas (mqtt_share_group) the replica id is appended to it: one compose file, N client ids.
     mqtt_client_id: str | None = None
+    # Replicas: N identical controllers on one PostgreSQL share the devices' messages through this
+    # Mosquitto shared-subscription group ($share/<group>/...), one leader among them does the work that
+    # must run once (controller/db/leader.py). Unset: one process, as before.
+    mqtt_share_group: str | None = None
+    # This replica's name (controller_replica, /healthz, the MQTT client id); unset: <host>-<random>.
+    # Filled in by validation, so every part of one process reads the same id.
+    replica_id: str | None = None
     topic_prefix: str = DEFAULT_PREFIX
     models_dir: Path = Field(default_factory=_default_models_dir)
     api_host: str = "127.0.0.1"
@@ -62,8 +73,9 @@ class ControllerSettings(BaseSettings):
     artifact_workers: int = Field(default=2, ge=1, le=32)
     chunk_size: int = Field(default=256 * 1024, ge=1024, le=4 * 1024 * 1024)
     # Per device, what the artifact server does for it (controller/link/artifacts.py DeviceCaps): chunk
-    # requests a second (and at once), and bytes a second (and at once). Over a cap a request or its
-    # remaining chunks are dropped; the agent asks again after its request timeout.
+    # requests a second (and at once), and bytes a second (and at once). A request over the request
+    # cap is dropped; chunks over the byte cap wait for it up to DeviceCaps.max_delay_s (1 s) and are
+    # dropped beyond that. The agent asks again for what it did not get after its request timeout.
     artifact_device_requests_per_s: float = Field(default=50.0, gt=0)
     artifact_device_request_burst: int = Field(default=100, ge=1)
     artifact_device_bytes_per_s: float = Field(default=256 * 2**20, gt=0)
@@ -97,6 +109,11 @@ class ControllerSettings(BaseSettings):
     # The bootstrap admin API token. Unset: made on first start in data_dir/admin.token (mode 0600);
     # production refuses to start without a strong one (controller/security/tokens.py).
     admin_token: SecretStr | None = None
+    # The same token read from a file (a mounted secret, mode 0600), instead of admin_token.
+    admin_token_file: Path | None = None
+    # The artifact signing key (Ed25519 PEM, mode 0600). Unset: data_dir/artifact_signing_key.pem, made
+    # on first start; with replicas it must exist already, the same key on every replica.
+    signing_key_file: Path | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
     @field_validator("log_level", mode="before")
@@ -109,6 +126,56 @@ class ControllerSettings(BaseSettings):
     def _blank_token_is_unset(cls, v: SecretStr | None) -> SecretStr | None:
         # EDGEFLEET_ADMIN_TOKEN= (empty) must not become an admin token nobody can present.
         return v if v is not None and v.get_secret_value().strip() else None
+
+    @field_validator("mqtt_share_group", mode="before")
+    @classmethod
+    def _share_group_ok(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = v.strip()
+            if not v:
+                return None  # EDGEFLEET_MQTT_SHARE_GROUP= (empty) means one process
+            if not SHARE_GROUP.fullmatch(v):
+                raise ValueError(
+                    "mqtt_share_group must be 1-64 characters of letters, digits, '.', '_' or '-' "
+                    "(it becomes a topic level: $share/<group>/...)"
+                )
+        return v
+
+    @field_validator("replica_id", mode="before")
+    @classmethod
+    def _replica_id_ok(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = v.strip()
+            if not v:
+                return None
+            if not REPLICA_ID.fullmatch(v):
+                raise ValueError(
+                    "replica_id must be 1-64 characters of letters, digits, '.', '_' or '-', starting "
+                    "with a letter or digit (it is part of the MQTT client id)"
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _replicas_ok(self) -> ControllerSettings:
+        if self.replica_id is None:
+            self.replica_id = default_replica_id()
+        if self.admin_token is not None and self.admin_token_file is not None:
+            raise ValueError("set admin_token (EDGEFLEET_ADMIN_TOKEN) or admin_token_file, not both")
+        if self.mqtt_share_group is None:
+            return self
+        if not self.resolved_database_url().startswith("postgresql"):
+            raise ValueError(
+                "mqtt_share_group (EDGEFLEET_MQTT_SHARE_GROUP) runs several controller replicas, which "
+                "needs PostgreSQL (EDGEFLEET_DATABASE_URL=postgresql+psycopg://...): SQLite serves one "
+                "controller process only; unset EDGEFLEET_MQTT_SHARE_GROUP to run one"
+            )
+        if self.admin_token is None and self.admin_token_file is None:
+            raise ValueError(
+                "mqtt_share_group (EDGEFLEET_MQTT_SHARE_GROUP) runs several controller replicas, which must "
+                "all accept one admin token: set EDGEFLEET_ADMIN_TOKEN or EDGEFLEET_ADMIN_TOKEN_FILE "
+                "(a token made per replica would work on one replica only)"
+            )
+        return self
 
     @field_validator("topic_prefix")
     @classmethod
@@ -152,12 +219,14 @@ class ControllerSettings(BaseSettings):
         # truth on the next container rebuild.
         if self.database_url is None:
             problems.append("database_url must be set explicitly")
-        if self.admin_token is None:
+        if self.admin_token is None and self.admin_token_file is None:
             problems.append(
-                "admin_token (EDGEFLEET_ADMIN_TOKEN) is not set; make one with "
+                "admin_token (EDGEFLEET_ADMIN_TOKEN) is not set, nor EDGEFLEET_ADMIN_TOKEN_FILE; make one with "
                 "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
             )
-        elif reason := _weak_secret(self.admin_token.get_secret_value(), min_len=32):
+        elif self.admin_token is not None and (
+            reason := _weak_secret(self.admin_token.get_secret_value(), min_len=32)
+        ):
             problems.append(f"admin_token (EDGEFLEET_ADMIN_TOKEN) {reason}")
         target = self.mqtt_target()
         if target.cert_file is None:  # a client certificate authenticates without a password
@@ -198,6 +267,36 @@ class ControllerSettings(BaseSettings):
             return self.database_url.get_secret_value()
         return f"sqlite:///{(self.data_dir / 'edgefleet.db').resolve()}"
 
+    def admin_token_file_problem(self, token: str) -> str | None:
+        """Why the token read from ``admin_token_file`` is not fit for production (validation cannot
+        read the file, so the runtime asks once it has); None when it is, or when not in production."""
+        if self.environment != "production":
+            return None
+        reason = _weak_secret(token, min_len=32)
+        return (
+            f"the admin token in {self.admin_token_file} (EDGEFLEET_ADMIN_TOKEN_FILE) {reason}"
+            if reason
+            else None
+        )
+
+    def resolved_replica_id(self) -> str:
+        """This process's replica id (validation fills in a default when none is configured)."""
+        if self.replica_id is None:  # only if a caller cleared it after validation
+            self.replica_id = default_replica_id()
+        return self.replica_id
+
+    def resolved_signing_key_file(self) -> Path:
+        return (
+            self.signing_key_file if self.signing_key_file is not None else self.data_dir / SIGNING_KEY_FILE
+        )
+
+    def controller_client_id(self) -> str:
+        """The bridge's MQTT client id. Replicas append their replica id to the configured base, so one
+        setting shared by every replica never makes them kick each other off the broker."""
+        if self.mqtt_share_group is None and self.mqtt_client_id:
+            return self.mqtt_client_id
+        return f"{self.mqtt_client_id or 'edgefleet-controller'}-{self.resolved_replica_id()}"
+
     def resolved_store_dir(self) -> Path:
         return self.store_dir if self.store_dir is not None else self.data_dir / "artifacts"
 
@@ -230,6 +329,8 @@ class ControllerSettings(BaseSettings):
         names: dict[str, str] = {}
         if self.mqtt_client_id:
             names[self.mqtt_client_id] = "the controller's MQTT client id"
+        if self.mqtt_share_group is not None:
+            names[self.controller_client_id()] = "this controller replica's MQTT client id"
         if self.mqtt_admin_username:
             names[self.mqtt_admin_username] = "the broker admin's user name"
         if user := self.mqtt_target().username:
@@ -240,6 +341,18 @@ class ControllerSettings(BaseSettings):
         t = self.mqtt_target()
         user = f"{t.username}:***@" if t.username else ""
         return f"{'mqtts' if t.tls else 'mqtt'}://{user}{t.host}:{t.port}"
+
+
+SIGNING_KEY_FILE = "artifact_signing_key.pem"
+SHARE_GROUP = re.compile(r"[A-Za-z0-9._-]{1,64}")
+REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def default_replica_id() -> str:
+    """``<host>-<6 hex>``: the host names the replica for people, the random part keeps two processes on
+    one host (or a restarted one) apart. Fits ``controller_replica.replica_id`` (64)."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._")[:48] or "controller"
+    return f"{host}-{secrets.token_hex(3)}"
 
 
 # Passwords shipped as defaults by brokers, databases, images and tutorials.

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Response, status
 
 from controller.api.deps import FilterQuery, RuntimeDep, SessionDep, time_window
-from controller.api.schemas import ArtifactKey, Health, IngestStats
+from controller.api.schemas import ArtifactKey, Health, IngestStats, IngestTotals
 from controller.db import crud
 from controller.observe.energy import device_energy, fleet_summary, load_payloads
 from controller.observe.metrics import CONTENT_TYPE
@@ -20,8 +20,9 @@ router = APIRouter(tags=["fleet"])
 @router.get(
     "/healthz",
     response_model=Health,
-    response_model_exclude_none=True,  # mqtt_error only when there is one
-    summary="Liveness: database reachable, MQTT connected (or why not: mqtt_error)",
+    response_model_exclude_none=True,  # mqtt_error only when there is one, epoch only while leading
+    summary="Liveness: database reachable, MQTT connected (or why not: mqtt_error); this replica and "
+    "whether it leads",
 )
 def healthz(rt: RuntimeDep, response: Response) -> Health:
     db_ok = rt.db_ok()
@@ -33,6 +34,9 @@ def healthz(rt: RuntimeDep, response: Response) -> Health:
         db=db_ok,
         mqtt=mqtt_ok,
         mqtt_error=None if mqtt_ok else rt.bridge.link_error,
+        replica=rt.replica_id,
+        leader=rt.leadership.is_leader(),
+        epoch=rt.elector.epoch if rt.elector is not None else None,
     )
 
 
@@ -44,13 +48,15 @@ def metrics(rt: RuntimeDep) -> Response:
 @router.get(
     "/api/v1/stats/ingest", response_model=IngestStats, summary="Ingest counters per topic kind and outcome"
 )
-def ingest_stats(rt: RuntimeDep) -> IngestStats:
+def ingest_stats(rt: RuntimeDep, session: SessionDep) -> IngestStats:
+    totals = crud.seq_totals(session)
     return IngestStats(
         counters=rt.bridge.counters.snapshot(),
         queue_depth=rt.ingest.queue_depth,
         queue_max=rt.settings.ingest_queue_max,
         status_queue_depth=rt.status.queue_depth,
         mqtt_connected=rt.bridge.connected,
+        fleet=IngestTotals(**totals._asdict()),
     )
 
 

@@ -141,12 +141,27 @@ class AssignModel(BaseModel):
     )
 
 
+class IngestTotals(BaseModel):
+    """The fleet's ingest figures, from the database: the same whichever replica answers."""
+
+    devices: int = Field(description="devices that have sent detections or events")
+    stored: int = Field(description="detection batches and events stored")
+    duplicates: int = Field(description="messages received again after they were stored (dropped)")
+    dropped: int = Field(description="seqs the agents declared dropped from their full outboxes")
+    lost: int = Field(description="seqs below a device's highest, neither stored nor declared dropped")
+    acked: int = Field(description="the sum over devices of the seq up to which everything is acked")
+
+
 class IngestStats(BaseModel):
-    counters: dict[str, dict[str, int]] = Field(description="topic kind → outcome → count")
+    counters: dict[str, dict[str, int]] = Field(
+        description="topic kind → outcome → count, as seen by the controller process that answers (one "
+        "replica's share when there are several; the fleet's figures are in ``fleet``)"
+    )
     queue_depth: int
     queue_max: int
     status_queue_depth: int
     mqtt_connected: bool
+    fleet: IngestTotals
 
 
 class Health(BaseModel):
@@ -155,6 +170,13 @@ class Health(BaseModel):
     mqtt: bool
     mqtt_error: str | None = Field(
         default=None, description="why the broker link is down or partial (TLS, refused, ACL), if known"
+    )
+    replica: str = Field(description="this controller replica's id (EDGEFLEET_REPLICA_ID or host-random)")
+    leader: bool = Field(
+        description="whether this replica does the fleet's run-once work (always true for one process)"
+    )
+    epoch: int | None = Field(
+        default=None, description="the leadership epoch this replica holds, while it leads among replicas"
     )
 
 

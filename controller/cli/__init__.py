@@ -4,7 +4,8 @@ One module per command group, each defining its own typer app and never importin
 ``__init__``:
 
 - ``serve``: ``controller``, ``agent``, ``demo`` and ``simulate`` (the long-running processes; ``agent``
-  and ``simulate`` dispatch lazily to ``edge_agent``, so the controller package never depends on the agent)
+  and ``simulate`` dispatch lazily to ``edge_agent``, so the controller package never depends on the agent),
+  and ``migrate`` (the controller's database schema, once before N replicas start)
 - ``models``, ``devices``, ``rollouts``, ``deployments`` (with ``deploy``), ``tokens``: the operator
   commands, which talk to a controller's REST API through ``client``
 
@@ -52,6 +53,7 @@ def _root(
 
 # Commands first, then the groups: the order `edgefleet --help` lists them in.
 app.command("controller")(serve.controller)
+app.command("migrate")(serve.migrate)
 app.command("agent")(serve.agent)
 app.command("demo")(serve.demo)
 app.command("simulate")(serve.simulate)

@@ -1,4 +1,5 @@
-"""The long-running commands: ``edgefleet controller``, ``agent``, ``demo`` and ``simulate``.
+"""The long-running commands: ``edgefleet controller``, ``agent``, ``demo`` and ``simulate``; and
+``migrate``, which brings the controller's database schema up to date and exits.
 
 ``agent`` and ``simulate`` import ``edge_agent`` lazily, inside the command: the controller package
 itself never depends on the agent (it installs without the agent's extras), these commands only
@@ -11,9 +12,12 @@ from __future__ import annotations
 import importlib
 import logging
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from controller.settings import ControllerSettings
 
 
 def _setup_logging(level: str) -> None:
@@ -31,24 +35,44 @@ def controller(
     validate_config: Annotated[bool, typer.Option(help="check the settings and exit")] = False,
 ) -> None:
     """Run the controller: REST API, MQTT bridge, ingest."""
+    from controller.app import run_controller
+
+    settings = _controller_settings(
+        api_host=host, api_port=port, mqtt_url=mqtt_url, database_url=database_url, data_dir=data_dir
+    )
+    if validate_config:
+        typer.echo("controller settings OK")
+        return
+    _setup_logging(settings.log_level)
+    run_controller(settings)
+
+
+def migrate(
+    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL (EDGEFLEET_DATABASE_URL)")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="data folder (EDGEFLEET_DATA_DIR)")] = None,
+) -> None:
+    """Bring the controller's database schema up to date, then exit (run it once before the replicas).
+
+    Reads the controller's settings (EDGEFLEET_*). Safe beside starting controllers and beside another
+    migrate: on PostgreSQL they take turns, and the later ones find nothing left to do.
+    """
+    from controller.db.engine import migrate as migrate_database
+
+    settings = _controller_settings(database_url=database_url, data_dir=data_dir)
+    _setup_logging(settings.log_level)
+    migrate_database(settings.resolved_database_url())
+    typer.echo("database schema is up to date")
+
+
+def _controller_settings(**options: Any) -> ControllerSettings:
+    """The controller's settings from the environment, overridden by the options given; exit 2 with
+    each problem (field and message only) when they are invalid."""
     from pydantic import ValidationError
 
-    from controller.app import run_controller
     from controller.settings import ControllerSettings
 
-    overrides: dict[str, Any] = {
-        k: v
-        for k, v in {
-            "api_host": host,
-            "api_port": port,
-            "mqtt_url": mqtt_url,
-            "database_url": database_url,
-            "data_dir": data_dir,
-        }.items()
-        if v is not None
-    }
     try:
-        settings = ControllerSettings(**overrides)
+        return ControllerSettings(**{k: v for k, v in options.items() if v is not None})
     except ValidationError as exc:
         # Field and message only: pydantic's own text repeats the input, which may hold secrets.
         lines = [
@@ -57,11 +81,6 @@ def controller(
         ]
         typer.echo("invalid controller settings:\n" + "\n".join(lines), err=True)
         raise typer.Exit(2) from None
-    if validate_config:
-        typer.echo("controller settings OK")
-        return
-    _setup_logging(settings.log_level)
-    run_controller(settings)
 
 
 def agent(

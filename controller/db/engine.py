@@ -91,8 +91,21 @@ def migrate(database_url: str, *, revision: str = "head", engine: Engine | None 
     log.info("database schema at %s", revision)
 
 
+# Replicas that start together (or `edgefleet migrate` beside them) must not run one migration twice:
+# on PostgreSQL the upgrade's transaction first takes this advisory lock, keyed like the leader's
+# (controller/db/leader.py) by database and schema. Whoever waits reads the version the first one
+# committed and has nothing left to do. A transaction-level lock: it ends with the migration, whatever
+# happens to it.
+_MIGRATION_LOCK_SQL = (
+    "SELECT pg_advisory_xact_lock(hashtextextended('edgefleet-migrate:' || current_database() || ':' "
+    "|| coalesce(current_schema(), ''), 0))"
+)
+
+
 def _upgrade(cfg: Config, engine: Engine, revision: str) -> None:
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(sa.text(_MIGRATION_LOCK_SQL))
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
 

@@ -4,6 +4,12 @@ that turns incoming frames into typed messages for the services.
 Nothing here touches the database: handlers only enqueue, so the paho network thread never waits on
 disk or on a lock held by an API request.
 
+With a share group (controller replicas) the bridge splits its subscriptions: the devices' bulk
+traffic goes to the group, each message to one replica; command results come to every replica (each
+wakes its own waiting request); availability and reported state, retained and order-sensitive, come to
+the leader alone, which subscribes when it starts leading (the retained ones resync it) and
+unsubscribes when it stops (:meth:`MqttBridge.set_leader`).
+
 Several handlers may listen to one topic kind (:meth:`MqttBridge.on` returns the function that removes
 one again). Each runs once per message, in the order they were added; a message is counted once, with
 the worst outcome its handlers returned (:func:`combine_outcomes`).
@@ -37,6 +43,16 @@ log = logging.getLogger(__name__)
 
 MessageCallback = Callable[[str, bytes], None]
 ConnectCallback = Callable[[], None]
+# With a share group: one replica of the group gets each of these (round-robin on Mosquitto; nothing
+# relies on which one).
+SHARED_KINDS = frozenset(
+    {TopicKind.DETECTIONS, TopicKind.EVENTS, TopicKind.HEARTBEAT, TopicKind.ARTIFACT_REQUEST}
+)
+# With a share group: the leader alone, so one consumer keeps each device's order; any other kind an
+# agent sends reaches every replica.
+LEADER_KINDS = frozenset({TopicKind.AVAILABILITY, TopicKind.TWIN_REPORTED})
+SHARE_PREFIX = "$share/"
+
 # A handler returns the outcome to count now, or None when it is not its to count now (a worker
 # counts it later, or another handler of the same kind counts it).
 Handler = Callable[[str, Message], str | None]
@@ -53,6 +69,9 @@ STORE_FAILED = "store_failed"
 UNKNOWN_ARTIFACT = "unknown_artifact"
 BAD_CHUNK_INDEX = "bad_chunk_index"
 UNKNOWN_KIND = "unknown"
+# A message that decoded with fields or enumeration values this build does not know (a newer agent's
+# additive change, PROTOCOL.md "Versions and compatibility"): counted besides its handler's outcome.
+UNKNOWN_FIELDS = "unknown_fields"
 ERROR = "error"  # a handler raised
 
 # How bad an outcome is, for combining those of several handlers; any outcome not named here is a
@@ -87,6 +106,9 @@ class Transport(Protocol):
 
     def subscribe(self, topics: list[tuple[str, int]]) -> None:
         """Subscribe now if connected, and again after every reconnect."""
+
+    def unsubscribe(self, filters: list[str]) -> None:
+        """Unsubscribe now if connected, and no longer subscribe after a reconnect."""
 
     def publish(self, topic: str, payload: bytes, qos: int, retain: bool) -> None: ...
 
@@ -199,6 +221,13 @@ class PahoTransport:
         if self.connected and topics:
             self._client.subscribe(topics)
 
+    def unsubscribe(self, filters: list[str]) -> None:
+        gone = set(filters)
+        with self._lock:
+            self._subs = [sub for sub in self._subs if sub[0] not in gone]
+        if self.connected and filters:
+            self._client.unsubscribe(list(filters))
+
     def resubscribe(self) -> None:
         """Subscribe again to everything (after the broker's ACL for us changed)."""
         with self._lock:
@@ -211,6 +240,20 @@ class PahoTransport:
         # QoS 1/2 messages stay queued in paho while disconnected; only a QoS 0 one is lost here.
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             log.warning("publish to %s failed: %s", topic, mqtt.error_string(info.rc))
+
+    def publish_confirmed(self, topic: str, payload: bytes, qos: int, retain: bool, timeout_s: float) -> bool:
+        """Publish and wait up to ``timeout_s`` for the broker's PUBACK (QoS 1); False when it did not
+        come. Not connected: False at once, without queueing (what was not sent is sent again by the
+        caller's owner of the truth, not replayed stale from paho's queue after a reconnect)."""
+        if not self.connected:
+            return False
+        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        try:
+            info.wait_for_publish(timeout_s)
+        except (RuntimeError, ValueError) as exc:
+            log.warning("publish to %s failed: %s", topic, exc)
+            return False
+        return info.is_published()
 
     # paho callbacks, on paho's network thread -------------------------------------------------
 
@@ -278,9 +321,14 @@ class PahoTransport:
 class MqttBridge:
     """Parses topics, decodes payloads, counts outcomes, and hands typed messages to handlers."""
 
-    def __init__(self, transport: Transport, topics: Topics) -> None:
+    def __init__(self, transport: Transport, topics: Topics, *, share_group: str | None = None) -> None:
         self.transport = transport
         self.topics = topics
+        self.share_group = share_group
+        # With a share group: whether this replica leads, i.e. holds the leader-only subscriptions.
+        self._leading = False
+        self._started = False
+        self._subs_lock = threading.Lock()
         self.counters = Counters()
         # Copy on write: the paho thread reads a kind's tuple without a lock while on() adds to it.
         self._handlers: dict[TopicKind, tuple[_Registration, ...]] = {}
@@ -329,8 +377,55 @@ class MqttBridge:
         """``time.monotonic()`` of the last valid message from ``device_id``."""
         return self._activity.get(device_id)
 
+    def subscriptions(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """``(always, leader_only)``: the filters this bridge holds from its start, and those it holds
+        only while its replica leads (none without a share group: one process leads always)."""
+        group = self.share_group
+        if group is None:
+            return self.topics.controller_subscriptions(), []
+        always: list[tuple[str, int]] = []
+        leader: list[tuple[str, int]] = []
+        for kind, spec in SPECS.items():
+            if not spec.from_agent:
+                continue
+            filter_ = self.topics.all_devices(kind)
+            if kind in LEADER_KINDS:
+                leader.append((filter_, spec.qos))
+            elif kind in SHARED_KINDS:
+                always.append((f"{SHARE_PREFIX}{group}/{filter_}", spec.qos))
+            else:
+                always.append((filter_, spec.qos))
+        return always, leader
+
+    @property
+    def leading(self) -> bool:
+        """Whether the leader-only subscriptions are held (always, without a share group)."""
+        return self.share_group is None or self._leading
+
+    def set_leader(self, leading: bool) -> None:
+        """Take (``True``) or drop the leader-only subscriptions; a no-op without a share group.
+
+        May come before :meth:`start` (the first leadership is often settled first) and from any thread.
+        """
+        with self._subs_lock:
+            if self.share_group is None or leading == self._leading:
+                return
+            self._leading = leading
+            if not self._started:
+                return
+            _, leader = self.subscriptions()
+            if leading:
+                # A new subscription gets the retained birth and reported state of every device.
+                self.transport.subscribe(leader)
+            else:
+                self.transport.unsubscribe([f for f, _ in leader])
+        log.info("%s the leader-only subscriptions", "took" if leading else "dropped")
+
     def start(self) -> None:
-        self.transport.subscribe(self.topics.controller_subscriptions())
+        with self._subs_lock:
+            always, leader = self.subscriptions()
+            self.transport.subscribe(always + leader if self.leading else always)
+            self._started = True
         self.transport.start(on_message=self.handle_message, on_connect=self._connected)
 
     def stop(self) -> None:
@@ -339,6 +434,21 @@ class MqttBridge:
     def publish_message(self, device_id: str, kind: TopicKind, msg: BaseModel) -> None:
         spec = SPECS[kind]
         self.transport.publish(self.topics.device(device_id, kind), encode(msg), spec.qos, spec.retain)
+
+    def publish_confirmed(self, device_id: str, kind: TopicKind, msg: BaseModel, timeout_s: float) -> bool:
+        """Publish ``msg`` and wait for the broker to have it (PUBACK) up to ``timeout_s``.
+
+        Lets a publisher holding a lock release it only once the broker has the message, so publishes
+        from several controller replicas reach the broker in lock order. A transport that cannot confirm
+        (the tests' fakes) publishes and answers True.
+        """
+        spec = SPECS[kind]
+        topic = self.topics.device(device_id, kind)
+        confirm = getattr(self.transport, "publish_confirmed", None)
+        if confirm is None:
+            self.transport.publish(topic, encode(msg), spec.qos, spec.retain)
+            return True
+        return bool(confirm(topic, encode(msg), spec.qos, spec.retain, timeout_s))
 
     def publish_raw(self, device_id: str, kind: TopicKind, payload: bytes) -> None:
         spec = SPECS[kind]
@@ -355,6 +465,10 @@ class MqttBridge:
         """Entry point for every incoming frame; never raises (it runs on paho's thread)."""
         kind_name = UNKNOWN_KIND
         try:
+            if topic.startswith(SHARE_PREFIX):
+                # Brokers deliver the publisher's topic; should one pass the filter's form, drop the
+                # "$share/<group>/" in front of it.
+                topic = topic[len(SHARE_PREFIX) :].partition("/")[2]
             parsed = self.topics.parse(topic)
             handlers = self._handlers.get(parsed.kind, ()) if parsed is not None else ()
             if parsed is None or not handlers:
@@ -364,8 +478,20 @@ class MqttBridge:
                 )
                 return
             kind_name = parsed.kind.value
+            device_id = parsed.device_id
+
+            def newer(what: tuple[str, ...]) -> None:
+                self.counters.add(kind_name, UNKNOWN_FIELDS)
+                self._bad.warning(
+                    f"{UNKNOWN_FIELDS}:{kind_name}",
+                    "ignoring what this build does not know in %s from %s (a newer agent?): %s",
+                    kind_name,
+                    device_id,
+                    ", ".join(what)[:300],
+                )
+
             try:
-                msg = decode(parsed.kind, payload)
+                msg = decode(parsed.kind, payload, newer)
             except ProtocolError as exc:
                 self.counters.add(kind_name, INVALID)
                 self._bad.warning(

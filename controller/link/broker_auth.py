@@ -140,14 +140,29 @@ def device_acls(topics: Topics, device_id: str) -> list[dict[str, Any]]:
     return acls
 
 
-def controller_acls(topics: Topics) -> list[dict[str, Any]]:
+def controller_acls(topics: Topics, share_group: str | None = None) -> list[dict[str, Any]]:
+    """Every device topic; with replicas also the shared-subscription form of those topics (dynsec
+    matches a ``$share/...`` filter literally: granting the plain filter refuses it) and the replicas'
+    own ``{prefix}/_controller/#`` (the live relay), which no device id can reach."""
     every_device = f"{topics.prefix}/devices/#"
-    return [
+    acls = [
         _acl("publishClientSend", every_device),
         _acl("publishClientReceive", every_device),
         _acl("subscribePattern", every_device),
         _acl("unsubscribePattern", every_device),
     ]
+    if share_group is not None:
+        shared = f"$share/{share_group}/{every_device}"
+        replicas = f"{topics.prefix}/_controller/#"
+        acls += [
+            _acl("subscribePattern", shared),
+            _acl("unsubscribePattern", shared),
+            _acl("publishClientSend", replicas),
+            _acl("publishClientReceive", replicas),
+            _acl("subscribePattern", replicas),
+            _acl("unsubscribePattern", replicas),
+        ]
+    return acls
 
 
 class DynsecAdmin:
@@ -167,9 +182,11 @@ class DynsecAdmin:
         password: SecretStr | None,
         controller_username: str | None,
         timeout_s: float = 10.0,
+        share_group: str | None = None,
     ) -> None:
         self._target = target
         self._topics = topics
+        self._share_group = share_group
         self._username = username
         self._controller_username = controller_username
         self._timeout = timeout_s
@@ -287,7 +304,7 @@ class DynsecAdmin:
         ]
         commands += [
             {"command": "addRoleACL", "rolename": CONTROLLER_ROLE, **acl}
-            for acl in controller_acls(self._topics)
+            for acl in controller_acls(self._topics, self._share_group)
         ]
         self._run(commands)
         user = self._controller_username

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from controller.db import crud
@@ -81,10 +82,24 @@ def register_bundled_models(engine: Engine, models_dir: Path) -> list[str]:
     for manifest_path in sorted(models_dir.glob(f"*/{MANIFEST_FILE}")):
         try:
             manifest = load_manifest(manifest_path)
-            with session_scope(engine) as s:
-                mv = register_model(s, manifest=manifest, model_path=manifest_path.parent / MODEL_FILE)
-                registered.append(f"{mv.name}:{mv.version}")
+            registered.append(_register_bundled(engine, manifest, manifest_path.parent / MODEL_FILE))
         except ModelRejectedError as exc:
             log.error("model refused: %s", exc)
     log.info("registered %d bundled models: %s", len(registered), ", ".join(registered) or "none")
     return registered
+
+
+def _register_bundled(engine: Engine, manifest: ModelManifest, model_path: Path) -> str:
+    """One bundled model, registered whether or not another replica registers it at the same moment:
+    the loser of the insert race finds the winner's row on its second try and refreshes it instead."""
+    try:
+        return _register_once(engine, manifest, model_path)
+    except IntegrityError:
+        log.info("%s:%s was registered by another replica meanwhile", manifest.name, manifest.version)
+        return _register_once(engine, manifest, model_path)
+
+
+def _register_once(engine: Engine, manifest: ModelManifest, model_path: Path) -> str:
+    with session_scope(engine) as s:
+        mv = register_model(s, manifest=manifest, model_path=model_path)
+        return f"{mv.name}:{mv.version}"

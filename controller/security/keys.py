@@ -1,4 +1,5 @@
-"""The controller's Ed25519 artifact signing key: made on first start, kept in the data folder."""
+"""The controller's Ed25519 artifact signing key: made on first start, kept in the data folder (or
+read from a configured file; replicas must all read the same one and never make their own)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from controller.settings import SIGNING_KEY_FILE
 from fleet_protocol.messages import ArtifactRef
 from fleet_protocol.signing import (
     ALGORITHM,
@@ -24,7 +26,7 @@ from fleet_protocol.signing import (
 
 log = logging.getLogger(__name__)
 
-KEY_FILE = "artifact_signing_key.pem"
+KEY_FILE = SIGNING_KEY_FILE
 
 
 @dataclass(frozen=True)
@@ -50,13 +52,27 @@ class ArtifactSigner:
         return signed(ref, self.private_key)
 
 
-def load_or_create_signer(data_dir: Path) -> ArtifactSigner:
-    """The key in ``data_dir``, made (mode 0600) if there is none.
+def load_or_create_signer(
+    data_dir: Path, *, key_file: Path | None = None, create: bool = True
+) -> ArtifactSigner:
+    """The key at ``key_file`` (default ``data_dir/artifact_signing_key.pem``), made (mode 0600) if
+    there is none and ``create`` allows it.
+
+    ``create=False`` is for replicas: agents accept one controller key, so a replica that made its own
+    would sign desired states that every device refuses; a missing key stops the start instead.
 
     A key file that group or others may read is refused, as ssh does: it may already have been
     copied, and quietly tightening it would hide that. The error says how to proceed.
     """
-    path = data_dir / KEY_FILE
+    path = key_file if key_file is not None else data_dir / KEY_FILE
+    if not create and not path.exists():
+        raise KeyFileError(
+            f"{path}: no artifact signing key. Controller replicas (EDGEFLEET_MQTT_SHARE_GROUP) never make "
+            "their own: every replica must sign with the one key the devices trust. Make it once (start one "
+            "controller without EDGEFLEET_MQTT_SHARE_GROUP, or `openssl genpkey -algorithm ed25519 -out "
+            "key.pem`), then give every replica that file (mode 0600) at EDGEFLEET_SIGNING_KEY_FILE or "
+            f"<data_dir>/{KEY_FILE}."
+        )
     if not path.exists():
         key = generate_private_key()
         try:

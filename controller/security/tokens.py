@@ -214,15 +214,30 @@ class TokenAuthority:
         return row
 
 
-def load_or_create_admin_token(data_dir: Path, configured: SecretStr | None) -> str:
-    """The bootstrap admin token: the configured one, else ``data_dir/admin.token`` (made if missing).
+def load_or_create_admin_token(
+    data_dir: Path, configured: SecretStr | None, *, token_file: Path | None = None, create: bool = True
+) -> str:
+    """The bootstrap admin token: the configured one, else the one in ``token_file``, else
+    ``data_dir/admin.token`` (made if missing and ``create`` allows it).
 
+    ``create=False`` is for replicas: a token made by one replica would be unknown to the others.
     A token file that group or others may read is refused, as for the signing key: it may already
     have been copied.
     """
     if configured is not None:
         return configured.get_secret_value()
+    if token_file is not None:
+        if not token_file.exists():
+            raise FileNotFoundError(
+                f"{token_file}: the admin API token file (EDGEFLEET_ADMIN_TOKEN_FILE) is missing"
+            )
+        return _read_token_file(token_file)
     path = data_dir / ADMIN_TOKEN_FILE
+    if not create and not path.exists():
+        raise FileNotFoundError(
+            f"{path}: no admin API token. Controller replicas never make their own (each would accept "
+            "only its own): set EDGEFLEET_ADMIN_TOKEN or EDGEFLEET_ADMIN_TOKEN_FILE, the same on every replica"
+        )
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         token = new_token()
@@ -235,6 +250,10 @@ def load_or_create_admin_token(data_dir: Path, configured: SecretStr | None) -> 
                 fh.write(token + "\n")
             log.info("no EDGEFLEET_ADMIN_TOKEN set: made an admin API token in %s (mode 0600)", path)
             return token
+    return _read_token_file(path)
+
+
+def _read_token_file(path: Path) -> str:
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         raise PermissionError(

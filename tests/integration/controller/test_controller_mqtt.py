@@ -148,7 +148,9 @@ def test_garbage_on_every_topic_is_counted_and_app_keeps_serving(
         return all(counters.get(k, {}).get("invalid") == 1 for k in from_agent)
 
     wait_for(all_counted, timeout=10, what="garbage counted on every agent topic")
-    assert client.get("/healthz").json() == {"status": "ok", "db": True, "mqtt": True}
+    health = client.get("/healthz").json()
+    assert health.pop("replica")  # this process's replica id
+    assert health == {"status": "ok", "db": True, "mqtt": True, "leader": True}
     send_until_acked(agent, [1], lambda a: a.upto == 1)
 
 

@@ -63,6 +63,9 @@ class FakeTransport:
     def subscribe(self, topics: list[tuple[str, int]]) -> None:
         self.subscriptions.extend(topics)
 
+    def unsubscribe(self, filters: list[str]) -> None:
+        self.subscriptions = [t for t in self.subscriptions if t[0] not in filters]
+
     def publish(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
         with self._lock:
             self.published.append(Published(topic, bytes(payload), qos, retain))

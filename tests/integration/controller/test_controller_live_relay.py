@@ -1,0 +1,132 @@
+"""The live relay between replicas over a real mosquitto: what replica B stored reaches a live client on
+replica A; nothing is relayed while no other replica watches; bad relay lines are refused and counted."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+
+from controller.link.bridge import PahoTransport
+from controller.link.ingest import StoredBatch
+from controller.observe.live import LiveFilter, LiveHub
+from controller.observe.live_relay import LiveRelay
+from fleet_protocol.endpoint import MqttEndpoint
+from fleet_protocol.messages import Box, Detection, DetectionBatch, FrameDetections
+from tests.mqtt_broker import MosquittoBroker
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "edgefleet/v1"
+
+
+def _batch(seq: int, labels: list[str]) -> DetectionBatch:
+    now = time.time()
+    fr = FrameDetections(
+        camera="cam1",
+        frame=seq,
+        captured_at=now,
+        width=100,
+        height=100,
+        model="m:1",
+        inference_ms=1,
+        detections=[
+            Detection(label=lbl, class_id=0, score=0.8, box=Box(x0=0, y0=0, x1=5, y1=5)) for lbl in labels
+        ],
+    )
+    return DetectionBatch(seq=seq, sent_at=now, frames=[fr])
+
+
+class Replica:
+    def __init__(self, broker: MosquittoBroker, name: str) -> None:
+        self.stop = threading.Event()
+        self.hub = LiveHub()
+        self.transport = PahoTransport(
+            MqttEndpoint(host=broker.host, port=broker.port), client_id=f"relay-test-{name}-{time.time_ns()}"
+        )
+        self.relay = LiveRelay(self.hub, self.transport, prefix=PREFIX, replica_id=name, stop=self.stop)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.relay.join(5)
+
+
+@pytest.fixture
+def pair(broker: MosquittoBroker) -> Iterator[tuple[Replica, Replica]]:
+    a, b = Replica(broker, "ra"), Replica(broker, "rb")
+    a.relay.start()
+    b.relay.start()
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_batch_stored_on_b_reaches_a_live_client_on_a_and_nothing_flows_unwatched(
+    pair: tuple[Replica, Replica],
+) -> None:
+    a, b = pair
+    # Nobody watches: B relays nothing.
+    b.relay.on_stored(
+        StoredBatch(messages=[("dev1", _batch(1, ["person"]))], stored_at=datetime.now(UTC), write_s=0)
+    )
+    assert b.relay.relayed_out == 0
+
+    loop = asyncio.new_event_loop()
+    try:
+        client = a.hub.add(LiveFilter(device="dev1"), loop)
+        wait_for(b.relay.someone_listens, timeout=10, what="B hears that A has a live client")
+        assert not a.relay.someone_listens()  # B has no client: A would relay nothing
+        b.relay.on_stored(
+            StoredBatch(
+                messages=[("dev1", _batch(2, ["person", "car"])), ("dev2", _batch(7, ["dog"]))],
+                stored_at=datetime.now(UTC),
+                write_s=0,
+            )
+        )
+        got: list[dict[str, object]] = []
+
+        def arrived() -> bool:
+            got.extend(client.take()[1])
+            return len(got) >= 2
+
+        wait_for(arrived, timeout=10, what="B's stored detections on A's live client")
+        assert [(g["device"], g["seq"], g["label"]) for g in got] == [
+            ("dev1", 2, "person"),
+            ("dev1", 2, "car"),
+        ]
+        assert b.relay.relayed_out == 2 and a.relay.relayed_in == 2
+
+        # A line that does not decode is refused and counted; the good one beside it still arrives.
+        b.transport.publish(
+            f"{PREFIX}/_controller/live/rb",
+            b'{"replica": "rb", "stored_at": "2026-12-03T10:00:00+00:00"}\n'
+            b"dev1 {not json}\n"
+            b"dev1 " + _batch(3, ["bus"]).model_dump_json().encode(),
+            0,
+            False,
+        )
+
+        def seq3() -> bool:
+            got.extend(client.take()[1])
+            return any(g["seq"] == 3 for g in got)
+
+        wait_for(seq3, timeout=10, what="seq 3 relayed")
+        assert a.relay.refused_in == 1
+
+        # The client goes: A withdraws, and B stops relaying.
+        a.hub.remove(client)
+        wait_for(lambda: not b.relay.someone_listens(), timeout=10, what="B hears that A stopped watching")
+        before = b.relay.relayed_out
+        b.relay.on_stored(
+            StoredBatch(messages=[("dev1", _batch(4, ["person"]))], stored_at=datetime.now(UTC), write_s=0)
+        )
+        assert b.relay.relayed_out == before
+    finally:
+        loop.close()
