@@ -110,7 +110,9 @@ def revoke(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -> Revo
 
 @router.get("", response_model=list[DevicePublic], summary="All devices with status and stats")
 def list_devices(session: SessionDep, rt: RuntimeDep) -> list[DevicePublic]:
-    return [device_public(d, rt.ingest.stats(d.id)) for d in crud.list_devices(session)]
+    devices = crud.list_devices(session)
+    stats = rt.ingest.stats_many(session, [d.id for d in devices])
+    return [device_public(d, stats[d.id]) for d in devices]
 
 
 @router.get(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
+from functools import cache
+from typing import Any, NamedTuple, cast
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -15,6 +17,7 @@ from controller.db.tables import (
     Detection,
     Device,
     DeviceCreate,
+    DeviceSeq,
     Event,
     HealthSample,
     IngestedSeq,
@@ -104,12 +107,6 @@ def ensure_devices(session: Session, *, device_ids: Iterable[str]) -> None:
     session.execute(dialect_insert(session, Device).on_conflict_do_nothing(), rows)
 
 
-def add_duplicates(session: Session, *, device_id: str, n: int) -> None:
-    session.execute(
-        sa.update(Device).where(col(Device.id) == device_id).values(duplicates=col(Device.duplicates) + n)
-    )
-
-
 def devices_with_desired(session: Session) -> Sequence[Device]:
     return session.exec(select(Device).where(col(Device.desired).is_not(None)).order_by(col(Device.id))).all()
 
@@ -141,41 +138,6 @@ def list_events(
     if since is not None:
         q = q.where(col(Event.ts) >= since)
     return session.exec(q.order_by(col(Event.ts).desc(), col(Event.id).desc()).limit(limit)).all()
-
-
-# --------------------------------------------------------------------------- ingest bookkeeping
-
-
-def seq_intervals(session: Session) -> list[tuple[str, int, int]]:
-    """Every device's stored-or-dropped seqs as maximal runs ``(device, first, last)``.
-
-    Gaps-and-islands in SQL so that a restart does not pull millions of rows into Python.
-    """
-    t = ingested_seq_table()
-    grp = (t.c.seq - sa.func.row_number().over(partition_by=t.c.device_id, order_by=t.c.seq)).label("grp")
-    sub = sa.select(t.c.device_id, t.c.seq, grp).subquery()
-    q = (
-        sa.select(sub.c.device_id, sa.func.min(sub.c.seq), sa.func.max(sub.c.seq))
-        .group_by(sub.c.device_id, sub.c.grp)
-        .order_by(sub.c.device_id, sa.func.min(sub.c.seq))
-    )
-    return [(str(d), int(a), int(b)) for d, a, b in session.execute(q).all()]
-
-
-def seq_counts(session: Session) -> dict[str, tuple[int, int, int]]:
-    """Per device: (stored, declared dropped, duplicates)."""
-    t = ingested_seq_table()
-    q = sa.select(
-        t.c.device_id,
-        sa.func.count().filter(t.c.dropped.is_(False)),
-        sa.func.count().filter(t.c.dropped.is_(True)),
-    ).group_by(t.c.device_id)
-    out = {str(d): (int(s), int(dr), 0) for d, s, dr in session.execute(q).all()}
-    dev = cast(sa.Table, Device.__table__)  # type: ignore[attr-defined]
-    for dev_id, dups in session.execute(sa.select(dev.c.id, dev.c.duplicates)).all():
-        s, dr, _ = out.get(dev_id, (0, 0, 0))
-        out[dev_id] = (s, dr, int(dups or 0))
-    return out
 
 
 # --------------------------------------------------------------------------- models
@@ -374,3 +336,201 @@ def device_ids(session: Session, *, device_id: str | None = None) -> list[str]:
     if device_id is not None:
         q = q.where(col(Device.id) == device_id)
     return list(session.exec(q).all())
+
+
+# --------------------------------------------------------------------------- ingest truth (device_seq)
+
+
+def device_seq_table() -> sa.Table:
+    """The per-device ingest truth as a Core ``Table``."""
+    return cast(sa.Table, DeviceSeq.__table__)  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class SeqRow:
+    """A ``device_seq`` row as a plain value (a table instance costs ~100 µs to build; ingest reads
+    one per device per commit)."""
+
+    device_id: str
+    upto: int
+    max_seq: int
+    stored: int
+    dropped: int
+    duplicates: int
+
+
+def _seq_row(row: Any) -> SeqRow:
+    return SeqRow(
+        str(row.device_id),
+        int(row.upto),
+        int(row.max_seq),
+        int(row.stored),
+        int(row.dropped),
+        int(row.duplicates),
+    )
+
+
+def ensure_device_seqs(session: Session, *, device_ids: Iterable[str]) -> None:
+    """Create the ``device_seq`` rows that do not exist yet (all zero).
+
+    In id order: two transactions inserting overlapping new devices then wait on each other in one
+    order, never in a cycle.
+    """
+    rows = [
+        {"device_id": d, "upto": 0, "max_seq": 0, "stored": 0, "dropped": 0, "duplicates": 0}
+        for d in sorted(set(device_ids))
+    ]
+    if rows:
+        session.execute(dialect_insert(session, device_seq_table()).on_conflict_do_nothing(), rows)
+
+
+def lock_device_seqs(session: Session, *, device_ids: Iterable[str]) -> dict[str, SeqRow]:
+    """The devices' rows, held until the transaction ends: every replica's ingest of one device queues.
+
+    PostgreSQL locks the rows in id order (``ORDER BY … FOR UPDATE``), so two replicas locking
+    overlapping sets of devices cannot deadlock. SQLite has one writer at a time and ignores the clause.
+    The rows are detached copies: ``save_device_seqs`` writes them back.
+    """
+    rows = session.connection().execute(_lock_seqs_stmt(), {"ids": sorted(set(device_ids))})
+    return {str(r.device_id): _seq_row(r) for r in rows}
+
+
+def device_seqs(session: Session, *, device_ids: Iterable[str] | None = None) -> dict[str, SeqRow]:
+    """The devices' rows as last committed (every device's when ``device_ids`` is None), unlocked."""
+    t = device_seq_table()
+    q = sa.select(t)
+    if device_ids is not None:
+        q = q.where(t.c.device_id.in_(sorted(set(device_ids))))
+    return {str(r.device_id): _seq_row(r) for r in session.execute(q).all()}
+
+
+def save_device_seqs(session: Session, *, rows: Iterable[SeqRow]) -> None:
+    """Write back rows taken with ``lock_device_seqs`` (one statement for all)."""
+    params = [
+        {
+            "b_id": r.device_id,
+            "upto": r.upto,
+            "max_seq": r.max_seq,
+            "stored": r.stored,
+            "dropped": r.dropped,
+            "duplicates": r.duplicates,
+        }
+        for r in rows
+    ]
+    if params:
+        session.connection().execute(_save_seqs_stmt(), params)
+
+
+def seq_islands(session: Session, *, device_ids: Iterable[str]) -> dict[str, list[tuple[int, int]]]:
+    """Per device, the runs of consecutive seqs in ``ingested_seq`` above the ``upto`` its ``device_seq``
+    row holds in this transaction, as ``(first, last)`` in order.
+
+    Only the tail above ``upto`` is read (normally the seqs of the batch being stored and a few that
+    arrived out of order), through the primary key, whatever the size of the history below it.
+    """
+    out: dict[str, list[tuple[int, int]]] = {}
+    for dev, a, b in session.connection().execute(_islands_stmt(), {"ids": sorted(set(device_ids))}):
+        out.setdefault(str(dev), []).append((int(a), int(b)))
+    return out
+
+
+# Ingest runs these three on every commit: built once (building a statement costs more than running
+# it on a small batch), the device ids bound as an expanding parameter.
+
+
+@cache
+def _lock_seqs_stmt() -> sa.Select[Any]:
+    t = device_seq_table()
+    return (
+        sa.select(t)
+        .where(t.c.device_id.in_(sa.bindparam("ids", expanding=True)))
+        .order_by(t.c.device_id)
+        .with_for_update()
+    )
+
+
+@cache
+def _save_seqs_stmt() -> sa.Update:
+    t = device_seq_table()
+    return sa.update(t).where(t.c.device_id == sa.bindparam("b_id"))
+
+
+@cache
+def _islands_stmt() -> sa.Select[Any]:
+    t = ingested_seq_table()
+    d = device_seq_table()
+    grp = (t.c.seq - sa.func.row_number().over(partition_by=t.c.device_id, order_by=t.c.seq)).label("grp")
+    tail = (
+        sa.select(t.c.device_id, t.c.seq, grp)
+        .select_from(d)
+        .join(t, sa.and_(t.c.device_id == d.c.device_id, t.c.seq > d.c.upto))
+        .where(d.c.device_id.in_(sa.bindparam("ids", expanding=True)))
+        .subquery()
+    )
+    return (
+        sa.select(tail.c.device_id, sa.func.min(tail.c.seq), sa.func.max(tail.c.seq))
+        .group_by(tail.c.device_id, tail.c.grp)
+        .order_by(tail.c.device_id, sa.func.min(tail.c.seq))
+    )
+
+
+class SeqTotals(NamedTuple):
+    """The whole fleet's ingest figures, summed over ``device_seq``."""
+
+    devices: int
+    stored: int
+    duplicates: int
+    dropped: int
+    lost: int
+    acked: int  # the sum of every device's upto
+
+
+def seq_totals(session: Session) -> SeqTotals:
+    t = device_seq_table()
+    missing = t.c.max_seq - t.c.stored - t.c.dropped
+    q = sa.select(
+        sa.func.count(),
+        sa.func.coalesce(sa.func.sum(t.c.stored), 0),
+        sa.func.coalesce(sa.func.sum(t.c.duplicates), 0),
+        sa.func.coalesce(sa.func.sum(t.c.dropped), 0),
+        sa.func.coalesce(sa.func.sum(sa.case((missing > 0, missing), else_=0)), 0),
+        sa.func.coalesce(sa.func.sum(t.c.upto), 0),
+    )
+    row = session.execute(q).one()
+    return SeqTotals(*(int(v) for v in row))
+
+
+# --------------------------------------------------------------------------- fleet work without fleet scans
+
+_IN_CHUNK = 500  # ids per IN (...) list: far below every driver's parameter limit
+
+
+def devices_by_ids(session: Session, *, device_ids: Iterable[str]) -> list[Device]:
+    """The known devices among ``device_ids``, by id (unknown ids are left out)."""
+    ids = sorted(set(device_ids))
+    out: list[Device] = []
+    for i in range(0, len(ids), _IN_CHUNK):
+        chunk = ids[i : i + _IN_CHUNK]
+        q = select(Device).where(col(Device.id).in_(chunk)).order_by(col(Device.id))
+        out.extend(session.exec(q).all())
+    return out
+
+
+def mark_silent_offline(session: Session, *, seen_before: datetime, now: datetime) -> list[str]:
+    """Mark offline, in one statement, every online device last heard from before ``seen_before``
+    (or never); returns their ids. Only the stale rows leave the database.
+
+    PostgreSQL checks the condition again on a row another transaction changed meanwhile (a heartbeat
+    stored by another replica), so a device heard from since is left online.
+    """
+    q = (
+        sa.update(Device)
+        .where(
+            col(Device.status) == DeviceStatus.ONLINE,
+            sa.or_(col(Device.last_seen).is_(None), col(Device.last_seen) < seen_before),
+        )
+        .values(status=DeviceStatus.OFFLINE, offline_since=now)
+        .returning(col(Device.id))
+        .execution_options(synchronize_session=False)
+    )
+    return sorted(str(i) for i in session.execute(q).scalars().all())

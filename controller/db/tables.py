@@ -368,7 +368,7 @@ class ApiToken(SQLModel, table=True):
 class LeaderLease(SQLModel, table=True):
     """The fencing token of the leader among controller replicas (one row per leadership name).
 
-    ``epoch`` grows by one at every takeover; a leader's transactions check it (``controller.fleet.leader``),
+    ``epoch`` grows by one at every takeover; a leader's transactions check it (``controller.db.leader``),
     so a replica that lost its advisory lock cannot commit after another one took over.
     """
 
@@ -389,3 +389,24 @@ class ControllerReplica(SQLModel, table=True):
     host: str = Field(default="", max_length=256)
     started_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
     seen_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+# --------------------------------------------------------------------------- ingest truth
+
+
+class DeviceSeq(SQLModel, table=True):
+    """One device's ingest truth, shared by every controller replica (``controller/link/ingest.py``).
+
+    Every seq ``1..upto`` is stored or declared dropped, so ``ingested_seq`` only needs its rows above
+    ``upto`` to build an ack (those below may be compacted). The counters change in the transaction that
+    stores what they count, whichever replica ran it: they are the fleet's figures, not one process's.
+    """
+
+    __tablename__ = "device_seq"
+
+    device_id: str = Field(primary_key=True, max_length=64)
+    upto: int = Field(default=0, sa_type=sa.BigInteger)
+    max_seq: int = Field(default=0, sa_type=sa.BigInteger)  # the highest seq stored or declared dropped
+    stored: int = Field(default=0, sa_type=sa.BigInteger)  # distinct seqs stored
+    dropped: int = Field(default=0, sa_type=sa.BigInteger)  # declared dropped and not arrived since
+    duplicates: int = Field(default=0, sa_type=sa.BigInteger)  # messages received again after storing

@@ -4,6 +4,13 @@ paho's thread decodes and validates (the bridge), the writer stores whole batche
 and acks after the commit. The two overlap: the writer's database time is spent in SQLite's C code
 with the GIL released, while paho's thread decodes the next messages.
 
+The truth is in the database, not in this process: controller replicas share a device's messages
+round-robin (MQTT ``$share``), so no process sees all of them. Each transaction locks the batch's
+``device_seq`` rows (in device-id order), treats every seq up to ``upto`` as a duplicate, claims the
+rest in ``ingested_seq``, moves ``upto`` over the claimed rows above it, whoever stored them, and
+counts what it stored, found twice or saw declared dropped. The ack it publishes after the commit is
+built from that, so it is right whichever replica stored which seq; and a start reads no history.
+
 Drop policy: when the queue is full the newest message is dropped and counted. That is safe because
 the agent keeps every message in its outbox until an ``Ack`` covers it, and sends it again.
 """
@@ -29,10 +36,11 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from controller.db import crud
+from controller.db.crud import SeqRow
 from controller.db.engine import db_json, db_text, session_scope
 from controller.db.tables import Detection, Event, utcnow
 from controller.link.bridge import DROPPED_QUEUE_FULL, DUPLICATE, INVALID, OK, STORE_FAILED, MqttBridge
-from controller.link.seqtrack import SeqStats, SeqTracker
+from controller.link.seqtrack import NO_STATS, SeqStats, advance
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Ack, DetectionBatch, EventKind, Message
 from fleet_protocol.messages import Event as EventMsg
@@ -96,6 +104,7 @@ class _DeviceResult:
     converted: set[int] = field(default_factory=set)  # stored seqs that had been declared dropped
     duplicates: list[_Item] = field(default_factory=list)
     declared: list[int] = field(default_factory=list)  # newly declared dropped
+    ack: Ack | None = None  # built inside the transaction, published after its commit
 
 
 def sane(msg: IngestMsg) -> str | None:
@@ -232,8 +241,20 @@ def tune_gc() -> None:
         log.info("gc young threshold %d -> %d", young, GC_YOUNG_THRESHOLD)
 
 
+# Above this many devices the stats of a listing are read for every device at once, not by id.
+_STATS_BY_ID_MAX = 500
+
+
+def seq_stats(row: SeqRow | None) -> SeqStats:
+    if row is None:
+        return NO_STATS
+    return SeqStats.of(
+        upto=row.upto, max_seq=row.max_seq, stored=row.stored, dropped=row.dropped, duplicates=row.duplicates
+    )
+
+
 class IngestService:
-    """Owns the ingest queue, its writer thread, and the per-device seq trackers."""
+    """Owns the ingest queue and its writer thread; a device's dedup, acks and counters are rows."""
 
     def __init__(
         self,
@@ -252,8 +273,7 @@ class IngestService:
         self._batch_max = batch_max
         self._queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_max)
         self._stop = stop
-        self._lock = threading.Lock()  # guards _trackers (API threads read stats)
-        self._trackers: dict[str, SeqTracker] = {}
+        # Devices whose device and device_seq rows this writer has seen exist (the writer thread's own).
         self._known_devices: set[str] = set()
         self._thread: threading.Thread | None = None
         self._det_insert: _DetectionInsert | None = None
@@ -262,7 +282,6 @@ class IngestService:
 
     def start(self) -> None:
         tune_gc()
-        self._load_trackers()
         self._thread = threading.Thread(target=self._run, name="controller-ingest", daemon=True)
         self._thread.start()
 
@@ -272,21 +291,6 @@ class IngestService:
             if self._thread.is_alive():
                 log.error("ingest worker did not stop within %.1fs", timeout)
 
-    def _load_trackers(self) -> None:
-        with Session(self._engine) as s:
-            intervals = crud.seq_intervals(s)
-            counts = crud.seq_counts(s)
-        trackers: dict[str, SeqTracker] = defaultdict(SeqTracker)
-        for device_id, a, b in intervals:
-            trackers[device_id].covered.add_range(a, b)
-        for device_id, (stored, dropped, dups) in counts.items():
-            t = trackers[device_id]
-            t.stored, t.dropped, t.duplicates = stored, dropped, dups
-        with self._lock:
-            self._trackers = dict(trackers)
-            self._known_devices = set(counts)
-        log.info("ingest state loaded for %d devices", len(trackers))
-
     # ---------------------------------------------------------------- API-facing
 
     @property
@@ -294,9 +298,17 @@ class IngestService:
         return self._queue.qsize()
 
     def stats(self, device_id: str) -> SeqStats:
-        with self._lock:
-            t = self._trackers.get(device_id)
-            return t.stats() if t is not None else SeqTracker().stats()
+        """One device's figures as committed, by every replica."""
+        with Session(self._engine) as s:
+            return self.stats_many(s, [device_id])[device_id]
+
+    @staticmethod
+    def stats_many(session: Session, device_ids: list[str]) -> dict[str, SeqStats]:
+        """Many devices' figures in one query (a device that never sent anything has zeros)."""
+        rows = crud.device_seqs(
+            session, device_ids=device_ids if len(device_ids) <= _STATS_BY_ID_MAX else None
+        )
+        return {d: seq_stats(rows.get(d)) for d in device_ids}
 
     # ---------------------------------------------------------------- bridge handler (paho thread)
 
@@ -348,6 +360,7 @@ class IngestService:
                         merged.converted |= res.converted
                         merged.duplicates += res.duplicates
                         merged.declared += res.declared
+                        merged.ack = res.ack or merged.ack  # the later commit knows more
                 except Exception:
                     self._bridge.counters.add(item.kind, STORE_FAILED)
                     log.exception(
@@ -373,18 +386,20 @@ class IngestService:
                 seen[item.msg.seq] = item
         now = utcnow()
         with session_scope(self._engine) as s:
-            new_devices = set(by_device) - self._known_devices
-            if new_devices:
-                crud.ensure_devices(s, device_ids=new_devices)
-            claimed = self._claim(s, by_device, now)
+            truth = self._lock_truth(s, set(by_device))
+            claimed = self._claim(s, by_device, truth, now)
             det_rows: list[tuple[Any, ...]] = []
             det_insert = self._detection_insert(s)
             for device_id, items in by_device.items():
                 res = results[device_id]
-                self._sort_device(s, device_id, items, claimed, res, now)
-                self._rows_device(s, device_id, res, now, det_rows, det_insert)
-                if res.duplicates:
-                    crud.add_duplicates(s, device_id=device_id, n=len(res.duplicates))
+                row = truth[device_id]
+                # Only a device with seqs declared dropped (and not arrived since) can have one revived.
+                self._sort_device(s, device_id, items, claimed, res, now, revive=row.dropped > 0)
+                self._rows_device(s, device_id, res, now, det_rows, det_insert, upto=row.upto)
+            islands = crud.seq_islands(s, device_ids=by_device)
+            for device_id, row in truth.items():
+                self._account(row, results[device_id], islands.get(device_id, []))
+            crud.save_device_seqs(s, rows=truth.values())
             # One INSERT for the detections of every device in the batch.
             if det_insert.usable:
                 det_insert.execute(s, det_rows)
@@ -396,19 +411,45 @@ class IngestService:
         self._known_devices |= set(by_device)
         return dict(results)
 
+    def _lock_truth(self, s: Session, device_ids: set[str]) -> dict[str, SeqRow]:
+        """The batch's ``device_seq`` rows, created if new and locked until the commit.
+
+        On SQLite the driver opens the transaction at the first write, so the read may come before it;
+        it still sees the rows as the commit will find them: SQLite serves one controller process, with
+        one ingest writer, the only one that writes these rows.
+        """
+        new = device_ids - self._known_devices
+        if new:
+            crud.ensure_devices(s, device_ids=new)
+            crud.ensure_device_seqs(s, device_ids=new)
+        truth = crud.lock_device_seqs(s, device_ids=device_ids)
+        missing = device_ids - truth.keys()
+        if missing:  # deleted behind this writer's back (by hand: the controller never deletes them)
+            crud.ensure_devices(s, device_ids=missing)
+            crud.ensure_device_seqs(s, device_ids=missing)
+            truth |= crud.lock_device_seqs(s, device_ids=missing)
+        return truth
+
     @staticmethod
-    def _claim(s: Session, by_device: dict[str, dict[int, _Item]], now: datetime) -> set[tuple[str, int]]:
-        """Insert the dedup record of every ``(device, seq)`` in the batch; returns those that were new.
+    def _claim(
+        s: Session, by_device: dict[str, dict[int, _Item]], truth: dict[str, SeqRow], now: datetime
+    ) -> set[tuple[str, int]]:
+        """Insert the dedup record of every ``(device, seq)`` above the device's ``upto``; returns those
+        that were new.
 
         The primary key (device, seq) is the dedup: a seq stored before (by this writer or any other)
         is not returned, and is then either a declared-dropped seq that arrived after all, or a duplicate.
+        A seq up to ``upto`` is not even tried: its row may have been compacted away.
         """
         t = crud.ingested_seq_table()
         rows = [
             {"device_id": device_id, "seq": q, "kind": item.kind, "stored_at": now, "dropped": False}
             for device_id, items in by_device.items()
             for q, item in items.items()
+            if q > truth[device_id].upto
         ]
+        if not rows:
+            return set()
         ins = crud.dialect_insert(s, t).on_conflict_do_nothing().returning(t.c.device_id, t.c.seq)
         return {(str(d), int(q)) for d, q in s.execute(ins, rows).all()}
 
@@ -420,19 +461,24 @@ class IngestService:
         claimed: set[tuple[str, int]],
         res: _DeviceResult,
         now: datetime,
+        *,
+        revive: bool,
     ) -> None:
         """Split one device's messages into stored (new, or declared dropped before) and duplicates."""
         stored = [q for q in items if (device_id, q) in claimed]
         seen_before = [q for q in items if (device_id, q) not in claimed]
         if seen_before:
-            t = crud.ingested_seq_table()
-            upd = (
-                sa.update(t)
-                .where(t.c.device_id == device_id, t.c.seq.in_(seen_before), t.c.dropped.is_(True))
-                .values(dropped=False, stored_at=now)
-                .returning(t.c.seq)
-            )
-            revived = {int(r[0]) for r in s.execute(upd).all()}
+            revived: set[int] = set()
+            if revive:
+                # Dropped rows are never compacted, so this finds them below upto as well.
+                t = crud.ingested_seq_table()
+                upd = (
+                    sa.update(t)
+                    .where(t.c.device_id == device_id, t.c.seq.in_(seen_before), t.c.dropped.is_(True))
+                    .values(dropped=False, stored_at=now)
+                    .returning(t.c.seq)
+                )
+                revived = {int(r[0]) for r in s.execute(upd).all()}
             res.converted |= revived
             stored += revived
             res.duplicates += [items[q] for q in sorted(seen_before) if q not in revived]
@@ -453,6 +499,8 @@ class IngestService:
         now: datetime,
         det_rows: list[tuple[Any, ...]],
         det_insert: _DetectionInsert,
+        *,
+        upto: int,
     ) -> None:
         """Append the stored detections' rows to ``det_rows``; add the stored events to the session."""
         usable = det_insert.usable
@@ -503,11 +551,14 @@ class IngestService:
                 )
                 rng = declared_range(msg)
                 if rng is not None:
-                    res.declared += self._declare_dropped(s, device_id, rng, now)
+                    res.declared += self._declare_dropped(s, device_id, rng, now, upto=upto)
 
     @staticmethod
-    def _declare_dropped(s: Session, device_id: str, rng: tuple[int, int], now: datetime) -> list[int]:
-        first, last = rng
+    def _declare_dropped(
+        s: Session, device_id: str, rng: tuple[int, int], now: datetime, *, upto: int
+    ) -> list[int]:
+        # Every seq up to upto is covered already, and its row may be compacted: not declared again.
+        first, last = max(rng[0], upto + 1), rng[1]
         newly: list[int] = []
         t = crud.ingested_seq_table()
         ins = crud.dialect_insert(s, t).on_conflict_do_nothing().returning(t.c.seq)
@@ -524,26 +575,30 @@ class IngestService:
             )
         return newly
 
+    @staticmethod
+    def _account(row: SeqRow, res: _DeviceResult, islands: list[tuple[int, int]]) -> None:
+        """Count the device's batch on its row, move ``upto`` and build the ack (inside the transaction)."""
+        row.stored += len(res.stored)
+        row.dropped += len(res.declared) - len(res.converted)
+        row.duplicates += len(res.duplicates)
+        upto, ranges = advance(row.upto, islands)
+        row.upto = upto
+        row.max_seq = max(row.max_seq, islands[-1][1] if islands else upto)
+        res.ack = Ack(upto=upto, ranges=ranges)
+
     def _after_commit(self, results: dict[str, _DeviceResult]) -> None:
+        # This process's own outcome counters (the fleet's are the device_seq rows).
         counters = self._bridge.counters
-        acks: dict[str, Ack] = {}
-        with self._lock:
-            for device_id, res in results.items():
-                t = self._trackers.setdefault(device_id, SeqTracker())
-                for item in res.stored:
-                    t.mark_stored(item.msg.seq, was_dropped=item.msg.seq in res.converted)
-                for q in res.declared:
-                    t.mark_dropped(q)
-                t.duplicates += len(res.duplicates)
-                upto, ranges = t.ack()
-                acks[device_id] = Ack(upto=upto, ranges=ranges)
         for res in results.values():
             for item in res.stored:
                 counters.add(item.kind, OK)
             for item in res.duplicates:
                 counters.add(item.kind, DUPLICATE)
         # Acked after commit, and also for duplicates: a resend means the agent missed our last ack.
-        for device_id, ack in acks.items():
+        for device_id, res in results.items():
+            ack = res.ack
+            if ack is None:
+                continue
             try:
                 self._bridge.publish_message(device_id, TopicKind.ACKS, ack)
             except Exception:

@@ -1,14 +1,30 @@
-"""Per-device bookkeeping of which sequence numbers are stored or declared dropped.
+"""The ack arithmetic: which sequence numbers are stored or declared dropped, and the Ack they make.
 
-Pure data structures (no I/O), so the ack arithmetic can be tested on its own.
+Pure functions and data structures (no I/O), so the arithmetic can be tested on its own. The controller
+keeps the truth in the database (``device_seq``: every seq up to ``upto`` covered; ``ingested_seq``:
+the rows above it) and turns it into an ack with ``advance``; ``SeqTracker`` is the same arithmetic over
+a whole history in memory, the model the database-backed ingest is checked against.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAX_ACK_RANGES = 1000  # fleet_protocol.messages.Ack.ranges max_length
+
+
+def advance(upto: int, islands: Sequence[tuple[int, int]]) -> tuple[int, list[tuple[int, int]]]:
+    """``(upto, ranges)`` for an Ack, from the old ``upto`` and the runs of covered seqs above it.
+
+    ``islands``: sorted, disjoint, non-adjacent ``(first, last)`` runs, all above ``upto``. A run that
+    starts right after ``upto`` extends it; the rest become the ack's ranges (at most MAX_ACK_RANGES,
+    lowest first: the oldest unacked messages are the ones an agent resends first).
+    """
+    if islands and islands[0][0] == upto + 1:
+        return islands[0][1], list(islands[1 : 1 + MAX_ACK_RANGES])
+    return upto, list(islands[:MAX_ACK_RANGES])
 
 
 class IntervalSet:
@@ -65,9 +81,28 @@ class SeqStats:
     acked_upto: int
     max_seq: int
 
+    @classmethod
+    def of(cls, *, upto: int, max_seq: int, stored: int, dropped: int, duplicates: int) -> SeqStats:
+        """From a device's counters: every seq up to ``max_seq`` neither stored nor declared dropped is lost."""
+        return cls(
+            stored=stored,
+            duplicates=duplicates,
+            dropped=dropped,
+            lost=max(0, max_seq - stored - dropped),
+            acked_upto=upto,
+            max_seq=max_seq,
+        )
+
+
+NO_STATS = SeqStats.of(upto=0, max_seq=0, stored=0, dropped=0, duplicates=0)
+
 
 class SeqTracker:
-    """One device's covered seqs (stored or declared dropped) and its counters."""
+    """One device's covered seqs (stored or declared dropped) and its counters, all in memory.
+
+    Not what the controller acks from (one process sees only its share of a device's messages when
+    replicas share the load): the reference the database-backed figures are compared with.
+    """
 
     def __init__(self) -> None:
         self.covered = IntervalSet()
@@ -92,10 +127,7 @@ class SeqTracker:
 
     def ack(self) -> tuple[int, list[tuple[int, int]]]:
         """``(upto, ranges)`` for an Ack: every seq <= upto is covered, ranges list the rest."""
-        ivs = self.covered.intervals()
-        if ivs and ivs[0][0] == 1:
-            return ivs[0][1], ivs[1 : 1 + MAX_ACK_RANGES]
-        return 0, ivs[:MAX_ACK_RANGES]
+        return advance(0, self.covered.intervals())
 
     def stats(self) -> SeqStats:
         top = self.covered.max
