@@ -16,11 +16,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from controller.db.states import DeploymentState, MemberState
 from controller.db.tables import Deployment, Device, Rollout, RolloutDevice
-from controller.fleet.selectors import Selector, SelectorError, parse_selector
+from controller.fleet.selectors import Op, Requirement, Selector, SelectorError, parse_selector
 
 APPLIED_STATES = (DeploymentState.ACTIVE, DeploymentState.ROLLING_OUT, DeploymentState.CANCELLED)
 ADMITTED = (MemberState.APPLYING, MemberState.ACTIVE)
@@ -174,8 +175,32 @@ def rollout_devices(s: Session, rollout_id: int) -> list[RolloutDevice]:
     )
 
 
-def matching_devices(s: Session, dep: Deployment) -> list[Device]:
+def _requirement_sql(r: Requirement) -> sa.ColumnElement[bool]:
+    # Label values are strings (controller.types.check_labels), so a missing key reads as NULL.
+    value = col(Device.labels)[r.key].as_string()
+    match r.op:
+        case Op.EQ | Op.IN:
+            return value.in_(sorted(r.values))
+        case Op.NE | Op.NOTIN:
+            return sa.or_(value.is_(None), value.not_in(sorted(r.values)))
+        case Op.EXISTS:
+            return value.is_not(None)
+        case Op.NOT_EXISTS:
+            return value.is_(None)
+    raise AssertionError(r.op)  # pragma: no cover - exhaustive above
+
+
+def selector_sql(sel: Selector) -> sa.ColumnElement[bool]:
+    """``sel`` as a SQL predicate on ``device.labels`` (SQLite and PostgreSQL JSON), so that only the
+    matching devices leave the database; ``Selector.matches`` stays the rule and is applied again."""
+    return sa.and_(sa.true(), *(_requirement_sql(r) for r in sel.requirements))
+
+
+def matching_devices(s: Session, dep: Deployment, *, exclude: Iterable[str] = ()) -> list[Device]:
+    """The devices the deployment's selector matches, by id, less ``exclude``: selected in SQL."""
     sel = selector_of(dep)
     if sel is None:
         return []
-    return [d for d in s.exec(select(Device).order_by(col(Device.id))).all() if sel.matches(d.labels or {})]
+    skip = set(exclude)
+    q = select(Device).where(selector_sql(sel)).order_by(col(Device.id))
+    return [d for d in s.exec(q).all() if d.id not in skip and sel.matches(d.labels or {})]

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from controller.db import crud
+from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
 from controller.db.states import LIVE_ROLLOUT_STATES, DeploymentState, DeviceStatus, MemberState, RolloutState
 from controller.db.tables import Deployment, Device, Event, HealthSample, Rollout, RolloutDevice, utcnow
 from controller.errors import ConflictError, ControllerError, InvalidError, NotFoundError
@@ -28,7 +29,6 @@ from controller.fleet.deployments import (
     matches,
     matching_devices,
     rollout_devices,
-    rollout_of,
 )
 from controller.fleet.gate import (
     DEFAULT_WAVES,
@@ -227,15 +227,41 @@ def rollout_view(ro: Rollout, dep: Deployment, members: Sequence[RolloutDevice])
     )
 
 
+def _locked_rollout(
+    s: Session, *, rollout_id: int | None = None, deployment_id: int | None = None
+) -> Rollout | None:
+    """The rollout's row, locked until the transaction ends (``SELECT … FOR UPDATE``; SQLite, one
+    process, ignores the clause) and read as the previous holder left it."""
+    q = select(Rollout)
+    q = q.where(col(Rollout.id) == rollout_id) if rollout_id is not None else q
+    q = q.where(col(Rollout.deployment_id) == deployment_id) if deployment_id is not None else q
+    return s.exec(q.with_for_update().execution_options(populate_existing=True)).first()
+
+
 class RolloutService:
     """Creates deployments with their rollouts, drives them from a runner thread, and carries out
-    the operator's pause/resume/cancel/rollback. One lock orders ticks and operator actions."""
+    the operator's pause/resume/cancel/rollback.
 
-    def __init__(self, engine: Engine, twin: TwinService, *, stop: threading.Event, tick_s: float = TICK_S):
+    Ticks and operator actions are ordered by the rollout's row lock, so an action served by one
+    replica and a tick on the leader take turns on a rollout (and by one in-process lock as well).
+    Ticks are leader work: skipped unless ``leadership.is_leader()``, every commit fenced.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        twin: TwinService,
+        *,
+        stop: threading.Event,
+        tick_s: float = TICK_S,
+        leadership: Leadership = ALWAYS_LEADER,
+    ):
         self._engine = engine
         self._twin = twin
         self._stop = stop
         self._tick_s = tick_s
+        self._leadership = leadership
+        self._fenced = False  # logged once per loss of the lead, not once per tick
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.clock: Callable[[], float] = time.time
@@ -259,27 +285,48 @@ class RolloutService:
             self._stop.wait(self._tick_s)
 
     def tick(self) -> None:
+        """One round over the live rollouts; nothing unless this replica leads."""
+        if not self._leadership.is_leader():
+            return
         with Session(self._engine) as s:
             ids = [
                 int(i)
                 for i in s.exec(select(Rollout.id).where(col(Rollout.state).in_(LIVE_ROLLOUT_STATES))).all()
                 if i is not None
             ]
-        for rid in ids:
-            with self._lock:
-                self._tick_one(rid)
+        try:
+            for rid in ids:
+                with self._lock:
+                    self._tick_one(rid)
+        except FencedOut as exc:
+            # The round ends here: another replica leads, and this one's next rounds are skipped.
+            if not self._fenced:
+                log.warning("rollout tick stopped: %s", exc)
+            self._fenced = True
+            return
+        self._fenced = False
 
     def _tick_one(self, rollout_id: int) -> None:
         self._fill_targets(rollout_id)
         touched: set[str] = set()
         now = self.clock()
         with Session(self._engine) as s:
-            ro = s.get(Rollout, rollout_id)
+            ro = _locked_rollout(s, rollout_id=rollout_id)
             if ro is None or ro.state not in LIVE_ROLLOUT_STATES:
                 return
             dep = s.get(Deployment, ro.deployment_id)
             assert dep is not None
             members = {m.device_id: m for m in rollout_devices(s, rollout_id)}
+            # Only the devices the step can look at: the members, and the devices that match while
+            # the current wave is still to be admitted (never the whole fleet).
+            admitting = (
+                ro.state == RolloutState.RUNNING
+                and ro.current_wave < len(ro.plan or [])
+                and not any(m.wave == ro.current_wave for m in members.values())
+            )
+            loaded = crud.devices_by_ids(s, device_ids=members)
+            if admitting:
+                loaded += matching_devices(s, dep, exclude=members)
             watched = {
                 m.device_id: m.admitted_at
                 for m in members.values()
@@ -299,7 +346,7 @@ class RolloutService:
                     steps.get(d.id, ()),
                     builds.get(d.id),
                 )
-                for d in crud.list_devices(s)
+                for d in loaded
             }
             actions = step(rollout_view(ro, dep, list(members.values())), devices, now)
             if not actions:
@@ -339,6 +386,7 @@ class RolloutService:
             ro.updated_at = at
             s.add(ro)
             s.add(dep)
+            self._leadership.fence(s)
             s.commit()
         self._twin.recompute_many(touched)
         self._fill_targets(rollout_id)
@@ -384,6 +432,7 @@ class RolloutService:
                 m.baseline_fps = min(fps) if fps else None
                 m.baseline_latency_ms = max(lat) if lat else None
                 s.add(m)
+                self._leadership.fence(s)
                 s.commit()
 
     # ------------------------------------------------------------------ create
@@ -455,8 +504,11 @@ class RolloutService:
                 dep = get_deployment(s, ref)
                 if dep is None or dep.id is None:
                     raise NotFoundError(f"deployment {ref!r} is not known")
-                ro = rollout_of(s, dep.id)
+                # The rollout's row first (a tick on another replica finishes its turn), then the
+                # deployment as that tick left it.
+                ro = _locked_rollout(s, deployment_id=dep.id)
                 assert ro is not None
+                s.refresh(dep)
                 touched = fn(s, dep, ro)
                 ro.updated_at = utcnow()
                 s.add(ro)
@@ -546,8 +598,9 @@ class RolloutService:
                     for d in crud.devices_with_desired(s)
                     if any(a.get("deployment") == dep.name for a in (d.assignments or {}).values())
                 }
-                ro = rollout_of(s, dep.id)
+                ro = _locked_rollout(s, deployment_id=dep.id)
                 if ro is not None:
+                    s.refresh(dep)
                     assert ro.id is not None
                     if ro.state in LIVE_ROLLOUT_STATES:
                         ro.state, ro.reason, ro.finished_at = RolloutState.CANCELLED, reason, utcnow()

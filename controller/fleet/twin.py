@@ -7,15 +7,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from controller.db import crud
 from controller.db.engine import session_scope
+from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
 from controller.db.states import DeviceStatus, ModelVersionStatus, SyncState
 from controller.db.tables import Device, Event, ModelVariant, ModelVersion, utcnow
 from controller.errors import ConflictError, NotFoundError
@@ -127,16 +129,39 @@ def artifact_ref(mv: ModelVersion, choice: Choice, chunk_size: int, path: Path |
     return with_chunk_hashes(ref, path)
 
 
+PUBLISH_TIMEOUT_S = 5.0
+
+
 class TwinService:
+    """Derives, stores and publishes each device's desired state; any replica may serve a change.
+
+    Two locks order it. The device's row (``SELECT … FOR UPDATE``) serialises the read-modify-write
+    across replicas, so two of them never issue one version with two contents; the in-process lock does
+    the same within one process (SQLite ignores ``FOR UPDATE`` and is one process anyway). The publish
+    is a step of its own after the commit: under the row lock again, it sends the latest committed
+    state and waits for the broker's PUBACK before letting go, so the retained message ends as the
+    database says whichever replica published last. A publish that fails loses nothing: the state is
+    committed and the converger (on the leader) sends it again.
+    """
+
     def __init__(
-        self, engine: Engine, bridge: MqttBridge, *, chunk_size: int, signer: ArtifactSigner
+        self,
+        engine: Engine,
+        bridge: MqttBridge,
+        *,
+        chunk_size: int,
+        signer: ArtifactSigner,
+        leadership: Leadership = ALWAYS_LEADER,
+        publish_timeout_s: float = PUBLISH_TIMEOUT_S,
     ) -> None:
         self._engine = engine
         self._bridge = bridge
         self._chunk_size = chunk_size
         self._signer = signer
-        # Read-modify-write-publish under one lock: versions must increase in the order the retained
-        # messages reach the broker.
+        # Fences the converger's re-sends and gates the republish of the whole fleet; the changes any
+        # replica serves (assignments, labels, rollout steps) are not leader work.
+        self._leadership = leadership
+        self._publish_timeout_s = publish_timeout_s
         self._lock = threading.Lock()
 
     @staticmethod
@@ -160,7 +185,7 @@ class TwinService:
         """Set the direct assignment of a camera (the bottom layer; a deployment that applies to the
         camera wins over it) and publish the device's desired state when it changed."""
         with self._lock, session_scope(self._engine) as s:
-            dev = crud.get_device(s, device_id=device_id)
+            dev = _locked(s, device_id)
             if dev is None:
                 raise NotFoundError(f"device {device_id!r} is not known")
             mv = crud.get_model_version(s, name=model, version=version)
@@ -181,7 +206,7 @@ class TwinService:
 
     def remove(self, *, device_id: str, camera: str) -> DesiredState:
         with self._lock, session_scope(self._engine) as s:
-            dev = crud.get_device(s, device_id=device_id)
+            dev = _locked(s, device_id)
             if dev is None:
                 raise NotFoundError(f"device {device_id!r} is not known")
             if camera not in (dev.direct or {}):
@@ -194,7 +219,7 @@ class TwinService:
         direct assignment) and each camera's variant choice; publish it only when it changed.
         Returns the new state, or None when nothing changed."""
         with self._lock, session_scope(self._engine) as s:
-            dev = crud.get_device(s, device_id=device_id)
+            dev = _locked(s, device_id)
             if dev is None:
                 return None
             return self._apply(s, dev)
@@ -273,9 +298,33 @@ class TwinService:
         dev.desired_version = new.version
         s.add(dev)
         s.commit()
-        self._bridge.publish_message(device_id, TopicKind.TWIN_DESIRED, new)
-        log.info("desired state v%d of %s published", new.version, device_id)
+        self.publish_latest(device_id)
         return new
+
+    def publish_latest(self, device_id: str) -> bool:
+        """Publish the device's latest committed desired state, holding its row until the broker has it.
+
+        Every publisher of a device's ``twin/desired`` goes through its row lock and reads the state
+        under it, so the versions reach the broker in order whichever replica sends them, and the last
+        one to reach it is the newest committed. True when the broker confirmed it.
+        """
+        with Session(self._engine) as s:
+            dev = _locked(s, device_id)
+            if dev is None or dev.desired is None:
+                return False
+            state = self._signed(self.current(dev.desired), device_id)
+            try:
+                ok = self._bridge.publish_confirmed(
+                    device_id, TopicKind.TWIN_DESIRED, state, timeout_s=self._publish_timeout_s
+                )
+            finally:
+                s.rollback()  # nothing written: only the lock is let go
+        if ok:
+            log.info("desired state v%d of %s published", state.version, device_id)
+        else:
+            # Committed all the same: the converger sends it again once the device does not take it up.
+            log.warning("desired state v%d of %s not confirmed by the broker", state.version, device_id)
+        return ok
 
     def _signed(self, state: DesiredState, device_id: str) -> DesiredState:
         """``state`` for ``device_id``, every artifact ref signed by this controller's key, then the
@@ -297,16 +346,35 @@ class TwinService:
         return signed_desired(DesiredState.model_validate(bound.model_dump()), self._signer.private_key)
 
     def republish_all(self) -> int:
-        """Publish every stored desired state again (retained): a broker without persistence forgets."""
-        with self._lock, Session(self._engine) as s:
-            devices = crud.devices_with_desired(s)
-            for dev in devices:
-                try:
-                    state = self._signed(self.current(dev.desired), dev.id)
-                    self._bridge.publish_message(dev.id, TopicKind.TWIN_DESIRED, state)
-                except Exception:
-                    log.exception("could not republish desired state of %s", dev.id)
-            return len(devices)
+        """Publish every stored desired state again (retained): a broker without persistence forgets.
+
+        Leader work: after a broker blip every replica reconnects, and one republish of the fleet is
+        enough. Each device goes through ``publish_latest`` (its row lock, its newest state), so a
+        change another replica publishes meanwhile is never overwritten by the older state read here.
+        Returns how many the broker confirmed (0 on a replica that does not lead)."""
+        if not self._leadership.is_leader():
+            return 0
+        with Session(self._engine) as s:
+            ids = list(
+                s.exec(select(Device.id).where(col(Device.desired).is_not(None)).order_by(col(Device.id)))
+            )
+        done = 0
+        for device_id in ids:
+            if not self._leadership.is_leader():
+                break
+            ok = False
+            try:
+                # The in-process lock too: SQLite ignores the row lock, and this process's own
+                # changes must not interleave with the read and the publish.
+                with self._lock:
+                    ok = self.publish_latest(device_id)
+            except Exception:
+                log.exception("could not republish desired state of %s", device_id)
+            done += ok
+            if not ok and not self._bridge.connected:
+                log.warning("broker link lost while republishing; the next connect republishes again")
+                break
+        return done
 
     def resend(self, device_id: str, *, why: str, attempt: int, next_after_s: float) -> int | None:
         """Publish the device's stored desired state again, under a new version, and record why.
@@ -317,7 +385,7 @@ class TwinService:
         Returns the new version, or None when the device has nothing to re-send or is in sync.
         """
         with self._lock, session_scope(self._engine) as s:
-            dev = crud.get_device(s, device_id=device_id)
+            dev = _locked(s, device_id)
             if dev is None or dev.desired is None or device_sync(dev)[0] == SyncState.IN_SYNC:
                 return None  # in sync since the caller looked: nothing to fix
             old = self.current(dev.desired)
@@ -347,10 +415,20 @@ class TwinService:
                     },
                 )
             )
+            # A re-send is the converger's, leader work: a replica that lost the lead must not commit it.
+            self._leadership.fence(s)
             s.commit()
-            self._bridge.publish_message(device_id, TopicKind.TWIN_DESIRED, new)
+            self.publish_latest(device_id)
         log.warning("desired state of %s re-sent as v%d: %s", device_id, version, why)
         return version
+
+
+def _locked(s: Session, device_id: str) -> Device | None:
+    """The device's row, locked until the transaction ends (PostgreSQL; SQLite ignores the clause).
+
+    ``populate_existing``: a row already in the session is read again, as the lock holder left it.
+    """
+    return s.get(Device, device_id, with_for_update=True, populate_existing=True)
 
 
 def _issue_time(previous: DesiredState) -> float:
@@ -472,13 +550,96 @@ def _epoch(dt: datetime | None) -> float | None:
     return dt.timestamp() if dt is not None else None
 
 
-class TwinConverger:
-    """Watches every online device with a desired state and re-sends it to the ones that do not
-    converge on it (``resend_reason``), with a capped exponential backoff per device. Each re-send,
-    and the return to in-sync after re-sends, is recorded as an event.
+# Same version applied, yet maybe not running it: a cheap superset in SQL of ``twin_sync``'s drifted and
+# failed verdicts at ``reported_version == desired_version`` (a desired camera the device does not
+# report running with the desired sha256 and, where it reports them, the same settings; or a camera that
+# runs a model no desired camera assigns). Python (``device_sync``) decides on the few rows it yields;
+# a row it yields in excess only costs its load.
+_MAYBE_DRIFT_PG = """
+EXISTS (
+  SELECT 1 FROM json_each(CASE WHEN json_typeof(device.desired -> 'cameras') = 'object'
+                               THEN device.desired -> 'cameras' END) AS d(cam, want)
+  WHERE json_typeof(d.want -> 'model') = 'object'
+    AND NOT EXISTS (
+      SELECT 1 FROM json_each(CASE WHEN json_typeof(device.reported -> 'cameras') = 'object'
+                                   THEN device.reported -> 'cameras' END) AS r(cam, got)
+      WHERE r.cam = d.cam
+        AND r.got ->> 'state' = 'running'
+        AND r.got ->> 'sha256' = d.want -> 'model' -> 'manifest' ->> 'sha256'
+        AND (json_typeof(r.got -> 'threshold') IS DISTINCT FROM 'number' OR (
+          (CASE WHEN json_typeof(r.got -> 'threshold') = 'number' THEN (r.got ->> 'threshold')::float8 END)
+            = COALESCE((d.want ->> 'threshold')::float8,
+                       (d.want -> 'model' -> 'manifest' ->> 'default_threshold')::float8, 0.5)
+          AND (CASE WHEN json_typeof(r.got -> 'max_fps') = 'number' THEN (r.got ->> 'max_fps')::float8 END)
+            IS NOT DISTINCT FROM (d.want ->> 'max_fps')::float8
+          AND COALESCE(r.got -> 'labels', 'null'::json)::text = COALESCE(d.want -> 'labels', 'null'::json)::text))))
+OR EXISTS (
+  SELECT 1 FROM json_each(CASE WHEN json_typeof(device.reported -> 'cameras') = 'object'
+                               THEN device.reported -> 'cameras' END) AS r(cam, got)
+  WHERE r.got ->> 'state' = 'running' AND COALESCE(r.got ->> 'model', '') <> ''
+    AND json_typeof(device.desired -> 'cameras' -> r.cam -> 'model') IS DISTINCT FROM 'object')
+"""
+_MAYBE_DRIFT_SQLITE = """
+EXISTS (
+  SELECT 1 FROM json_each(device.desired, '$.cameras') AS d
+  WHERE json_type(d.value, '$.model') = 'object'
+    AND NOT EXISTS (
+      SELECT 1 FROM json_each(device.reported, '$.cameras') AS r
+      WHERE r.key = d.key
+        AND json_extract(r.value, '$.state') = 'running'
+        AND json_extract(r.value, '$.sha256') = json_extract(d.value, '$.model.manifest.sha256')
+        AND (COALESCE(json_type(r.value, '$.threshold'), 'null') NOT IN ('real', 'integer') OR (
+          json_extract(r.value, '$.threshold') = COALESCE(json_extract(d.value, '$.threshold'),
+            json_extract(d.value, '$.model.manifest.default_threshold'), 0.5)
+          AND json_extract(r.value, '$.max_fps') IS json_extract(d.value, '$.max_fps')
+          AND COALESCE(json_extract(r.value, '$.labels'), 'null')
+              = COALESCE(json_extract(d.value, '$.labels'), 'null')))))
+OR EXISTS (
+  SELECT 1 FROM json_each(device.reported, '$.cameras') AS r
+  WHERE json_extract(r.value, '$.state') = 'running' AND COALESCE(json_extract(r.value, '$.model'), '') <> ''
+    AND COALESCE(json_type(device.desired, '$.cameras."' || r.key || '".model'), '') <> 'object')
+"""
 
-    The backoff lives in memory: after a controller restart a still-drifting device gets one re-send
-    at once and the doubling starts again, which is at most one extra message per device.
+
+def resend_candidates(s: Session, *, now: float, pending_after_s: float) -> sa.ColumnElement[bool]:
+    """Online devices with a desired state that may be due a re-send at ``now``, as a SQL predicate:
+    one that reports a version above the desired one, one that has not taken up the desired version
+    ``pending_after_s`` after its publish and its coming online, or one that applied it but may run
+    something else (a superset; ``device_sync`` decides). In sync and merely pending devices, most of
+    the fleet, stay in the database."""
+    drift = _MAYBE_DRIFT_PG if s.get_bind().dialect.name == "postgresql" else _MAYBE_DRIFT_SQLITE
+    reported, desired = col(Device.reported_version), col(Device.desired_version)
+    cutoff = now - pending_after_s
+    issued_at = sa.func.coalesce(col(Device.desired)["issued_at"].as_float(), 0.0)
+    return sa.and_(
+        col(Device.desired).is_not(None),
+        col(Device.status) == DeviceStatus.ONLINE,
+        sa.or_(
+            reported > desired,
+            sa.and_(
+                sa.or_(reported.is_(None), reported < desired),
+                issued_at <= cutoff,
+                sa.or_(
+                    col(Device.online_since).is_(None),
+                    col(Device.online_since) <= datetime.fromtimestamp(cutoff, UTC),
+                ),
+            ),
+            sa.and_(reported == desired, sa.text(f"({drift})")),
+        ),
+    )
+
+
+class TwinConverger:
+    """Re-sends the desired state to online devices that do not converge on it (``resend_reason``),
+    with a capped exponential backoff per device. Each re-send, and the return to in-sync after
+    re-sends, is recorded as an event.
+
+    Leader work: a pass runs only while ``leadership.is_leader()``, and its writes are fenced. A pass
+    loads only the candidates SQL finds (``resend_candidates``) and the devices it re-sent to before,
+    never the whole fleet.
+
+    The backoff lives in memory: after a controller restart (or a change of leader) a still-drifting
+    device gets one re-send at once and the doubling starts again, at most one extra message per device.
     """
 
     def __init__(
@@ -489,13 +650,16 @@ class TwinConverger:
         policy: ResendPolicy,
         stop: threading.Event,
         clock: Callable[[], float] = time.time,
+        leadership: Leadership = ALWAYS_LEADER,
     ) -> None:
         self._engine = engine
         self._twin = twin
         self.policy = policy
         self._stop = stop
         self._clock = clock
+        self._leadership = leadership
         self._resends: dict[str, _Resends] = {}
+        self._fenced = False  # logged once per loss of the lead, not once per pass
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -514,15 +678,37 @@ class TwinConverger:
                 log.exception("twin convergence check failed")
 
     def check(self, now: float | None = None) -> list[str]:
-        """One pass over the fleet; returns the devices whose desired state was re-sent."""
-        now = self._clock() if now is None else now
+        """One pass; returns the devices whose desired state was re-sent (none on a replica that does
+        not lead, or whose lead was fenced off during the pass)."""
+        if not self._leadership.is_leader():
+            # Another replica re-sends now; what this one remembers of its backoff would be stale.
+            self._resends.clear()
+            return []
+        try:
+            sent = self._check(self._clock() if now is None else now)
+        except FencedOut as exc:
+            if not self._fenced:
+                log.warning("twin convergence stopped: %s", exc)
+            self._fenced = True
+            self._resends.clear()
+            return []
+        self._fenced = False
+        return sent
+
+    def _candidates(self, s: Session, now: float) -> list[Device]:
+        q = select(Device).where(resend_candidates(s, now=now, pending_after_s=self.policy.pending_after_s))
+        found = {d.id: d for d in s.exec(q).all()}
+        # Devices re-sent to before: to see them converge, and to re-send again after their backoff.
+        for d in crud.devices_by_ids(s, device_ids=set(self._resends) - set(found)):
+            if d.desired is not None and d.status == DeviceStatus.ONLINE:
+                found[d.id] = d
+        return [found[k] for k in sorted(found)]
+
+    def _check(self, now: float) -> list[str]:
         due: list[tuple[str, str]] = []
         converged: list[tuple[str, int, int]] = []
         with Session(self._engine) as s:
-            q = select(Device).where(
-                col(Device.desired).is_not(None), col(Device.status) == DeviceStatus.ONLINE
-            )
-            for dev in s.exec(q.order_by(col(Device.id))).all():
+            for dev in self._candidates(s, now):
                 sync, reason = device_sync(dev)
                 if sync == SyncState.IN_SYNC:
                     done = self._resends.pop(dev.id, None)
@@ -557,6 +743,7 @@ class TwinConverger:
                         )
                     )
                     log.info("%s in sync again at v%d after %d re-send(s)", device_id, at_version, count)
+                self._leadership.fence(s)
                 s.commit()
         sent: list[str] = []
         for device_id, why in due:
@@ -567,6 +754,8 @@ class TwinConverger:
                 version = self._twin.resend(
                     device_id, why=why, attempt=count, next_after_s=self.policy.delay(count)
                 )
+            except FencedOut:
+                raise
             except Exception:
                 log.exception("re-sending the desired state of %s failed", device_id)
             # Counted even when the publish failed: a broken device must not turn into a tight loop.

@@ -1,7 +1,9 @@
 """Device presence and health: availability, heartbeats, reported state, command results.
 
-One light worker thread owns every write to a device's status, including the offline sweep, so a
-birth and a timeout can never race each other.
+One light worker thread per replica writes what devices say about themselves. The offline sweep is
+leader work and one SQL statement over ``device.last_seen``, which every replica keeps current for the
+messages it stores; a heartbeat another replica stores meanwhile is seen by the statement itself, so
+a birth or a heartbeat and a timeout cannot undo each other.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from controller.db import crud
 from controller.db.engine import db_json, db_text, session_scope
+from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
 from controller.db.states import DeviceStatus
-from controller.db.tables import Device, Event, HealthSample, utcnow
+from controller.db.tables import Device, HealthSample, utcnow
 from controller.link.bridge import DROPPED_QUEUE_FULL, INVALID, OK, STORE_FAILED, MqttBridge
+from controller.link.commands import command_result_event
 from fleet_protocol.codec import MESSAGE_FOR_TOPIC
 from fleet_protocol.messages import Availability, CommandResult, Heartbeat, Message, ReportedState
 
@@ -54,6 +58,7 @@ class StatusService:
         stop: threading.Event,
         republish: Callable[[], int],
         on_capabilities: Callable[[str], object] | None = None,
+        leadership: Leadership = ALWAYS_LEADER,
     ) -> None:
         self._engine = engine
         self._bridge = bridge
@@ -64,6 +69,9 @@ class StatusService:
         self._republish = republish
         # Called (on this worker, after the commit) for a device whose birth reported new capabilities.
         self._on_capabilities = on_capabilities
+        # The sweep and the republish after a reconnect run on the leader only.
+        self._leadership = leadership
+        self._fenced = False  # logged once per loss of the lead, not once per sweep
         self._thread: threading.Thread | None = None
 
     @property
@@ -125,12 +133,12 @@ class StatusService:
             try:
                 if batch:
                     self._apply(batch)
-                if republish:
+                if republish and self._leadership.is_leader():
                     n = self._republish()
                     log.info("republished desired state of %d devices", n)
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self._sweep_every
-                    self._sweep()
+                    self.sweep()
             except Exception:
                 log.exception("status worker step failed")
 
@@ -203,32 +211,30 @@ class StatusService:
             if msg.agent_version is not None:
                 dev.agent_version = db_text(msg.agent_version)
         else:
-            s.add(
-                Event(
-                    device_id=dev.id,
-                    ts=now,
-                    kind="command_result",
-                    severity="info" if msg.ok else "error",
-                    message=db_text(msg.error) or "",
-                    data=db_json(msg.model_dump(mode="json")),
-                )
-            )
+            event = command_result_event(s, dev.id, msg, received_at=now)
+            if event is not None:  # None: this command id is recorded already
+                s.add(event)
         return caps_changed
 
-    def _sweep(self) -> None:
+    def sweep(self) -> list[str]:
+        """Mark offline the online devices nothing was stored from for the heartbeat timeout, by the
+        database's ``last_seen`` (any replica may have stored their last message); returns their ids.
+        Leader only, fenced: a replica that lost the lead commits nothing."""
+        if not self._leadership.is_leader():
+            return []
         now = utcnow()
-        mono = time.monotonic()
-        with session_scope(self._engine) as s:
-            online = s.exec(select(Device).where(col(Device.status) == DeviceStatus.ONLINE)).all()
-            for dev in online:
-                ages: list[float] = []
-                act = self._bridge.last_activity(dev.id)
-                if act is not None:
-                    ages.append(mono - act)
-                if dev.last_seen is not None:
-                    ages.append((now - dev.last_seen) / timedelta(seconds=1))
-                if ages and min(ages) <= self._timeout:
-                    continue
-                dev.status, dev.offline_since = DeviceStatus.OFFLINE, now
-                s.add(dev)
-                log.warning("device %s offline: nothing received for %.0fs", dev.id, self._timeout)
+        try:
+            with session_scope(self._engine) as s:
+                gone = crud.mark_silent_offline(
+                    s, seen_before=now - timedelta(seconds=self._timeout), now=now
+                )
+                self._leadership.fence(s)
+        except FencedOut as exc:
+            if not self._fenced:
+                log.warning("offline sweep stopped: %s", exc)
+            self._fenced = True
+            return []
+        self._fenced = False
+        for device_id in gone:
+            log.warning("device %s offline: nothing received for %.0fs", device_id, self._timeout)
+        return gone
