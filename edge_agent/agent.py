@@ -508,6 +508,7 @@ class Agent:
 
     def _on_connected(self) -> None:
         self.publisher.on_connected()
+        self.commands.on_connected()
         self.twin.report()
 
     def _on_fatal(self, reason: str) -> None:

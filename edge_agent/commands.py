@@ -4,6 +4,14 @@ Commands arrive on the link's thread and run on the commands thread (:meth:`Comm
 slow snapshot never holds up MQTT. The queue between them is bounded: when it is full a command is
 refused at once with "busy" rather than answered late. Every command gets exactly one result, also
 when it fails (the error says why) or when the result is too large for one message.
+
+A result is kept in the outbox (on disk, before it is published) until the broker acknowledges it
+(PUBACK): one produced while the link is down, or whose PUBACK the cut took with it, is sent again after
+the reconnect, also after a restart of the agent. A result carries no seq, so the controller's acks
+cannot cover it (adding one would make controllers that refuse unknown fields refuse every result); the
+controller records each command id once, so a result sent twice is harmless. The outbox bounds what it
+keeps: the oldest snapshots lose their picture first (the result says so), then the oldest results go
+whole (an ``error`` event names them).
 """
 
 from __future__ import annotations
@@ -12,18 +20,19 @@ import base64
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from edge_agent import __version__
 from edge_agent.artifacts import ArtifactFetcher
 from edge_agent.health import Health
-from edge_agent.link import Transport
-from edge_agent.outbox import Outbox
+from edge_agent.link import Delivery, Handed, Transport
+from edge_agent.outbox import Outbox, ResultsDropped
 from edge_agent.pipeline import Pipeline
 from edge_agent.publisher import Publisher
 from fleet_protocol.codec import ProtocolError, encode
-from fleet_protocol.messages import Command, CommandName, CommandResult, EventKind, Message
+from fleet_protocol.messages import Command, CommandName, CommandResult, EventKind, Message, Severity
 from fleet_protocol.topics import TopicKind
 
 log = logging.getLogger(__name__)
@@ -32,6 +41,20 @@ log = logging.getLogger(__name__)
 QUEUE_SIZE = 16
 # A snapshot must fit one MQTT payload with the rest of the result; larger images are halved.
 _SNAPSHOT_MAX_B64 = 400 * 1024
+# A safety net: kept results not in flight are tried again this often. A publish fails only on a link
+# that is down, and the reconnect sends them at once.
+RESEND_S = 60.0
+# How long the commands thread waits for a command before it looks at the results in flight.
+_POLL_S = 0.1
+
+
+@runtime_checkable
+class TrackedTransport(Protocol):
+    """A transport that says when the broker has a message (MqttLink: paho's PUBACK for QoS 1)."""
+
+    def publish_tracked(self, kind: TopicKind, payload: bytes) -> Delivery | None:
+        """Publish like ``Transport.publish``; None when not connected (nothing queued)."""
+        ...
 
 
 class CommandRunner:
@@ -49,8 +72,10 @@ class CommandRunner:
         health: Health,
         applied_version: Callable[[], int],
         stop: threading.Event,
+        resend_s: float = RESEND_S,
     ) -> None:
-        """``applied_version``: the desired version the twin last applied (-1 before the first)."""
+        """``applied_version``: the desired version the twin last applied (-1 before the first);
+        ``resend_s``: how often kept results not in flight are tried again without a reconnect."""
         self.device_id = device_id
         self.pipeline = pipeline
         self.publisher = publisher
@@ -61,6 +86,20 @@ class CommandRunner:
         self._applied_version = applied_version
         self._stop = stop
         self._queue: queue.Queue[Command] = queue.Queue(maxsize=QUEUE_SIZE)
+        self._tracked = transport.publish_tracked if isinstance(transport, TrackedTransport) else None
+        # Held while a result is kept and sent, and during a resend pass: a result is never sent twice
+        # by this process on one connection, and a PUBACK is never taken for the wrong publish.
+        self._send_lock = threading.Lock()
+        # Command id -> its publish on the current connection, until the broker acknowledges it.
+        self._inflight: dict[str, Delivery] = {}
+        # Acknowledged by the broker but not yet forgotten by the outbox (a disk refusing the delete).
+        self._delivered: set[str] = set()
+        # Set by a (re)connect: what was in flight on the old connection may never be acknowledged.
+        self._reconnected = threading.Event()
+        # Kept results not in flight: due at the next pass (start-up: those kept before a restart).
+        self._due = True
+        self._resend_s = resend_s
+        self._next_try = 0.0
 
     def on_message(self, msg: Message) -> None:
         if not isinstance(msg, Command):
@@ -70,20 +109,110 @@ class CommandRunner:
         except queue.Full:
             self._answer(CommandResult(id=msg.id, ok=False, error="busy: too many commands queued"))
 
+    def on_connected(self) -> None:
+        """The link is (re)connected: kept results not acknowledged yet go out again (link thread)."""
+        self._reconnected.set()
+
     def _answer(self, result: CommandResult) -> None:
+        """Keep ``result`` in the outbox, then publish it (any thread)."""
         try:
             payload = encode(result)
         except ProtocolError as exc:
-            payload = encode(CommandResult(id=result.id, ok=False, error=f"result too large: {exc}"))
-        self.transport.publish(TopicKind.COMMAND_RESULT, payload)
+            result = CommandResult(id=result.id, ok=False, error=f"result too large: {exc}")
+            payload = encode(result)
+        slim = _without_picture(result)
+        with self._send_lock:
+            kept = self._keep(result.id, payload, slim)
+            delivery = self._publish(payload)
+            if kept and delivery is not None:
+                self._inflight[result.id] = delivery
+            # Not sent (link down): kept, and sent by the pass after the reconnect.
+
+    def _keep(self, command_id: str, payload: bytes, slim: bytes | None) -> bool:
+        # Caller holds _send_lock. A result the outbox refuses (disk full, outbox closed at shutdown)
+        # is still published once now: it is then merely not sent again.
+        try:
+            dropped = self.outbox.put_result(command_id, payload, slim=slim, now=time.time())
+        except Exception as exc:
+            log.error("command result %s not kept in the outbox (%s): sent once, not again", command_id, exc)
+            return False
+        if dropped:
+            self._report_dropped(dropped)
+        return True
+
+    def _report_dropped(self, dropped: ResultsDropped) -> None:
+        if dropped.pictures:
+            log.warning(
+                "command results outbox full: dropped the pictures of %s (kept without them)",
+                ", ".join(dropped.pictures),
+            )
+        if dropped.results:
+            log.warning("command results outbox full: dropped %s", ", ".join(dropped.results))
+            # Through the seq outbox, which the controller acks: the loss is told even if it lasts.
+            self.publisher.emit_event(
+                EventKind.ERROR,
+                severity=Severity.WARNING,
+                message=f"command results outbox full: dropped the results of {len(dropped.results)} "
+                "commands before the broker had them",
+                data={"error": "command_results_dropped", "ids": dropped.results[:100]},
+            )
+
+    def _publish(self, payload: bytes) -> Delivery | None:
+        if self._tracked is not None:
+            return self._tracked(TopicKind.COMMAND_RESULT, payload)
+        return Handed() if self.transport.publish(TopicKind.COMMAND_RESULT, payload) else None
+
+    def deliver(self) -> None:
+        """One pass over the kept results (commands thread): forget those the broker acknowledged,
+        send the others again after a reconnect (or every ``resend_s``)."""
+        with self._send_lock:
+            self._settle()
+            now = time.monotonic()
+            if not self._due and now < self._next_try:
+                return
+            self._due = False
+            self._next_try = now + self._resend_s
+            for command_id in self.outbox.result_ids():
+                if command_id in self._inflight or command_id in self._delivered:
+                    continue
+                payload = self.outbox.result_payload(command_id)
+                if payload is None:
+                    continue  # delivered or dropped meanwhile
+                delivery = self._publish(payload)
+                if delivery is None:
+                    return  # link down: the reconnect brings the next pass
+                self._inflight[command_id] = delivery
+
+    def _settle(self) -> None:
+        # Caller holds _send_lock. Acknowledged first: a PUBACK that came just before a cut counts.
+        done = [cid for cid, d in self._inflight.items() if d.is_published()]
+        for cid in done:
+            del self._inflight[cid]
+        self._delivered.update(done)
+        if self._delivered:
+            try:
+                self.outbox.results_delivered(self._delivered)
+                self._delivered.clear()
+            except Exception as exc:  # kept on disk: forgotten with the next pass that can write
+                log.warning("could not forget %d delivered command results: %s", len(self._delivered), exc)
+        if self._reconnected.is_set():
+            self._reconnected.clear()
+            # No PUBACK comes for a publish of the old connection that this one does not complete:
+            # send them all again (the controller records each command id once).
+            self._inflight.clear()
+            self._due = True
 
     def run(self) -> None:
         """The commands thread, until the stop event is set."""
         while not self._stop.is_set():
             try:
-                cmd = self._queue.get(timeout=0.5)
+                cmd = self._queue.get(timeout=_POLL_S)
             except queue.Empty:
+                self._deliver_logged()
                 continue
+            # After a reconnect the results kept from before go out first, ahead of this one (the link
+            # marks the reconnect before it hands over a command the broker sends again after a cut).
+            self._deliver_logged()
             try:
                 result = self.execute(cmd)
             except Exception as exc:
@@ -91,6 +220,14 @@ class CommandRunner:
                 # CommandResult.error is at most 4096 characters (fleet_protocol.messages.LongText).
                 result = CommandResult(id=cmd.id, ok=False, error=f"{type(exc).__name__}: {exc}"[:4096])
             self._answer(result)
+
+    def _deliver_logged(self) -> None:
+        # The thread that answers every command must outlive a failing pass (a database error).
+        try:
+            self.deliver()
+        except Exception:
+            log.exception("command results pass failed")
+            self._stop.wait(1.0)
 
     def execute(self, cmd: Command) -> CommandResult:
         if cmd.name == CommandName.DIAGNOSTICS:
@@ -126,6 +263,7 @@ class CommandRunner:
                 "pending": self.outbox.pending(),
                 "dropped": self.outbox.dropped,
                 "next_seq": self.outbox.next_seq,
+                "results": self.outbox.results_figures(),
             },
             # What the data folder refuses to write now (disk full, read-only), and every refusal so far.
             "storage": self.publisher.storage.status(),
@@ -182,3 +320,21 @@ class CommandRunner:
             "boxes": drawn,
             "jpeg_base64": b64,
         }
+
+
+def _without_picture(result: CommandResult) -> bytes | None:
+    """What the outbox keeps of a snapshot result when its bound drops the picture (None: no picture).
+
+    Not ``ok``: whoever waits for a snapshot needs the picture, and is told why it is missing.
+    """
+    if "jpeg_base64" not in result.result:
+        return None
+    rest = {k: v for k, v in result.result.items() if k != "jpeg_base64"}
+    return encode(
+        CommandResult(
+            id=result.id,
+            ok=False,
+            error="picture dropped: the agent's outbox was full while the link was down",
+            result={**rest, "jpeg_dropped": True},
+        )
+    )

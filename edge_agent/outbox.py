@@ -5,6 +5,9 @@ power cut loses nothing that was handed to the outbox. The next sequence number 
 database and is bumped in the same transaction as the row it numbers, so seqs stay monotonic across
 restarts without gaps. See PROTOCOL.md, "Sequence numbers, outbox, acks".
 
+Command results are kept in the same database, outside the seq numbering (a result has no seq), until
+the broker acknowledges them: see :mod:`edge_agent.commands`.
+
 A disk that refuses a write (full, read-only, failing) raises :class:`StorageError` from the write
 methods, with the whole transaction rolled back: nothing is half-written and no seq is consumed. Sent
 marks and acks it refused are remembered in memory (so a full disk does not make every unacked row due
@@ -41,6 +44,15 @@ CREATE INDEX IF NOT EXISTS outbox_sent ON outbox (sent_at);
 -- The span each OUTBOX_DROPPED report still in the outbox declares: if the bound drops the report
 -- itself, its span goes back to the pending span, to be declared by the next report.
 CREATE TABLE IF NOT EXISTS drop_reports (seq INTEGER PRIMARY KEY, first INTEGER NOT NULL, last INTEGER NOT NULL);
+-- Command results until the broker has them (they carry no seq, so no ack covers them); ``n`` orders
+-- them oldest first. ``slim``: the result without its picture, what the bound keeps of a snapshot.
+CREATE TABLE IF NOT EXISTS command_results (
+    n INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    payload BLOB NOT NULL,
+    slim BLOB,
+    created_at REAL NOT NULL
+);
 """
 
 
@@ -93,12 +105,40 @@ class DroppedRange:
     count: int
 
 
-class Outbox:
-    """Thread-safe persistent outbox, bounded to ``max_messages`` rows (drop policy: oldest)."""
+@dataclass(frozen=True, slots=True)
+class ResultsDropped:
+    """What keeping one more command result cost, by command id: results that lost their picture
+    (their slim form kept) and results dropped whole, oldest first."""
 
-    def __init__(self, path: Path, *, max_messages: int = 100_000, drop_chunk: int | None = None) -> None:
+    pictures: list[str]
+    results: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.pictures or self.results)
+
+
+class Outbox:
+    """Thread-safe persistent outbox, bounded to ``max_messages`` rows (drop policy: oldest).
+
+    Command results are kept beside, bounded on their own to ``max_results`` rows and
+    ``max_result_bytes`` of payload: a snapshot's picture can weigh 400 kB where a detection batch
+    weighs a few, so the count alone would not bound the disk. Drop policy: the oldest results' pictures
+    first (the result itself stays, in its slim form), then the oldest results whole.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_messages: int = 100_000,
+        drop_chunk: int | None = None,
+        max_results: int = 64,
+        max_result_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
         self.path = path
         self.max_messages = max_messages
+        self.max_results = max_results
+        self.max_result_bytes = max_result_bytes
         # Dropping one row per append when full would emit one OUTBOX_DROPPED event per message;
         # dropping 1 % at a time keeps those events rare.
         self.drop_chunk = drop_chunk or max(1, max_messages // 100)
@@ -132,7 +172,8 @@ class Outbox:
             # report, on disk so that a kill -9 between a drop and its report loses nothing.
             db.execute(
                 "INSERT OR IGNORE INTO meta (key, value) VALUES ('next_seq', 1), ('dropped', 0), "
-                "('drop_first', 0), ('drop_last', 0), ('drop_count', 0)"
+                "('drop_first', 0), ('drop_last', 0), ('drop_count', 0), "
+                "('results_dropped', 0), ('pictures_dropped', 0)"
             )
         except sqlite3.Error as exc:
             if db is not None:
@@ -358,6 +399,93 @@ class Outbox:
             self._unrecorded_sent.clear()  # due now in memory, whatever the disk says below
             with self._write() as cur:
                 cur.execute("UPDATE outbox SET sent_at = NULL")
+
+    # ------------------------------------------------------------------ command results
+
+    def put_result(
+        self, command_id: str, payload: bytes, *, slim: bytes | None, now: float
+    ) -> ResultsDropped:
+        """Keep one command result until :meth:`results_delivered`; what the bound dropped to make room
+        (counted on disk). A second result for the same id (a command delivered twice) is not kept: the
+        controller takes the first one anyway. StorageError when the disk refuses it (nothing written)."""
+        with self._lock, self._write() as cur:
+            cur.execute(
+                "INSERT OR IGNORE INTO command_results (id, payload, slim, created_at) VALUES (?, ?, ?, ?)",
+                (command_id, payload, slim, now),
+            )
+            dropped = self._bound_results(cur)
+        return dropped
+
+    def _bound_results(self, cur: sqlite3.Cursor) -> ResultsDropped:
+        # Caller holds the lock, in a write transaction. At most max_results rows: a handful, read whole.
+        rows = cur.execute(
+            "SELECT n, id, length(payload), slim IS NOT NULL, length(slim) FROM command_results ORDER BY n"
+        ).fetchall()
+        size = {n: int(b) for n, _, b, _, _ in rows}
+        total = sum(size.values())
+        pictures: list[str] = []
+        for n, cid, _, has_slim, slim_bytes in rows:
+            if total <= self.max_result_bytes:
+                break
+            if has_slim:
+                cur.execute("UPDATE command_results SET payload = slim, slim = NULL WHERE n = ?", (n,))
+                total += int(slim_bytes) - size[n]
+                size[n] = int(slim_bytes)
+                pictures.append(str(cid))
+        results: list[str] = []
+        count = len(rows)
+        for n, cid, _, _, _ in rows:
+            if count <= self.max_results and total <= self.max_result_bytes:
+                break
+            cur.execute("DELETE FROM command_results WHERE n = ?", (n,))
+            count -= 1
+            total -= size[n]
+            results.append(str(cid))
+        if pictures:
+            cur.execute("UPDATE meta SET value = value + ? WHERE key = 'pictures_dropped'", (len(pictures),))
+        if results:
+            cur.execute("UPDATE meta SET value = value + ? WHERE key = 'results_dropped'", (len(results),))
+        return ResultsDropped(pictures, results)
+
+    def results_delivered(self, command_ids: Iterable[str]) -> int:
+        """Forget the results the broker has acknowledged; returns how many were still kept."""
+        ids = [(c,) for c in command_ids]
+        with self._lock, self._write() as cur:
+            before = cur.execute("SELECT COUNT(*) FROM command_results").fetchone()[0]
+            cur.executemany("DELETE FROM command_results WHERE id = ?", ids)
+            after = cur.execute("SELECT COUNT(*) FROM command_results").fetchone()[0]
+        return int(before) - int(after)
+
+    def result_ids(self) -> list[str]:
+        """The ids of the results kept, oldest first (none while the database cannot be opened)."""
+        with self._lock:
+            db = self._reader()
+            if db is None:
+                return []
+            return [str(r[0]) for r in db.execute("SELECT id FROM command_results ORDER BY n")]
+
+    def result_payload(self, command_id: str) -> bytes | None:
+        """The result kept for ``command_id`` (its slim form if the bound took the picture); None when it
+        is not kept (delivered, or dropped by the bound)."""
+        with self._lock:
+            db = self._reader()
+            if db is None:
+                return None
+            row = db.execute("SELECT payload FROM command_results WHERE id = ?", (command_id,)).fetchone()
+        return bytes(row[0]) if row else None
+
+    def results_figures(self) -> dict[str, int]:
+        """Results kept now, and what the bound dropped since the outbox was created (diagnostics)."""
+        with self._lock:
+            db = self._reader()
+            if db is None:
+                return {"pending": 0, "dropped": 0, "pictures_dropped": 0}
+            (pending,) = db.execute("SELECT COUNT(*) FROM command_results").fetchone()
+            return {
+                "pending": int(pending),
+                "dropped": self._meta("results_dropped"),
+                "pictures_dropped": self._meta("pictures_dropped"),
+            }
 
     # ------------------------------------------------------------------ reads
 

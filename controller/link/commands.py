@@ -4,6 +4,11 @@
 deadline, interruptible by the controller's stop event) for the :class:`CommandResult` carrying the
 same id on ``devices/{d}/commands/result``. Results nobody waits for (late, or unknown ids) are counted
 and passed on like every result.
+
+Every result is recorded once, as a ``command_result`` event (:func:`command_result_event`): the agent
+keeps a result until the broker has it and sends it again after a cut, and MQTT QoS 1 may deliver it
+twice, so the same command id can arrive more than once; the event log looks the id up before adding
+it. A result for a request this process gave up on (timed out) is recorded as ``late``.
 """
 
 from __future__ import annotations
@@ -12,10 +17,17 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
+import sqlalchemy as sa
+from sqlmodel import Session, col, select
+
+from controller.db.engine import db_json, db_text
+from controller.db.tables import Event
 from controller.errors import DeviceError, NotFoundError, TimedOutError, UnavailableError
 from controller.link.bridge import MqttBridge
 from fleet_protocol import TopicKind
@@ -24,6 +36,18 @@ from fleet_protocol.messages import Command, CommandName, CommandResult, Message
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 256
+# Requests given up on (timed out, stopping), remembered so that their result is recorded as late; the
+# oldest is forgotten first (its result, if it ever comes, is then merely unmatched).
+MAX_EXPIRED = 1024
+EVENT_KIND = "command_result"
+# Put in a result's ``result`` by :meth:`CommandService.results_then` for a request that had given up;
+# :func:`command_result_event` moves it to the event's ``late``. Stripped from what devices send.
+_LATE = "_edgefleet_late"
+# Keyed like the leader's lock (controller/db/leader.py) by database and schema, then by the result.
+_RESULT_LOCK_SQL = (
+    "SELECT pg_advisory_xact_lock(hashtextextended('edgefleet-command-result:' || current_database() "
+    "|| ':' || coalesce(current_schema(), '') || ':' || :device || ':' || :id, 0))"
+)
 
 
 class CommandError(UnavailableError):
@@ -75,6 +99,48 @@ class _Pending:
     result: CommandResult | None = None
 
 
+def command_result_event(
+    s: Session, device_id: str, msg: CommandResult, *, received_at: datetime
+) -> Event | None:
+    """The event that records ``msg``, or None when its command id is recorded already (a result sent
+    again after a cut, a QoS 1 duplicate). Add it in the session that looked, before it commits.
+
+    In one process one status worker writes command results, and the session's autoflush shows it an
+    event added earlier in its batch. Replicas all get every result: on PostgreSQL the look-up first
+    takes a transaction lock on the command id, so the replica that waited sees the row the first one
+    committed instead of adding a second.
+    """
+    command_id = db_text(msg.id) or ""
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(sa.text(_RESULT_LOCK_SQL), {"device": device_id, "id": command_id})
+    seen = s.exec(
+        select(Event.id)
+        .where(
+            col(Event.kind) == EVENT_KIND,
+            col(Event.device_id) == device_id,
+            col(Event.data)["id"].as_string() == command_id,
+        )
+        .limit(1)
+    ).first()
+    if seen is not None:
+        log.info("command result %s from %s is recorded already: duplicate dropped", msg.id, device_id)
+        return None
+    data = db_json(msg.model_dump(mode="json"))
+    # The id as looked up: PostgreSQL cannot turn a JSON "\u0000" into text, and one such row would
+    # break every later look-up of the device's results.
+    data["id"] = command_id
+    if data["result"].pop(_LATE, None) is True:
+        data["late"] = True
+    return Event(
+        device_id=device_id,
+        ts=received_at,
+        kind=EVENT_KIND,
+        severity="info" if msg.ok else "error",
+        message=db_text(msg.error) or "",
+        data=data,
+    )
+
+
 class CommandService:
     def __init__(self, bridge: MqttBridge, *, stop: threading.Event, max_pending: int = MAX_PENDING) -> None:
         self._bridge = bridge
@@ -82,7 +148,10 @@ class CommandService:
         self._max_pending = max_pending
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
+        # Command id -> device, for requests that gave up without a result.
+        self._expired: OrderedDict[str, str] = OrderedDict()
         self.unmatched = 0  # results that arrived for no waiting request (late or foreign)
+        self.late = 0  # of those, results for a request of this process that had given up
 
     @property
     def pending(self) -> int:
@@ -117,6 +186,10 @@ class CommandService:
         finally:
             with self._lock:
                 self._pending.pop(cmd_id, None)
+                if p.result is None:
+                    self._expired[cmd_id] = device_id
+                    while len(self._expired) > MAX_EXPIRED:
+                        self._expired.popitem(last=False)
 
     def on_result(self, device_id: str, msg: CommandResult) -> bool:
         """Hand a result to its waiting request; True when one was waiting for it."""
@@ -130,21 +203,35 @@ class CommandService:
         p.done.set()
         return True
 
+    def _was_given_up(self, device_id: str, command_id: str) -> bool:
+        """True (once) when ``command_id`` is a request of this process to ``device_id`` that gave up."""
+        with self._lock:
+            if self._expired.get(command_id) != device_id:
+                return False
+            del self._expired[command_id]
+            self.late += 1
+        log.info("late result for command %s from %s: its request had given up", command_id, device_id)
+        return True
+
     def results_then(
         self, then: Callable[[str, Message], str | None]
     ) -> Callable[[str, Message], str | None]:
         """A bridge handler for command results: wake the waiting request, then pass it on (``then``).
 
         Snapshot images are not passed on: the event log keeps that a snapshot was taken, not its bytes.
+        A result for a request of this process that gave up is passed on marked late.
         """
 
         def handle(device_id: str, msg: Message) -> str | None:
             if isinstance(msg, CommandResult):
-                self.on_result(device_id, msg)
+                late = not self.on_result(device_id, msg) and self._was_given_up(device_id, msg.id)
+                logged = {k: v for k, v in msg.result.items() if k not in ("jpeg_base64", _LATE)}
                 if "jpeg_base64" in msg.result:
-                    slim = {k: v for k, v in msg.result.items() if k != "jpeg_base64"}
-                    slim["jpeg_bytes"] = len(msg.result["jpeg_base64"]) * 3 // 4
-                    msg = msg.model_copy(update={"result": slim})
+                    logged["jpeg_bytes"] = len(msg.result["jpeg_base64"]) * 3 // 4
+                if late:
+                    logged[_LATE] = True
+                if logged != msg.result:
+                    msg = msg.model_copy(update={"result": logged})
             return then(device_id, msg)
 
         return handle
