@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import paho.mqtt.client as mqtt
@@ -32,6 +33,19 @@ log = logging.getLogger(__name__)
 
 MessageHandler = Callable[[Message], None]
 ChunkHandler = Callable[[bytes], None]
+
+
+class Delivery(Protocol):
+    """A publish in flight: ``is_published()`` turns True once the broker has it (QoS 1: its PUBACK)."""
+
+    def is_published(self) -> bool: ...
+
+
+class Handed:
+    """The delivery of a transport that can say no more than that it took the message."""
+
+    def is_published(self) -> bool:
+        return True
 
 
 class Transport(Protocol):
@@ -84,6 +98,8 @@ class MqttLink:
         self._on_connected: Callable[[], None] | None = None
         self._on_fatal: Callable[[str], None] | None = None
         self._handlers: dict[TopicKind, MessageHandler] = {}
+        # paho's handle of the last publish, per thread: publish_tracked reads it right after publish.
+        self._last_publish = threading.local()
         self._chunk_handler: ChunkHandler | None = None
         self._connected = threading.Event()
         self.fatal: str | None = None
@@ -94,6 +110,10 @@ class MqttLink:
         self.connect_attempts = 0
         self._last_error_logged: tuple[str, float] | None = None
         self.protocol_errors: dict[str, int] = {}
+        # Messages that decoded with fields or values this build does not know, per topic kind (a newer
+        # controller's additive change, PROTOCOL.md "Versions and compatibility").
+        self.unknown_fields: dict[str, int] = {}
+        self._last_unknown_log: dict[str, float] = {}
         # Told about every payload of a known kind that does not decode (after it is counted), e.g. so
         # that the twin reports a refused desired state; never raises into the network thread.
         self.on_undecodable: Callable[[TopicKind, str], None] | None = None
@@ -133,7 +153,18 @@ class MqttLink:
         info = self._client.publish(
             self._topics.device(self._device_id, kind), payload, spec.qos, spec.retain
         )
+        self._last_publish.info = info
         return info.rc == mqtt.MQTT_ERR_SUCCESS
+
+    def publish_tracked(self, kind: TopicKind, payload: bytes) -> Delivery | None:
+        """:meth:`publish`, returning paho's handle, whose ``is_published()`` turns True with the
+        broker's PUBACK (QoS 1); None when not published. It goes through :meth:`publish`, so a subclass
+        that replaces that (a test's link without a network) is taken at its word."""
+        self._last_publish.info = None
+        if not self.publish(kind, payload):
+            return None
+        info: Delivery | None = self._last_publish.info
+        return info if info is not None else Handed()
 
     def on_message(self, kind: TopicKind, handler: MessageHandler) -> None:
         self._handlers[kind] = handler
@@ -248,7 +279,7 @@ class MqttLink:
             handler = self._handlers.get(topic.kind)
             if handler is None:
                 return
-            handler(decode(topic.kind, bytes(msg.payload)))
+            handler(decode(topic.kind, bytes(msg.payload), partial(self._newer, topic.kind.value)))
         except ProtocolError as exc:
             self._protocol_error(topic.kind.value, str(exc))
             if self.on_undecodable is not None:
@@ -258,6 +289,18 @@ class MqttLink:
                     log.exception("reporting an undecodable %s failed", topic.kind.value)
         except Exception:
             log.exception("handler for %s failed", topic.kind.value)
+
+    def _newer(self, kind: str, what: tuple[str, ...]) -> None:
+        self.unknown_fields[kind] = self.unknown_fields.get(kind, 0) + 1
+        now = time.monotonic()
+        if now - self._last_unknown_log.get(kind, float("-inf")) > 60.0:
+            self._last_unknown_log[kind] = now
+            log.warning(
+                "ignoring what this build does not know in %s (a newer controller?): %s (%s so far)",
+                kind,
+                ", ".join(what)[:300],
+                self.unknown_fields[kind],
+            )
 
     def _protocol_error(self, kind: str, why: str) -> None:
         self.protocol_errors[kind] = self.protocol_errors.get(kind, 0) + 1

@@ -3,19 +3,27 @@
 Everything that comes off the wire goes through :func:`decode` or :func:`decode_chunk` (or its two
 halves, :func:`split_chunk` and :func:`check_chunk`); all raise :class:`ProtocolError` with a message
 that says what is wrong, never anything else.
+
+A field this build does not know, and a value of an open enumeration it does not know (an event kind,
+a command name), is a newer peer's additive change, not an error (PROTOCOL.md "Versions and
+compatibility"): the message decodes, the caller's ``on_unknown`` hears what was not understood, and
+the field is dropped (kept inside a desired state, whose signature covers it).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_core import PydanticSerializationError
 
+from fleet_protocol import messages
 from fleet_protocol.messages import (
     Ack,
     ArtifactRequest,
@@ -29,6 +37,7 @@ from fleet_protocol.messages import (
     Message,
     ReportedState,
     Sha256,
+    Signed,
     Strict,
 )
 from fleet_protocol.topics import TopicKind
@@ -39,6 +48,16 @@ CHUNK_MAGIC = b"EFC1"
 _HDR_LEN = struct.Struct(">I")
 
 M = TypeVar("M", bound=BaseModel)
+
+# Told, for a message that decoded, what in it this build did not understand: dotted paths of unknown
+# fields ("cameras.0.npu_pct") and unknown open-enumeration values ("kind='thermal_throttle'"). Called
+# on the receiving thread, before the message is returned: it must be cheap and must not raise.
+OnUnknown = Callable[[tuple[str, ...]], None]
+
+_WIRE = {messages.WIRE_CONTEXT: True}
+# At most this many unknown things are named per message (a batch of 500 frames with one new field
+# each is one finding, not 500).
+_MAX_NAMED = 8
 
 MESSAGE_FOR_TOPIC: dict[TopicKind, type[BaseModel]] = {
     TopicKind.AVAILABILITY: Availability,
@@ -76,6 +95,8 @@ def _unicode_checked(msg: M, payload: bytes) -> M:
 
 
 def encode(msg: BaseModel) -> bytes:
+    # A model built here cannot hold an unknown field (Strict refuses it); only a desired state decoded
+    # off the wire can, and its unknown fields are part of what the controller signed, so they stay.
     data = msg.model_dump_json(exclude_none=False).encode()
     if len(data) > MAX_JSON_BYTES:
         raise ProtocolError(
@@ -92,23 +113,39 @@ def _first_error(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def decode_as(cls: type[M], payload: bytes) -> M:
+def decode_as(cls: type[M], payload: bytes, on_unknown: OnUnknown | None = None) -> M:
     """Decode ``payload`` as message class ``cls``.
 
     One validation decides: pydantic parses the JSON itself, in strict mode, so the wire's types are
     JSON's (``true`` or ``"5"`` is not an integer, ``1`` is not a boolean; an integer is a float). The
     payload must be UTF-8 JSON nested no deeper than that parser allows, and a message must carry its
     ``type`` tag. When validation fails, :func:`_explain` says precisely why; it never accepts.
+
+    Unknown fields are not a failure: when the only thing wrong is fields the models do not define,
+    they are removed and the rest is validated again, just as strictly (a payload from a peer of the
+    same version never takes that second pass, so the ingest path costs what it did). ``on_unknown``
+    hears what was dropped, and unknown values of open enumerations.
     """
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise ProtocolError(f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > MAX_JSON_BYTES:
         raise ProtocolError(f"payload is {len(payload)} bytes, over the {MAX_JSON_BYTES} byte limit")
     data = bytes(payload)
+    unknown: list[str] = []
     try:
-        msg = cls.model_validate_json(data, strict=True)
+        msg = cls.model_validate_json(data, strict=True, context=_WIRE)
     except ValidationError as exc:
-        raise ProtocolError(_explain(cls, data, exc)) from None
+        extra = [err["loc"] for err in exc.errors() if err["type"] == "extra_forbidden"]
+        if not extra:
+            raise ProtocolError(_explain(cls, data, exc)) from None
+        data = _without(data, extra)
+        unknown.extend(".".join(str(x) for x in loc) for loc in extra)
+        try:
+            msg = cls.model_validate_json(data, strict=True, context=_WIRE)
+        except ValidationError as exc2:
+            raise ProtocolError(_explain(cls, data, exc2)) from None
+        except (RecursionError, ValueError):
+            raise ProtocolError(_explain(cls, data, None)) from None
     except (RecursionError, ValueError):
         raise ProtocolError(_explain(cls, data, None)) from None
     # The tag has a default so that code can build messages without it; on the wire it is required
@@ -117,7 +154,69 @@ def decode_as(cls: type[M], payload: bytes) -> M:
     if "type" in cls.model_fields and "type" not in msg.model_fields_set:
         expected = cls.model_fields["type"].default
         raise ProtocolError(f"expected message type {expected!r}, got None")
-    return _unicode_checked(msg, data)
+    msg = _unicode_checked(msg, data)
+    if on_unknown is not None:
+        if isinstance(msg, Signed):
+            unknown.extend(_kept_extras(msg, ""))
+        unknown.extend(_unknown_values(msg))
+        if unknown:
+            on_unknown(tuple(unknown[:_MAX_NAMED]))
+    return msg
+
+
+def _without(payload: bytes, locations: list[tuple[int | str, ...]]) -> bytes:
+    """``payload`` less the fields at ``locations`` (pydantic's error locations), as JSON again.
+
+    ASCII-escaped on purpose: a lone surrogate the peer escaped stays escaped, so the same check as
+    for any payload refuses it. NaN and infinities are refused even inside a field that is dropped:
+    they are not JSON, which is bad input from a peer of any version.
+    """
+    try:
+        obj = json.loads(payload, parse_constant=_not_json, parse_float=_finite)
+        for loc in locations:
+            node: Any = obj
+            for step in loc[:-1]:
+                node = node[step]
+            del node[loc[-1]]
+    except ValueError as exc:
+        raise ProtocolError(f"invalid payload: {exc}") from None
+    except (RecursionError, LookupError, TypeError):
+        raise ProtocolError("payload has unknown fields that could not be removed") from None
+    return json.dumps(obj).encode()
+
+
+def _not_json(word: str) -> Any:
+    raise ValueError(f"{word} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _kept_extras(model: BaseModel, prefix: str) -> list[str]:
+    """Dotted paths of the unknown fields a desired state kept (it is small and rare: walked in full)."""
+    found = [prefix + name for name in model.model_extra or ()]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        values = value.items() if isinstance(value, dict) else [(name, value)]
+        for key, item in values:
+            if isinstance(item, BaseModel):
+                where = f"{prefix}{name}.{key}." if isinstance(value, dict) else f"{prefix}{name}."
+                found.extend(_kept_extras(item, where))
+    return found
+
+
+def _unknown_values(msg: BaseModel) -> list[str]:
+    # The two top-level open enumerations; a camera state inside a heartbeat is not looked for (the
+    # heartbeat is the most frequent message, and a new camera state only ever goes to a display).
+    if isinstance(msg, Event) and not msg.kind.is_known:
+        return [f"kind={msg.kind.value!r}"]
+    if isinstance(msg, Command) and not msg.name.is_known:
+        return [f"name={msg.name.value!r}"]
+    return []
 
 
 def _explain(cls: type[BaseModel], payload: bytes, exc: ValidationError | None) -> str:
@@ -141,12 +240,12 @@ def _explain(cls: type[BaseModel], payload: bytes, exc: ValidationError | None) 
     return f"invalid {expected or cls.__name__}: {_first_error(exc)}"
 
 
-def decode(kind: TopicKind, payload: bytes) -> Message:
-    """Decode a JSON payload received on a topic of ``kind``."""
+def decode(kind: TopicKind, payload: bytes, on_unknown: OnUnknown | None = None) -> Message:
+    """Decode a JSON payload received on a topic of ``kind`` (``on_unknown``: see :func:`decode_as`)."""
     cls = MESSAGE_FOR_TOPIC.get(kind)
     if cls is None:
         raise ProtocolError(f"topic kind {kind.value!r} carries binary frames, not JSON")
-    return decode_as(cls, payload)  # type: ignore[return-value]
+    return decode_as(cls, payload, on_unknown)  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- artifact chunks

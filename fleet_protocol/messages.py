@@ -1,16 +1,20 @@
 """Typed messages of the wire contract.
 
-Every message carries a ``type`` tag and a schema version ``v``. Models reject unknown fields so
-that a typo on one side is an error on the other, not silently ignored data.
+Every message carries a ``type`` tag and a schema version ``v``. Built in-process, a model refuses
+unknown fields, so that a typo in this code base is an error, not silently ignored data. Off the wire
+(``codec.decode``) a field this build does not know is a newer peer's additive field: the codec drops
+it and reports it, except inside a desired state, which keeps it because its signature covers it
+(PROTOCOL.md "Versions and compatibility").
 """
 
 from __future__ import annotations
 
 import math
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from fleet_protocol.ids import CameraId, DeviceId, Name
 
@@ -43,6 +47,57 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
+# The validation context ``codec.decode`` passes: the payload came off the wire, from a peer that may
+# be newer than this build (PROTOCOL.md "Versions and compatibility").
+WIRE_CONTEXT = "edgefleet_wire"
+
+
+class Signed(Strict):
+    """A model inside the signed desired state: off the wire it KEEPS fields it does not know.
+
+    The controller signs the desired state as it wrote it (``signing.desired_canonical_bytes``), so a
+    newer controller's additive field is inside the signed bytes; dropping it here would make every
+    such state fail its signature on an older agent. Kept, it is part of the canonical form, of
+    ``desired.json`` and of nothing else (no code here reads it). Built in-process, without the wire
+    context, an unknown field is refused as everywhere else.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=False, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _unknown_only_off_wire(self, info: ValidationInfo) -> Signed:
+        if self.model_extra and not (info.context and info.context.get(WIRE_CONTEXT)):
+            raise ValueError(f"unknown field(s) {sorted(self.model_extra)}")
+        return self
+
+
+# A value of an open enumeration: a plain name, at most 32 characters (the controller's event kind column).
+_OPEN_VALUE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+class OpenStrEnum(StrEnum):
+    """An enumeration a newer peer may extend (event kinds, command names, camera states).
+
+    A value this build does not know, if it is a plain lower-case name of at most 32 characters, decodes
+    as a pseudo-member that carries it (``.value`` is the peer's word, equal to the string; it is no
+    member of the class's listing, so ``is_known`` tells), instead of making the whole message
+    undecodable. Anything else is still refused.
+    """
+
+    @classmethod
+    def _missing_(cls, value: object) -> OpenStrEnum | None:
+        if isinstance(value, str) and _OPEN_VALUE.fullmatch(value):
+            member = str.__new__(cls, value)
+            member._name_ = value.upper()
+            member._value_ = value
+            return member
+        return None
+
+    @property
+    def is_known(self) -> bool:
+        return self._value_ in type(self)._value2member_map_
+
+
 class Msg(Strict):
     v: int = SCHEMA_VERSION
 
@@ -66,7 +121,7 @@ class DecoderKind(StrEnum):
     YOLOV8 = "yolov8"  # [B, 4+C, N]: cx, cy, w, h, class scores (also YOLO11)
 
 
-class InputSpec(Strict):
+class InputSpec(Signed):
     name: str
     layout: Literal["NHWC", "NCHW"]
     dtype: Literal["uint8", "float32"]
@@ -83,7 +138,7 @@ class InputSpec(Strict):
 MAX_CHUNK_HASHES = 512
 
 
-class ModelManifest(Strict):
+class ModelManifest(Signed):
     """What an agent needs to know to run a model file; travels inside the desired state."""
 
     name: Name
@@ -108,7 +163,7 @@ class ModelManifest(Strict):
     )
 
 
-class ArtifactRef(Strict):
+class ArtifactRef(Signed):
     """A model version placed on a camera; the bytes are fetched in chunks over MQTT."""
 
     manifest: ModelManifest
@@ -228,7 +283,7 @@ class GpuStats(Strict):
     power_w: float | None = None
 
 
-class CameraState(StrEnum):
+class CameraState(OpenStrEnum):
     STARTING = "starting"
     UP = "up"
     DOWN = "down"
@@ -319,7 +374,7 @@ class DetectionBatch(Msg):
         return self
 
 
-class EventKind(StrEnum):
+class EventKind(OpenStrEnum):
     CAMERA_UP = "camera_up"
     CAMERA_DOWN = "camera_down"
     MODEL_DOWNLOAD = "model_download"
@@ -409,14 +464,14 @@ class CommandResult(Msg):
 # --------------------------------------------------------------------------- controller → device
 
 
-class CameraDesired(Strict):
+class CameraDesired(Signed):
     model: ArtifactRef | None = None
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     labels: list[str] | None = None  # keep only these labels; None keeps all
 
 
-class DesiredState(Msg):
+class DesiredState(Msg, Signed):
     """The complete desired state of one device; retained, so an offline device converges on return.
 
     Signed as a whole by the controller (``fleet_protocol.signing.signed_desired``): everything but
@@ -425,6 +480,9 @@ class DesiredState(Msg):
     signed"). The signature fields are optional so that an unsigned state still decodes; an agent with
     a key refuses it, as a whole, with an event.
     """
+
+    # Signed's handling of unknown fields, with Msg's schema version.
+    model_config = Signed.model_config
 
     type: Literal["desired"] = "desired"
     version: int = Field(ge=0, le=MAX_DESIRED_VERSION)
@@ -435,7 +493,7 @@ class DesiredState(Msg):
     key_id: str | None = Field(default=None, max_length=64)
 
 
-class CommandName(StrEnum):
+class CommandName(OpenStrEnum):
     RESTART_PIPELINE = "restart_pipeline"
     SNAPSHOT = "snapshot"
     DIAGNOSTICS = "diagnostics"

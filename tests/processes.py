@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -51,11 +52,13 @@ class ControllerProcess:
         }
         self.token = self.env["EDGEFLEET_ADMIN_TOKEN"]
         self.proc: subprocess.Popen[bytes] | None = None
+        # The interpreter (another release's venv, for the version skew tests).
+        self.python = sys.executable
 
     def start(self, timeout: float = 60) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "controller", "controller"],
+                [self.python, "-m", "controller", "controller"],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=self.env,
@@ -138,6 +141,8 @@ class AgentProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         # Extra environment of the agent process (e.g. libfaketime's, for the clock fault tests).
         self.env: dict[str, str] = {}
+        # The interpreter (another release's venv, for the version skew tests).
+        self.python = sys.executable
 
     def _write_config(self) -> None:
         self.config.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
@@ -148,7 +153,7 @@ class AgentProcess:
             self._write_config()
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "edge_agent", "--config", str(self.config)],
+                [self.python, "-m", "edge_agent", "--config", str(self.config)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
@@ -178,3 +183,71 @@ def _stop(proc: subprocess.Popen[bytes] | None, timeout: float = 15) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+
+
+class SimulatorProcess:
+    """``python -m controller simulate`` (the real CLI) with its own data folder and JSON report."""
+
+    def __init__(self, workdir: Path, mqtt_url: str, devices: int, *args: str) -> None:
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.report_path = workdir / "report.json"
+        self.log = workdir / "simulate.log"
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "controller",
+            "simulate",
+            "--devices",
+            str(devices),
+            "--mqtt-url",
+            mqtt_url,
+            "--data-dir",
+            str(workdir / "data"),
+            "--report",
+            str(self.report_path),
+            *args,
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> SimulatorProcess:
+        self.report_path.unlink(missing_ok=True)
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT)
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"simulator exited {self.proc.returncode}:\n{self.output()[-3000:]}")
+        return True
+
+    def stop(self, timeout: float = 90) -> int:
+        """SIGTERM (a graceful stop: drain, offline, disconnect); its exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 90) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+            raise AssertionError(
+                f"simulator did not stop within {timeout}s:\n{self.output()[-3000:]}"
+            ) from None
+
+    def report(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.report_path.read_text())
+        return data
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)

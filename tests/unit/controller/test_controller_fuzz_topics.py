@@ -475,7 +475,6 @@ FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
         (("agent_version",), LONG),
         (("agent_version",), 5),
         (("capabilities",), []),
-        (("capabilities", "surprise"), 1),
         (("capabilities", "hostname"), LONG),
         (("capabilities", "os"), LONG),
         (("capabilities", "cpu_model"), LONG),
@@ -513,7 +512,6 @@ FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
         (("queue_dropped",), -1),
         (("queue_dropped",), 1.5),
         (("gpus",), "gpu"),
-        (("gpus", 0, "surprise"), 1),
         (("gpus", 0, "index"), -1),
         (("gpus", 0, "index"), 2**70),
         (("gpus", 0, "name"), LONG),
@@ -522,7 +520,8 @@ FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
         (("cameras",), {}),
         (("cameras", 0, "camera"), DROP),
         (("cameras", 0, "camera"), LONG),
-        (("cameras", 0, "state"), "exploded"),
+        (("cameras", 0, "state"), "Exploded!"),
+        (("cameras", 0, "state"), 5),
         (("cameras", 0, "fps"), NAN),
         (("cameras", 0, "frames"), -1),
         (("cameras", 0, "frames"), 2**70),
@@ -555,7 +554,6 @@ FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
         (("frames", 0, "model"), LONG),
         (("frames", 0, "inference_ms"), NAN),
         (("frames", 0, "inference_ms"), -1.0),
-        (("frames", 0, "detections", 0, "surprise"), 1),
         (("frames", 0, "detections", 0, "label"), LONG),
         (("frames", 0, "detections", 0, "class_id"), -1),
         (("frames", 0, "detections", 0, "class_id"), 2**70),
@@ -575,7 +573,9 @@ FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
         (("ts",), DROP),
         (("ts",), NAN),
         (("kind",), DROP),
-        (("kind",), "meltdown"),
+        (("kind",), "Meltdown!"),
+        (("kind",), "m" * 33),
+        (("kind",), 5),
         (("severity",), "apocalyptic"),
         (("camera",), LONG),
         (("camera",), "../cam"),
@@ -596,7 +596,6 @@ FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
         (("agent_version",), LONG),
         (("cameras",), []),
         (("cameras", "../cam"), {}),
-        (("cameras", "cam1", "surprise"), 1),
         (("cameras", "cam1", "model"), LONG),
         (("cameras", "cam1", "sha256"), "not-hex"),
         (("cameras", "cam1", "state"), "dancing"),
@@ -666,7 +665,6 @@ def must_refuse(kind: TopicKind) -> Verdicts:
         ("the tag alone", dump({"type": doc["type"]})),
         ("schema version 2", dump({**doc, "v": 2})),
         ('schema version "1"', dump({**doc, "v": "1"})),
-        ("an extra field", dump({**doc, "surprise": 1})),
         ("truncated", good[:-1]),
         ("trailing garbage", good + b"}"),
         ("over the size limit", good + b" " * MAX_JSON_BYTES),
@@ -765,7 +763,58 @@ def must_accept(kind: TopicKind) -> Verdicts:
     ]
     for path, value in at_bounds[kind]:
         out.append((f"{'.'.join(map(str, path))} at its bound", dump(set_at(doc, path, value))))
-    return out
+    return out + [(why, payload) for why, payload, _ in newer_peer(kind)]
+
+
+# What a newer agent may send (PROTOCOL.md "Versions and compatibility"): a field this build does not
+# know, at the top and inside nested objects, and new values of the open enumerations. Accepted, and
+# each counted once as ``unknown_fields`` (a camera state inside a heartbeat is accepted, not counted).
+NEWER_PEER: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
+    TopicKind.AVAILABILITY: [
+        (("surprise",), 1),
+        (("capabilities", "surprise"), {"npu": ["x"]}),
+        (("capabilities", "gpus", 0, "surprise"), None),
+    ],
+    TopicKind.HEARTBEAT: [
+        (("surprise",), 1),
+        (("gpus", 0, "surprise"), 1.5),
+        (("cameras", 0, "surprise"), "x"),
+        (("cameras", 0, "state"), "throttled"),
+    ],
+    TopicKind.DETECTIONS: [
+        (("surprise",), 1),
+        (("frames", 0, "surprise"), [1, 2]),
+        (("frames", 0, "detections", 0, "surprise"), 1),
+        (("frames", 0, "detections", 0, "box", "surprise"), 1),
+    ],
+    TopicKind.EVENTS: [
+        (("surprise",), 1),
+        (("kind",), "meltdown"),
+        (("kind",), "m" * 32),
+    ],
+    TopicKind.TWIN_REPORTED: [
+        (("surprise",), 1),
+        (("cameras", "cam1", "surprise"), 1),
+    ],
+    TopicKind.COMMAND_RESULT: [
+        (("surprise",), {"a": 1}),
+    ],
+    TopicKind.ARTIFACT_REQUEST: [
+        (("surprise",), 1),
+    ],
+}
+NOT_COUNTED = {(TopicKind.HEARTBEAT, ("cameras", 0, "state"))}
+
+
+def newer_peer(kind: TopicKind) -> list[tuple[str, bytes, bool]]:
+    """(why, payload, counted as unknown_fields) for what a newer agent may send on ``kind``."""
+    doc = json.loads(encode(valid_message(kind)))
+    return [
+        (f"newer peer: {why}", payload, (kind, path) not in NOT_COUNTED)
+        for (why, payload), (path, _) in zip(
+            field_verdicts(doc, NEWER_PEER[kind]), NEWER_PEER[kind], strict=True
+        )
+    ]
 
 
 def _api_items(fleet: Fleet, what: str, device: str) -> list[dict[str, Any]]:
@@ -802,8 +851,9 @@ def _outcomes(fleet: Fleet, kind: TopicKind) -> dict[str, int]:
 
 
 def _handled(fleet: Fleet, kind: TopicKind, n: int) -> bool:
-    """``n`` payloads of ``kind`` handled with any outcome but ``invalid``."""
-    return sum(v for k, v in _outcomes(fleet, kind).items() if k != "invalid") == n
+    """``n`` payloads of ``kind`` handled with any outcome but ``invalid`` (``unknown_fields`` is counted
+    besides the handler's outcome, not instead of it)."""
+    return sum(v for k, v in _outcomes(fleet, kind).items() if k not in ("invalid", "unknown_fields")) == n
 
 
 def test_pinned_payloads_are_refused_or_accepted_as_the_contract_says(
@@ -822,12 +872,17 @@ def test_pinned_payloads_are_refused_or_accepted_as_the_contract_says(
             if bridge.counters.get(kind.value, "invalid") - before != 1:
                 wrong.append(f"{kind.value}: {why}: not counted invalid once")
             refused.setdefault(kind, []).append((device, why))
+        counted = {why: c for why, _, c in newer_peer(kind)}
         for i, (why, payload) in enumerate(must_accept(kind)):
             device = f"pin-{slug}-a{i}"
             before = bridge.counters.get(kind.value, "invalid")
+            newer = bridge.counters.get(kind.value, "unknown_fields")
             fleet.transport.inject(fleet.topics.device(device, kind), payload)
             if bridge.counters.get(kind.value, "invalid") != before:
                 wrong.append(f"{kind.value}: {why}: counted invalid")
+            grew = bridge.counters.get(kind.value, "unknown_fields") - newer
+            if grew != int(counted.get(why, False)):
+                wrong.append(f"{kind.value}: {why}: counted {grew} times as unknown_fields")
             accepted.setdefault(kind, []).append((device, why))
     assert wrong == [], "\n".join(wrong)
 
@@ -849,6 +904,13 @@ def test_pinned_payloads_are_refused_or_accepted_as_the_contract_says(
                 what=f"{kind.value} {why!r} stored",
                 interval=0.05,
             )
+    # A newer agent's event kind is stored as it was sent, not mapped to another kind.
+    newer_kinds = {
+        device: [e["kind"] for e in _api_items(fleet, "events", device)]
+        for device, why in accepted[TopicKind.EVENTS]
+        if why.startswith("newer peer: kind")
+    }
+    assert sorted(newer_kinds.values()) == [["meltdown"], ["m" * 32]], newer_kinds
     # The workers are FIFO and the accepted payloads came after the refused ones: had a refused payload
     # been queued, it would be stored by now. None left a trace, and each was counted exactly once.
     for kind in CONSUMED:
