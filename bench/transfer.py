@@ -20,9 +20,22 @@ docker/mosquitto.conf has it), it measures
 (b) and (a) alternate (``--runs``, default three times each): raw is the best run (the stricter
 limit), the push the median; the ratio's range is each push run against that best raw run.
 
+With ``--link RATE:RTT`` (e.g. ``100mbit:40ms``, ``20mbit:100ms``; tc's units) it measures instead
+  (e) a push to ONE agent over a site link: the agent's MQTT connection goes through an emulated link
+      (tests/linkproxy.py: a userspace TCP proxy, this kernel's tc has no netem) holding each direction
+      to RATE with a one-way delay of RTT/2 (RTT is the round trip) and a bottleneck queue of one
+      bandwidth-delay product + 64 KiB; the controller talks to the broker directly (the site link is
+      between the device and the cloud). Timed as (b): desired-state PUT -> file verified on the agent.
+      Its raw limit, in the same run through the same link: a bare TCP transfer of the artifact's byte
+      count (a plain socket server on the cloud side sends it on a 1-byte go from the device side;
+      timed from the go to the last byte, so it pays one round trip, the push one and a half). Push
+      and bare alternate ``--runs`` times; the ratio bare / push per run, its median and range, and the
+      1-minute load average before and after each run are printed (and in ``--json``). (a)-(d) are
+      not run in this mode.
+
 Usage: ``python bench/transfer.py [--chunk-size BYTES] [--agents N] [--window N] [--model NAME] [--runs 3]
-[--smoke] [--json]`` (without ``--chunk-size`` / ``--window`` the controller's chunk size and the agent's
-window are used; ``--smoke``: a quick check that it runs, 1 run and 2 agents).
+[--link RATE:RTT] [--smoke] [--json]`` (without ``--chunk-size`` / ``--window`` the controller's chunk size
+and the agent's window are used; ``--smoke``: a quick check that it runs, 1 run and 2 agents).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import logging
 import math
 import os
 import queue
+import socket
 import statistics
 import subprocess
 import sys
@@ -62,6 +76,7 @@ from fleet_protocol.messages import (  # noqa: E402
 )
 from fleet_protocol.signing import SignatureError, load_public_key, verify  # noqa: E402
 from tests.integration.edge_agent.transfer_helpers import TransferSpy, bitmap_have  # noqa: E402
+from tests.linkproxy import LinkProxy, LinkSpec  # noqa: E402
 from tests.mqtt_broker import MosquittoBroker  # noqa: E402
 from tests.processes import ControllerProcess, artifact_public_key  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
@@ -158,12 +173,14 @@ class SimAgent:
         public_key: str,
         *,
         stop_at_pct: float = 101.0,
+        url: str | None = None,
     ) -> None:
         self.device_id = device_id
         self._key = load_public_key(public_key)
         self.stop = threading.Event()
         self.stop_at_pct = stop_at_pct
-        self.link = MqttLink(MqttEndpoint.parse(broker.url), device_id=device_id, topics=Topics())
+        endpoint = MqttEndpoint.parse(url or broker.url)  # url: the site link in front of the broker
+        self.link = MqttLink(endpoint, device_id=device_id, topics=Topics())
         self.fetcher = ArtifactFetcher(
             store,
             self._request,
@@ -261,13 +278,16 @@ def push(
     device_ids: list[str],
     config: ArtifactConfig,
     key: str,
+    *,
+    url: str | None = None,
+    timeout: float = 150,
 ) -> Push:
     """Assign ``model`` to every device at once and wait until every device has verified it."""
     agents: list[SimAgent] = []
     try:
         for d in device_ids:
             api.post("/api/v1/devices", json={"id": d}).raise_for_status()
-            a = SimAgent(broker, d, workdir / d / "models", config, key)
+            a = SimAgent(broker, d, workdir / d / "models", config, key, url=url)
             agents.append(a)
             a.start()
         t0 = time.perf_counter()
@@ -275,7 +295,7 @@ def push(
             assign(api, d, model)
         wait_for(
             lambda: all(a.finished for a in agents),
-            timeout=150,
+            timeout=timeout,
             what="every transfer to finish",
             interval=0.01,
         )
@@ -355,6 +375,155 @@ def resume(
         spy.close()
 
 
+# --------------------------------------------------------------------------- (e) over a site link
+
+
+class BareSender:
+    """The raw limit of a site link: a plain TCP server that sends ``size`` bytes on a 1-byte go."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._data = os.urandom(size)
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self._srv.settimeout(0.2)
+        self.address = ("127.0.0.1", int(self._srv.getsockname()[1]))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="bare-sender", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(60)
+                if conn.recv(1):
+                    conn.sendall(self._data)
+
+    def receive(self, port: int) -> float:
+        """Seconds from the go byte sent to the last byte received, through the link's ``port``."""
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            got = 0
+            t0 = time.perf_counter()
+            c.sendall(b"g")
+            while got < self.size:
+                n = len(c.recv(1 << 20))
+                if n == 0:
+                    raise RuntimeError(f"bare transfer closed after {got} of {self.size} bytes")
+                got += n
+            return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._srv.close()
+        self._thread.join(5)
+
+
+def run_link(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """(e): push to one agent behind the emulated site link, against a bare TCP transfer of the same
+    bytes through the same link, alternating, ``args.runs`` times each."""
+    spec = LinkSpec.parse(args.link)
+    config = ArtifactConfig(window=args.window) if args.window else ArtifactConfig()
+    broker = MosquittoBroker(workdir / "mosquitto", extra_conf="set_tcp_nodelay true\n")
+    broker.start()
+    env = {"EDGEFLEET_CHUNK_SIZE": str(args.chunk_size)} if args.chunk_size else {}
+    controller = ControllerProcess(workdir, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="120", **env)
+    load = [os.getloadavg()[0]]
+    runs: list[dict[str, float]] = []
+    bare: BareSender | None = None
+    link = LinkProxy(spec)
+    try:
+        controller.start()
+        key = artifact_public_key(controller.url, controller.token)
+        agent_url = f"mqtt://127.0.0.1:{link.listen((broker.host, broker.port))}"
+        # Seconds per transfer at the link's rate, at least: a generous deadline for each push.
+        with controller.client() as api:
+            for i in range(args.runs):
+                down_before = link.bytes_down
+                p = push(
+                    broker,
+                    api,
+                    args.model,
+                    workdir,
+                    [f"bench-link-{i}"],
+                    config,
+                    key,
+                    url=agent_url,
+                    timeout=600,
+                )
+                link_bytes = link.bytes_down - down_before
+                if bare is None:  # the first push says how many bytes the artifact has
+                    bare = BareSender(p.size)
+                    bare_port = link.listen(bare.address)
+                bare_s = bare.receive(bare_port)
+                runs.append(
+                    {
+                        "push_s": p.seconds,
+                        "transfer_s": p.transfer_seconds,
+                        "bare_s": bare_s,
+                        "ratio": bare_s / p.seconds,
+                        "link_bytes_down": link_bytes,
+                    }
+                )
+                load.append(os.getloadavg()[0])
+    finally:
+        link.close()
+        if bare is not None:
+            bare.close()
+        controller.stop()
+        broker.stop()
+    assert bare is not None
+    size = bare.size
+    ratios = [r["ratio"] for r in runs]
+    return {
+        "link": args.link,
+        "rate_bps": spec.rate_bps,
+        "rtt_s": spec.rtt_s,
+        "queue_bytes": link.queue_bytes,
+        "model": args.model,
+        "size_bytes": size,
+        "chunk_size": p.chunk_size,
+        "window": config.window,
+        "window_bytes": config.window_bytes,
+        "ideal_s": size * 8 / spec.rate_bps,
+        "runs": runs,
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "push_mb_s": statistics.median(size / MB / r["push_s"] for r in runs),
+        "bare_mb_s": statistics.median(size / MB / r["bare_s"] for r in runs),
+        "loadavg_1m": load,
+    }
+
+
+def print_link(r: dict[str, Any]) -> None:
+    size_mb = r["size_bytes"] / MB
+    print(
+        f"{r['model']}: {size_mb:.1f} MB in chunks of {r['chunk_size'] // 1024} KiB over a site link of "
+        f"{r['rate_bps'] / 1e6:g} Mbit/s and {r['rtt_s'] * 1000:g} ms RTT (queue {r['queue_bytes'] // 1000} kB; "
+        f"{r['ideal_s']:.2f} s at the rate), agent window {r['window']} / {r['window_bytes'] // 2**20} MiB, "
+        f"{os.cpu_count()} CPUs"
+    )
+    for i, run in enumerate(r["runs"]):
+        print(
+            f"  run {i + 1}: bare TCP {run['bare_s']:.3f} s, push {run['push_s']:.3f} s "
+            f"(PUT -> first request {1000 * (run['push_s'] - run['transfer_s']):.0f} ms, first request -> "
+            f"verified {run['transfer_s']:.3f} s, {run['link_bytes_down'] / MB:.2f} MB down the link), "
+            f"ratio {run['ratio']:.3f}"
+        )
+    load = ", ".join(f"{x:.2f}" for x in r["loadavg_1m"])
+    print(
+        f"(e) push desired -> verified / bare TCP, same link     {r['ratio']:8.3f}       (median; range "
+        f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f} over {len(r['runs'])} runs; push {r['push_mb_s']:.2f} MB/s, "
+        f"bare {r['bare_mb_s']:.2f} MB/s; load average {load})"
+    )
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -424,6 +593,11 @@ def main() -> None:
     ap.add_argument("--model", default="nanodet_coco", help="bundled model to push (default nanodet_coco)")
     ap.add_argument("--runs", type=int, default=RUNS, help=f"push/raw pairs, alternating (default {RUNS})")
     ap.add_argument("--smoke", action="store_true", help="a quick check that it runs: 1 run, 2 agents")
+    ap.add_argument(
+        "--link",
+        metavar="RATE:RTT",
+        help="push over an emulated site link instead (e.g. 100mbit:40ms; RTT = round trip)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     ap.add_argument("--raw-publisher", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -435,12 +609,20 @@ def main() -> None:
         host, port, topic, chunk, total = args.raw_publisher
         raw_publisher(host, int(port), topic, int(chunk), int(total))
         return
+    if args.link:
+        try:
+            LinkSpec.parse(args.link)
+        except ValueError as exc:
+            ap.error(str(exc))
     # The links' "disconnected" warnings at each simulated agent's close are expected here.
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="edgefleet-bench-transfer-") as tmp:
-        r = run(args, Path(tmp))
+        r = run_link(args, Path(tmp)) if args.link else run(args, Path(tmp))
     if args.json:
         print(json.dumps(r))
+        return
+    if args.link:
+        print_link(r)
         return
     res = r["resume"]
     runs = ", ".join(f"{x:.1f}" for x in r["raw_mb_s_runs"])

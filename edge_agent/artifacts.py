@@ -10,6 +10,9 @@ the whole-file sha256 in file order (so the final check does not read the file b
 per transfer fsyncs in batches of a few MiB, then records the chunks in the bitmap: each fsync waits
 milliseconds on the disk (tens while other programs write), which on the fetch thread set the pace.
 
+How much is asked ahead, and when an answer is late, follows what the link delivers (:class:`_Pace`):
+a slow or far site link is kept full without its queued chunks being taken for lost.
+
 Each chunk is checked against the signed manifest's ``chunk_hashes`` when the ref has them (a forged
 frame carrying its own, self-consistent hash is dropped and the chunk asked again; it never reaches the
 file), else against the hash its frame carries. A whole file that does not match its sha256 is fetched
@@ -20,14 +23,16 @@ controller sends the desired state again (review F7).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -52,6 +57,14 @@ DISK_MARGIN_BYTES = 16 * 2**20
 SYNC_MIN_BYTES = 1 * 2**20
 SYNC_MAX_BYTES = 16 * 2**20
 SYNC_INTERVAL_S = 1.0
+# The window follows the link (_Pace): bytes asked for and not yet arrived are what the link delivers
+# in DRAIN_S, or twice its bandwidth-delay product when that is more (a far link), in whole chunks,
+# between MIN_WINDOW_CHUNKS and the configured window. DRAIN_S keeps a quarter-window batch of asks
+# large on a fast link (the controller caps requests per second) and bounds, on a slow one, how long
+# a desired state or a command waits behind queued chunks on the same connection.
+DRAIN_S = 0.5
+MIN_WINDOW_CHUNKS = 2
+RATE_SAMPLES = 16  # delivery-rate samples kept; the window uses their maximum (as TCP BBR does)
 
 
 class FetchError(Exception):
@@ -74,6 +87,77 @@ class _WholeFileMismatch(FetchError):
     pass
 
 
+class _Pace:
+    """How much to keep asked for, and when an answer is late, from what the link delivers.
+
+    Each chunk that arrives gives a delivery-rate sample: the bytes that arrived between its request
+    and its arrival, over that time (TCP BBR's sample; below the link's rate while the window is what
+    limits). The window is the most recent samples' maximum times ``max(DRAIN_S, 2 x min RTT)``: when
+    the window limits, a sample is about window / RTT, so the window doubles each round trip until the
+    link limits, and then stays at about what the link delivers in that time. Before the first sample
+    the whole configured window is asked for, as before.
+
+    A chunk is late when nothing at all has arrived for the timeout since it was asked: on a slow or far
+    link a full window takes seconds to arrive, and while chunks keep arriving the rest are queued, not
+    lost (the timer restarts on each arrival, as TCP's retransmission timer does). The timeout is the
+    configured one, or four chunks' time at the measured rate when that is longer.
+
+    Not locked: the fetcher holds its condition around every call.
+    """
+
+    def __init__(self, chunk_size: int, max_chunks: int, timeout_s: float) -> None:
+        self.chunk_size = chunk_size
+        self.max_chunks = max_chunks
+        self.base_timeout_s = timeout_s
+        self.min_rtt = math.inf
+        self._rates: collections.deque[float] = collections.deque(maxlen=RATE_SAMPLES)
+        self._delivered = 0  # bytes arrived in this transfer
+        self._asked: dict[int, tuple[float, int]] = {}  # chunk -> (asked at, bytes delivered by then)
+        self._reasked: set[int] = set()  # their samples are ambiguous (which request is answered?)
+        self.last_arrival = -math.inf
+
+    def asked(self, index: int, now: float) -> None:
+        self._asked[index] = (now, self._delivered)
+
+    def asking_again(self, indices: Iterable[int]) -> None:
+        """These are asked again: an answer to the earlier request may still come (Karn's rule)."""
+        self._reasked.update(indices)
+
+    def arrived(self, index: int, nbytes: int, now: float) -> None:
+        self._delivered += nbytes
+        self.last_arrival = now
+        at = self._asked.pop(index, None)
+        if at is None or index in self._reasked:
+            return
+        elapsed = now - at[0]
+        if elapsed <= 0:
+            return
+        self.min_rtt = min(self.min_rtt, elapsed)
+        self._rates.append((self._delivered - at[1]) / elapsed)
+
+    @property
+    def rate(self) -> float | None:
+        """Bytes per second the link delivered at best lately; None before the first sample."""
+        return max(self._rates) if self._rates else None
+
+    def window(self) -> int:
+        """Chunks to keep asked for."""
+        rate = self.rate
+        if rate is None:
+            return self.max_chunks
+        want = rate * max(DRAIN_S, 2 * self.min_rtt) / self.chunk_size
+        return max(min(MIN_WINDOW_CHUNKS, self.max_chunks), min(self.max_chunks, math.ceil(want)))
+
+    def timeout_s(self) -> float:
+        rate = self.rate
+        if rate is None:
+            return self.base_timeout_s
+        return max(self.base_timeout_s, 4 * self.chunk_size / rate)
+
+    def late(self, asked_at: float, now: float) -> bool:
+        return now - max(asked_at, self.last_arrival) >= self.timeout_s()
+
+
 @dataclass
 class _Transfer:
     ref: ArtifactRef
@@ -81,6 +165,7 @@ class _Transfer:
     bitmap: Path
     have: bytearray  # chunks checked and written to the part file (durable or not yet)
     durable: bytearray  # chunks fsynced: what the bitmap on disk says
+    pace: _Pace
     outstanding: dict[int, float] = field(default_factory=dict)
     # Frames parsed by the link thread, not yet checked or written: the fetch thread does both, so
     # the network thread never waits on hashing or the disk.
@@ -140,8 +225,7 @@ class ArtifactFetcher:
         self.whole_file_attempts = max(1, whole_file_attempts)
         self.store.mkdir(parents=True, exist_ok=True)
         self._request = request
-        # Chunks in flight: at least ``window``, more when they are small (bytes in flight set the pace
-        # on a fast link), at most the 64 one request can carry.
+        # The most chunks in flight (see _max_window); within it the window follows the link (_Pace).
         self.window = window
         self.window_bytes = window_bytes
         self.request_timeout_s = request_timeout_s
@@ -233,7 +317,19 @@ class ArtifactFetcher:
                 f.truncate(ref.manifest.size)
             # A stale bitmap must not vouch for the fresh, empty part file; the first sync writes one.
             bitmap.unlink(missing_ok=True)
-        return _Transfer(ref=ref, part=part, bitmap=bitmap, have=have, durable=bytearray(have))
+        return _Transfer(
+            ref=ref,
+            part=part,
+            bitmap=bitmap,
+            have=have,
+            durable=bytearray(have),
+            pace=_Pace(ref.chunk_size, self._max_window(ref.chunk_size), self.request_timeout_s),
+        )
+
+    def _max_window(self, chunk_size: int) -> int:
+        # At least ``window`` chunks, more when they are small (up to ``window_bytes``), at most the
+        # 64 one request can carry.
+        return max(1, min(64, max(self.window, self.window_bytes // chunk_size)))
 
     def _save_bitmap(self, tr: _Transfer) -> None:
         tmp = tr.bitmap.with_suffix(".bitmap.tmp")
@@ -348,8 +444,6 @@ class ArtifactFetcher:
         syncer: _Syncer,
     ) -> None:
         size = tr.ref.manifest.size
-        window = max(1, min(64, max(self.window, self.window_bytes // tr.ref.chunk_size)))
-        min_ask = max(1, window // 4)
         sync_bytes = self._sync_threshold(tr)
         retries = 0
         last_received = tr.received
@@ -367,7 +461,7 @@ class ArtifactFetcher:
                 if seen != last_received:
                     retries = 0  # progress was made: the controller is answering
                     last_received = seen
-                expired = [i for i, t in tr.outstanding.items() if now - t >= self.request_timeout_s]
+                expired = [i for i, t in tr.outstanding.items() if tr.pace.late(t, now)]
                 if expired or tr.reask:
                     retries += 1
                     if retries > self.max_retries:
@@ -377,17 +471,20 @@ class ArtifactFetcher:
                         )
                     log.info("re-asking chunks of %s (retry %s)", tr.ref.manifest.sha256[:12], retries)
                     # Ask again for everything outstanding: a lost or bad chunk is re-requested.
+                    tr.pace.asking_again(tr.outstanding)
                     tr.outstanding.clear()
                     tr.reask = False
+                window = tr.pace.window()
                 room = window - len(tr.outstanding)
                 # Asked in batches of a quarter window (not one request per chunk that arrives): the
                 # controller caps requests per second per device.
-                if room > 0 and (room >= min_ask or not tr.outstanding):
+                if room > 0 and (room >= max(1, window // 4) or not tr.outstanding):
                     ask = list(islice(tr.missing(batch), room))
                 else:
                     ask = []
                 for i in ask:
                     tr.outstanding[i] = now
+                    tr.pace.asked(i, now)
             # Ask before writing what arrived: the next chunks are on their way while this thread
             # hashes and writes.
             if ask:
@@ -415,7 +512,7 @@ class ArtifactFetcher:
                 tr.last_sync = time.monotonic()
             with self._cond:
                 if not tr.reask and not tr.arrived:
-                    self._cond.wait(min(0.5, self.request_timeout_s))
+                    self._cond.wait(min(0.5, tr.pace.timeout_s()))
 
     def _finish(self, tr: _Transfer) -> Path:
         sha = tr.ref.manifest.sha256
@@ -482,6 +579,7 @@ class ArtifactFetcher:
                 return
             tr.arrived[header.index] = (header, data)
             tr.outstanding.pop(header.index, None)
+            tr.pace.arrived(header.index, len(data), time.monotonic())
             self._cond.notify_all()
 
 

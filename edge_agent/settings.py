@@ -170,9 +170,15 @@ class OutboxConfig(_Strict):
 
 class ArtifactConfig(_Strict):
     window: int = Field(default=8, ge=1, le=64)
-    """Chunks in flight at least; more when chunks are small, up to ``window_bytes``."""
+    """The most chunks asked for and not yet arrived: ``window``, or more when chunks are small, up to
+    ``window_bytes`` (and 64). Within it the fetcher keeps what the link delivers in half a second, or
+    twice its bandwidth-delay product on a far link, as measured during the transfer
+    (edge_agent/artifacts.py ``_Pace``); it asks for the whole of it before the first chunk arrives."""
     window_bytes: int = Field(default=8 * 2**20, ge=64 * 1024, le=256 * 2**20)
     request_timeout_s: float = Field(default=5.0, gt=0.0)
+    """Chunks asked for are asked again when nothing at all has arrived for this long (or for four
+    chunks' time at the measured rate, when that is longer): while chunks keep arriving the others are
+    queued on the link, not lost."""
     max_retries: int = Field(default=6, ge=0)
 
 

@@ -7,8 +7,11 @@ A device gets only the artifacts of its own desired state: the current one, or t
 device still fetching for it when the next one is published), at the chunk size of the signed ref.
 Anything else is refused, counted and logged once per device and artifact (review F6). Per device, a
 token bucket caps requests per second (checked on paho's thread, before the request takes a place in
-the shared queue) and another the bytes sent (in flight: at most a burst, refilled at a rate); what is
-over a cap is dropped, and the agent asks again after its request timeout.
+the shared queue) and another the bytes sent (in flight: at most a burst, refilled at a rate). Chunks
+over the byte cap are sent later, when the bucket will hold them, if that is within
+``DeviceCaps.max_delay_s`` (a cap then paces a transfer at its rate instead of cutting it to a burst
+per agent timeout); beyond that, as requests over the request cap, they are dropped and the agent asks
+again after its request timeout.
 
 The chunk hashes that go into a signed manifest (``ModelManifest.chunk_hashes``, review F7) are
 computed here too (:class:`ChunkHashes`), once per artifact and chunk size.
@@ -17,6 +20,8 @@ computed here too (:class:`ChunkHashes`), once per artifact and chunk size.
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import logging
 import math
 import queue
@@ -53,8 +58,10 @@ NOT_ASSIGNED = "not_assigned"  # the sha256 is in neither the device's current n
 BAD_CHUNK_SIZE = "bad_chunk_size"  # not the chunk size of the signed ref
 DROPPED_RATE = "dropped_rate_limited"  # over the device's requests-per-second cap
 DROPPED_BYTES = "dropped_bytes_cap"  # some or all chunks over the device's byte cap
-# Chunk outcome (``artifacts/chunk``) of a chunk not sent because of the byte cap.
+DELAYED_BYTES = "delayed_bytes_cap"  # the rest of the request is sent later, within the byte cap
+# Chunk outcomes (``artifacts/chunk``) of chunks not sent at once because of the byte cap.
 CHUNK_DROPPED = "dropped_bytes_cap"
+CHUNK_DELAYED = "delayed_bytes_cap"
 
 MAX_CHUNK_SIZE = 4 * 1024 * 1024  # ArtifactRef.chunk_size's bound
 
@@ -66,13 +73,15 @@ class DeviceCaps:
     The defaults leave a well-behaved agent alone (it asks for at most a window, 8 MiB or 8 chunks,
     and again as chunks arrive, in batches of a quarter window) and cap what a misbehaving one gets:
     ``requests_per_s``/``request_burst`` requests, and ``bytes_per_s`` with at most ``burst_bytes``
-    at once (a chunk larger than the burst still goes, alone, from a full bucket).
+    at once (a chunk larger than the burst still goes, alone, from a full bucket). Chunks over the
+    byte cap wait for it up to ``max_delay_s``; longer, they are dropped.
     """
 
     requests_per_s: float = 50.0
     request_burst: int = 100
     bytes_per_s: float = 64 * 2**20
     burst_bytes: int = 16 * 2**20
+    max_delay_s: float = 1.0
 
 
 class TokenBucket:
@@ -92,6 +101,11 @@ class TokenBucket:
             return False
         self.tokens -= n
         return True
+
+    def wait_s(self, n: float, now: float) -> float:
+        """Seconds until :meth:`take` of ``n`` would succeed, if nothing else takes meanwhile."""
+        tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        return max(0.0, (min(n, self.burst) - tokens) / self.rate)
 
 
 # --------------------------------------------------------------------------- chunk hashes
@@ -305,6 +319,12 @@ class ArtifactServer:
         self._bridge = bridge
         # Drop when full: the agent asks again for chunks it did not get within its timeout.
         self._queue: queue.Queue[tuple[str, ArtifactRequest]] = queue.Queue(maxsize=queue_max)
+        # Rests of requests waiting for their device's byte cap: (due, order, device, request), a
+        # heap bounded like the queue (full: dropped, as over a longer delay).
+        self._delayed: list[tuple[float, int, str, ArtifactRequest]] = []
+        self._delayed_max = queue_max
+        self._delayed_lock = threading.Lock()
+        self._delayed_order = itertools.count()
         self._stop = stop
         self._n_workers = workers
         self._threads: list[threading.Thread] = []
@@ -420,12 +440,33 @@ class ArtifactServer:
             self._cache[sha256] = art
         return art
 
+    def _delay(self, device_id: str, req: ArtifactRequest, due: float) -> bool:
+        with self._delayed_lock:
+            if len(self._delayed) >= self._delayed_max:
+                return False
+            heapq.heappush(self._delayed, (due, next(self._delayed_order), device_id, req))
+            return True
+
+    def _next(self) -> tuple[str, ArtifactRequest] | None:
+        """A delayed request now due, else the next new one (waiting at most until a delayed one is
+        due, and 0.2 s, so a stop is seen)."""
+        now = self._clock()
+        with self._delayed_lock:
+            if self._delayed and self._delayed[0][0] <= now:
+                _, _, device_id, req = heapq.heappop(self._delayed)
+                return device_id, req
+            wait = min(0.2, self._delayed[0][0] - now) if self._delayed else 0.2
+        try:
+            return self._queue.get(timeout=max(0.001, wait))
+        except queue.Empty:
+            return None
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                device_id, req = self._queue.get(timeout=0.2)
-            except queue.Empty:
+            item = self._next()
+            if item is None:
                 continue
+            device_id, req = item
             try:
                 self._serve(device_id, req)
             except Exception:
@@ -476,6 +517,7 @@ class ArtifactServer:
             return
         sent = 0
         dropped = 0
+        delayed = 0
         limits = self._limits_for(device_id)
         f = None
         try:
@@ -483,10 +525,16 @@ class ArtifactServer:
                 if self._stop.is_set():
                     return
                 length = min(req.chunk_size, art.size - i * req.chunk_size)
+                now = self._clock()
                 with limits.lock:
-                    fits = limits.nbytes.take(length, self._clock())
+                    fits = limits.nbytes.take(length, now)
+                    wait = 0.0 if fits else limits.nbytes.wait_s(length, now)
                 if not fits:
-                    dropped = len(good) - n  # the agent asks again for these after its timeout
+                    rest = req.model_copy(update={"chunks": good[n:]})
+                    if wait <= self.caps.max_delay_s and self._delay(device_id, rest, now + wait):
+                        delayed = len(good) - n  # served again from here when the bucket holds them
+                    else:
+                        dropped = len(good) - n  # the agent asks again for these after its timeout
                     break
                 key = (req.sha256, req.chunk_size, i)
                 frame = self.frames.get(key)
@@ -509,6 +557,10 @@ class ArtifactServer:
             if f is not None:
                 f.close()
         counters.add(CHUNK_KIND, "sent", sent)
+        if delayed:
+            counters.add(REQUEST_KIND, DELAYED_BYTES)
+            counters.add(CHUNK_KIND, CHUNK_DELAYED, delayed)
+            return
         if dropped:
             counters.add(REQUEST_KIND, DROPPED_BYTES)
             counters.add(CHUNK_KIND, CHUNK_DROPPED, dropped)
