@@ -119,6 +119,20 @@ APPLIED = "applied"
 IGNORED = "ignored"
 
 
+# An 8 x 8 grey JPEG (cv2.imencode, quality 50): what a simulated camera shows in a snapshot.
+SIM_SNAPSHOT_JPEG_B64 = (
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDABALDA4MChAODQ4SERATGCgaGBYWGDEjJR0oOjM9PDkzODdASFxOQERXRTc4UG1R"
+    "V19iZ2hnPk1xeXBkeFxlZ2P/2wBDARESEhgVGC8aGi9jQjhCY2NjY2NjY2NjY2NjY2NjY2NjY2NjY2NjY2NjY2NjY2NjY2Nj"
+    "Y2NjY2NjY2NjY2NjY2P/wAARCAAIAAgDASIAAhEBAxEB/8QAHwAAAQUBAQEBAQEAAAAAAAAAAAECAwQFBgcICQoL/8QAtRAA"
+    "AgEDAwIEAwUFBAQAAAF9AQIDAAQRBRIhMUEGE1FhByJxFDKBkaEII0KxwRVS0fAkM2JyggkKFhcYGRolJicoKSo0NTY3ODk6"
+    "Q0RFRkdISUpTVFVWV1hZWmNkZWZnaGlqc3R1dnd4eXqDhIWGh4iJipKTlJWWl5iZmqKjpKWmp6ipqrKztLW2t7i5usLDxMXG"
+    "x8jJytLT1NXW19jZ2uHi4+Tl5ufo6erx8vP09fb3+Pn6/8QAHwEAAwEBAQEBAQEBAQAAAAAAAAECAwQFBgcICQoL/8QAtREA"
+    "AgECBAQDBAcFBAQAAQJ3AAECAxEEBSExBhJBUQdhcRMiMoEIFEKRobHBCSMzUvAVYnLRChYkNOEl8RcYGRomJygpKjU2Nzg5"
+    "OkNERUZHSElKU1RVVldYWVpjZGVmZ2hpanN0dXZ3eHl6goOEhYaHiImKkpOUlZaXmJmaoqOkpaanqKmqsrO0tba3uLm6wsPE"
+    "xcbHyMnK0tPU1dbX2Nna4uPk5ebn6Onq8vP09fb3+Pn6/9oADAMBAAIRAxEAPwAooooA/9k="
+)
+
+
 class SimulatorError(Exception):
     """A setting or an answer that stops the simulator before it starts; the message says why."""
 
@@ -571,6 +585,25 @@ class SimDevice:
             )
         if cmd.name == CommandName.RESTART_PIPELINE:
             return CommandResult(id=cmd.id, ok=True, result={"simulated": True})
+        if cmd.name == CommandName.SNAPSHOT:
+            camera = str(cmd.args.get("camera", ""))
+            if camera not in self.cameras:
+                return CommandResult(id=cmd.id, ok=False, error=f"unknown camera {camera!r}")
+            # A real (8 x 8 grey) JPEG, so that the controller's snapshot path runs end to end.
+            return CommandResult(
+                id=cmd.id,
+                ok=True,
+                result={
+                    "camera": camera,
+                    "frame": 0,
+                    "captured_at": time.time(),
+                    "width": 8,
+                    "height": 8,
+                    "boxes": 0,
+                    "jpeg_base64": SIM_SNAPSHOT_JPEG_B64,
+                    "simulated": True,
+                },
+            )
         return CommandResult(id=cmd.id, ok=False, error=f"a simulated device cannot {cmd.name.value}")
 
     # ------------------------------------------------------------------ desired state in

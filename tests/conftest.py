@@ -7,6 +7,7 @@ import pytest
 
 from tests.databases import database_url
 from tests.mqtt_broker import MosquittoBroker, clear_retained, retained_topics
+from tests.processes import SimulatorProcess
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "models"
@@ -72,3 +73,12 @@ def controller_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
         return
     with database_url(kind, tmp_path / "db") as url:
         yield url
+
+
+@pytest.fixture
+def simulators() -> Iterator[list[SimulatorProcess]]:
+    """``edgefleet simulate`` processes a test started: killed at its end if still running."""
+    started: list[SimulatorProcess] = []
+    yield started
+    for s in started:
+        s.kill()

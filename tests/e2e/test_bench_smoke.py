@@ -1,4 +1,4 @@
-"""bench/ingest.py, bench/transfer.py and bench/variants.py run end to end in their ``--smoke``
+"""bench/ingest.py, bench/transfer.py, bench/variants.py and bench/fleet.py (on the machine's PostgreSQL) run end to end in their ``--smoke``
 configuration and print their ratio lines; CI catches a broken bench (and ingest's exit code catches
 batches that were not stored). The figures themselves are BENCHMARKS.md's business, not a test's.
 Each run takes ~10-20 s on 2 cores."""
@@ -63,3 +63,17 @@ def test_variants_bench_smoke_reports_figures_on_frames_not_used_to_choose() -> 
     assert re.search(
         r"^nanodet_coco: (PASS|FAIL) +int8 1T \d+\.\d+x faster than fp32 .*F1 \d\.\d{3}", out, re.M
     ), out
+
+
+def test_fleet_bench_smoke_runs_a_replica_against_a_simulated_fleet_and_a_bare_subscriber() -> None:
+    out = _smoke("fleet.py", timeout=240)
+    assert re.search(r"^  raw +20 devices: +\d+\.\d+ batches/s delivered to a bare subscriber", out, re.M), (
+        out
+    )
+    assert re.search(
+        r"^  1 replica\(s\) +20 devices: +\d+\.\d+ batches/s \(\d+\.\d+ of raw\), p99 \d+ ms, .* ms/batch .* "
+        r"ms/heartbeat, .*OK",
+        out,
+        re.M,
+    ), out
+    assert re.search(r"^  1 replica\(s\): 20$", out, re.M), out

@@ -11,10 +11,7 @@ sequence; and the exit status says whether everything was acked.
 from __future__ import annotations
 
 import json
-import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -28,80 +25,12 @@ from paho.mqtt.enums import CallbackAPIVersion
 from fleet_protocol.topics import TopicKind, Topics
 from tests.integration.security.dynsec import ADMIN_PASSWORD, ADMIN_USER, healthz
 from tests.mqtt_broker import MosquittoBroker, dynsec_broker
-from tests.processes import ControllerProcess
+from tests.processes import ControllerProcess, SimulatorProcess
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
 DEVICES = 50
-
-
-class SimulatorProcess:
-    """``python -m controller simulate`` (the real CLI) with its own data folder and JSON report."""
-
-    def __init__(self, workdir: Path, broker: MosquittoBroker, devices: int, *args: str) -> None:
-        self.workdir = workdir
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.report_path = workdir / "report.json"
-        self.log = workdir / "simulate.log"
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "controller",
-            "simulate",
-            "--devices",
-            str(devices),
-            "--mqtt-url",
-            broker.url,
-            "--data-dir",
-            str(workdir / "data"),
-            "--report",
-            str(self.report_path),
-            *args,
-        ]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> SimulatorProcess:
-        self.report_path.unlink(missing_ok=True)
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT)
-        return self
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"simulator exited {self.proc.returncode}:\n{self.output()[-3000:]}")
-        return True
-
-    def stop(self, timeout: float = 90) -> int:
-        """SIGTERM (a graceful stop: drain, offline, disconnect); its exit status."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.wait(timeout)
-
-    def wait(self, timeout: float = 90) -> int:
-        assert self.proc is not None
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-            raise AssertionError(
-                f"simulator did not stop within {timeout}s:\n{self.output()[-3000:]}"
-            ) from None
-
-    def report(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(self.report_path.read_text())
-        return data
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 class DetectionTap:
@@ -151,14 +80,6 @@ def controller(tmp_path: Path, broker: MosquittoBroker) -> Iterator[ControllerPr
     c.start()
     yield c
     c.stop()
-
-
-@pytest.fixture
-def simulators() -> Iterator[list[SimulatorProcess]]:
-    started: list[SimulatorProcess] = []
-    yield started
-    for s in started:
-        s.kill()
 
 
 def _devices(ctl: ControllerProcess, prefix: str) -> dict[str, dict[str, Any]]:
@@ -235,7 +156,7 @@ def test_a_simulated_fleet_is_online_stores_every_seq_once_and_applies_a_desired
     prefix = "sima-"
     sim = SimulatorProcess(
         tmp_path / "sim",
-        broker,
+        broker.url,
         DEVICES,
         "--device-prefix",
         prefix,
@@ -315,7 +236,7 @@ def test_a_controller_killed_mid_run_costs_nothing_and_a_restart_continues_the_s
 ) -> None:
     prefix = "simb-"
     args = ("--device-prefix", prefix, "--heartbeat-s", "1", "--batch-s", "0.5", "--ack-timeout-s", "2")
-    sim = SimulatorProcess(tmp_path / "sim", broker, DEVICES, *args).start()
+    sim = SimulatorProcess(tmp_path / "sim", broker.url, DEVICES, *args).start()
     simulators.append(sim)
     tap = DetectionTap(broker)
     try:
@@ -356,7 +277,7 @@ def test_a_controller_killed_mid_run_costs_nothing_and_a_restart_continues_the_s
 
     # The same data folder again: each device continues its sequence (a reused seq would be dropped
     # by the controller as a duplicate and never stored).
-    again = SimulatorProcess(tmp_path / "sim", broker, DEVICES, *args, "--seconds", "3").start()
+    again = SimulatorProcess(tmp_path / "sim", broker.url, DEVICES, *args, "--seconds", "3").start()
     simulators.append(again)
     assert again.wait() == 0, again.output()[-3000:]
     second = again.report()
@@ -371,7 +292,7 @@ def test_without_a_controller_nothing_is_acked_and_the_exit_status_says_so(
     tmp_path: Path, broker: MosquittoBroker, simulators: list[SimulatorProcess]
 ) -> None:
     sim = SimulatorProcess(
-        tmp_path / "sim", broker, 3, "--device-prefix", "simc-", "--seconds", "2", "--drain-s", "1"
+        tmp_path / "sim", broker.url, 3, "--device-prefix", "simc-", "--seconds", "2", "--drain-s", "1"
     ).start()
     simulators.append(sim)
     assert sim.wait() == 1
@@ -398,13 +319,13 @@ def test_on_a_broker_with_per_device_users_enrolled_devices_get_their_own_passwo
         wait_for(lambda: healthz(ctl)["mqtt"], timeout=20, what="controller connected to the secured broker")
         args = ("--device-prefix", "simd-", "--seconds", "3", "--drain-s", "10")
         # Without its own password a device is refused for good (no retrying), and the status says so.
-        refused = SimulatorProcess(tmp_path / "refused", broker, 3, *args).start()
+        refused = SimulatorProcess(tmp_path / "refused", broker.url, 3, *args).start()
         simulators.append(refused)
         assert refused.wait() == 1
         assert refused.report()["total"]["refused_by_broker"] == 3
         # Enrolled through the API, each device connects as its own broker user.
         sim = SimulatorProcess(
-            tmp_path / "sim", broker, 5, *args, "--enroll-url", ctl.url, "--token", ctl.token
+            tmp_path / "sim", broker.url, 5, *args, "--enroll-url", ctl.url, "--token", ctl.token
         ).start()
         simulators.append(sim)
         assert sim.wait() == 0, sim.output()[-3000:]
