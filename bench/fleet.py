@@ -269,6 +269,25 @@ def _run(
     )
 
 
+def _broker(work: Path, name: str) -> MosquittoBroker:
+    broker = MosquittoBroker(work / f"mosquitto-{name}", extra_conf="max_queued_messages 100000\n")
+    broker.start()
+    return broker
+
+
+def _settle(rs: ReplicaSet, idle: float, timeout: float = 90.0) -> None:
+    """Wait until the replicas are back to idle (the previous run's devices went offline, their queues
+    drained), so one run's tail is not counted in the next."""
+    pids = [r.proc.pid for r in rs.live() if r.proc is not None]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cpu0, t0 = sum(_cpu_s(p) for p in pids), time.monotonic()
+        time.sleep(2.0)
+        rate = (sum(_cpu_s(p) for p in pids) - cpu0) / (time.monotonic() - t0)
+        if rate <= idle + 0.05 and _queue(rs) == 0:
+            return
+
+
 def _idle_cpu_per_s(rs: ReplicaSet, seconds: float = 10.0) -> float:
     """The replicas' CPU with no device talking: their timers, leader checks and replica heartbeats."""
     pids = [r.proc.pid for r in rs.live() if r.proc is not None]
@@ -330,8 +349,9 @@ def main() -> int:
     derived: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="edgefleet-fleet-") as tmp:
         work = Path(tmp)
-        broker = MosquittoBroker(work / "mosquitto", extra_conf="max_queued_messages 100000\n")
-        broker.start()
+        # A broker of its own for each phase: the retained births of one phase's devices must not reach
+        # the next phase's replicas (a new leader subscribes to them all and would be busy with them).
+        broker = _broker(work, "raw")
         try:
             for n in sizes:
                 row = _run("raw", work, broker, None, n, a, f"raw{n}")
@@ -339,13 +359,17 @@ def main() -> int:
                 say(
                     f"  raw      {n:5d} devices: {row.batches_per_s:8.1f} batches/s delivered to a bare subscriber"
                 )
+            broker.stop()
             for rc in replica_counts:
+                broker = _broker(work, f"r{rc}")
                 with _replicas(work, broker, rc, a.database_url) as rs:
                     idle = _idle_cpu_per_s(rs)
                     say(f"  {rc} replica(s) idle: {idle:.3f} CPU-s/s (subtracted below)")
                     for n in sizes:
+                        _settle(rs, idle)
                         hb = _run("heartbeats", work, broker, rs, n, a, f"h{rc}x{n}", idle)
                         rows.append(hb)
+                        _settle(rs, idle)
                         full = _run("controller", work, broker, rs, n, a, f"c{rc}x{n}", idle)
                         rows.append(full)
                         raw = next(r for r in rows if r.kind == "raw" and r.devices == n)
@@ -377,6 +401,7 @@ def main() -> int:
                             f"{per_hb * 1e3:.2f} ms/heartbeat, PostgreSQL {full.postgres_cpu_s / max(full.acked, 1) * 1e3:.2f} "
                             f"ms/batch, {'OK' if full.healthy else 'NOT healthy'} (load {full.load1})"
                         )
+                broker.stop()
         finally:
             broker.stop()
     summary: dict[str, Any] = {}
