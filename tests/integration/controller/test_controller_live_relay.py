@@ -16,30 +16,13 @@ from controller.link.ingest import StoredBatch
 from controller.observe.live import LiveFilter, LiveHub
 from controller.observe.live_relay import LiveRelay
 from fleet_protocol.endpoint import MqttEndpoint
-from fleet_protocol.messages import Box, Detection, DetectionBatch, FrameDetections
+from tests.messages import detection_batch
 from tests.mqtt_broker import MosquittoBroker
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
 PREFIX = "edgefleet/v1"
-
-
-def _batch(seq: int, labels: list[str]) -> DetectionBatch:
-    now = time.time()
-    fr = FrameDetections(
-        camera="cam1",
-        frame=seq,
-        captured_at=now,
-        width=100,
-        height=100,
-        model="m:1",
-        inference_ms=1,
-        detections=[
-            Detection(label=lbl, class_id=0, score=0.8, box=Box(x0=0, y0=0, x1=5, y1=5)) for lbl in labels
-        ],
-    )
-    return DetectionBatch(seq=seq, sent_at=now, frames=[fr])
 
 
 class Replica:
@@ -74,7 +57,9 @@ def test_a_batch_stored_on_b_reaches_a_live_client_on_a_and_nothing_flows_unwatc
     a, b = pair
     # Nobody watches: B relays nothing.
     b.relay.on_stored(
-        StoredBatch(messages=[("dev1", _batch(1, ["person"]))], stored_at=datetime.now(UTC), write_s=0)
+        StoredBatch(
+            messages=[("dev1", detection_batch(1, ["person"]))], stored_at=datetime.now(UTC), write_s=0
+        )
     )
     assert b.relay.relayed_out == 0
 
@@ -85,7 +70,10 @@ def test_a_batch_stored_on_b_reaches_a_live_client_on_a_and_nothing_flows_unwatc
         assert not a.relay.someone_listens()  # B has no client: A would relay nothing
         b.relay.on_stored(
             StoredBatch(
-                messages=[("dev1", _batch(2, ["person", "car"])), ("dev2", _batch(7, ["dog"]))],
+                messages=[
+                    ("dev1", detection_batch(2, ["person", "car"])),
+                    ("dev2", detection_batch(7, ["dog"])),
+                ],
                 stored_at=datetime.now(UTC),
                 write_s=0,
             )
@@ -108,7 +96,7 @@ def test_a_batch_stored_on_b_reaches_a_live_client_on_a_and_nothing_flows_unwatc
             f"{PREFIX}/_controller/live/rb",
             b'{"replica": "rb", "stored_at": "2026-12-03T10:00:00+00:00"}\n'
             b"dev1 {not json}\n"
-            b"dev1 " + _batch(3, ["bus"]).model_dump_json().encode(),
+            b"dev1 " + detection_batch(3, ["bus"]).model_dump_json().encode(),
             0,
             False,
         )
@@ -125,7 +113,9 @@ def test_a_batch_stored_on_b_reaches_a_live_client_on_a_and_nothing_flows_unwatc
         wait_for(lambda: not b.relay.someone_listens(), timeout=10, what="B hears that A stopped watching")
         before = b.relay.relayed_out
         b.relay.on_stored(
-            StoredBatch(messages=[("dev1", _batch(4, ["person"]))], stored_at=datetime.now(UTC), write_s=0)
+            StoredBatch(
+                messages=[("dev1", detection_batch(4, ["person"]))], stored_at=datetime.now(UTC), write_s=0
+            )
         )
         assert b.relay.relayed_out == before
     finally:

@@ -5,7 +5,6 @@ births; two whole controllers on one PostgreSQL elect one leader and hand over w
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
@@ -24,35 +23,19 @@ from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.endpoint import MqttEndpoint
 from fleet_protocol.messages import (
     Availability,
-    Box,
     CommandResult,
-    Detection,
     DetectionBatch,
-    FrameDetections,
     Message,
 )
 from fleet_protocol.signing import generate_private_key, save_private_key
 from tests.databases import postgres_schema
 from tests.integration.controller.conftest import FakeAgent
+from tests.messages import detection_batch
 from tests.mqtt_broker import MosquittoBroker
 from tests.processes import ADMIN_HEADERS, ADMIN_TOKEN
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def batch(seq: int) -> DetectionBatch:
-    frame = FrameDetections(
-        camera="cam1",
-        frame=seq,
-        captured_at=time.time(),
-        width=640,
-        height=480,
-        model="tiny:1",
-        inference_ms=5.0,
-        detections=[Detection(label="person", class_id=0, score=0.8, box=Box(x0=0, y0=0, x1=5, y1=5))],
-    )
-    return DetectionBatch(seq=seq, sent_at=time.time(), frames=[frame])
 
 
 class Replica:
@@ -155,7 +138,7 @@ def test_a_share_group_deals_each_detection_to_exactly_one_replica(
     b.flush()  # both shared subscriptions are in place
 
     for i in range(200):
-        publish(device, topics.device(f"d{i % 10}", TopicKind.DETECTIONS), batch(i // 10 + 1))
+        publish(device, topics.device(f"d{i % 10}", TopicKind.DETECTIONS), detection_batch(i // 10 + 1))
     a.flush()
     b.flush()  # everything published before is delivered by now
 

@@ -34,9 +34,9 @@ from controller.runtime import ControllerRuntime
 from controller.security.keys import KEY_FILE
 from controller.settings import ControllerSettings
 from fleet_protocol import TopicKind, Topics, encode
-from fleet_protocol.messages import Box, Detection, DetectionBatch, FrameDetections
 from fleet_protocol.signing import KeyFileError
 from tests.databases import postgres_schema
+from tests.messages import detection_batch
 from tests.processes import ADMIN_HEADERS, ADMIN_TOKEN
 from tests.unit.controller.conftest import MODEL_BYTES, FakeTransport, write_model
 from tests.waiting import wait_for
@@ -560,7 +560,7 @@ def test_a_replicas_bridge_shares_the_bulk_and_holds_the_leader_topics_only_whil
     assert {f for f, _ in transport.subscriptions} == held
 
     # Should a broker hand over the filter's form of the topic, it still reaches the handler.
-    transport.inject("$share/ctl/p/v1/devices/d1/detections", encode(_batch(1)))
+    transport.inject("$share/ctl/p/v1/devices/d1/detections", encode(detection_batch(1, captured_at=1.0)))
     assert seen == ["d1"]
 
 
@@ -572,20 +572,6 @@ def test_a_bridge_told_it_leads_before_it_starts_subscribes_the_leader_topics_at
     bridge.start()
     held = {f for f, _ in transport.subscriptions}
     assert {"p/v1/devices/+/availability", "p/v1/devices/+/twin/reported"} <= held
-
-
-def _batch(seq: int) -> DetectionBatch:
-    frame = FrameDetections(
-        camera="cam1",
-        frame=seq,
-        captured_at=1.0,
-        width=640,
-        height=480,
-        model="tiny:1",
-        inference_ms=5.0,
-        detections=[Detection(label="person", class_id=0, score=0.8, box=Box(x0=0, y0=0, x1=5, y1=5))],
-    )
-    return DetectionBatch(seq=seq, sent_at=1.0, frames=[frame])
 
 
 def test_production_refuses_a_weak_admin_token_file(tmp_path: Path) -> None:
