@@ -3,6 +3,8 @@ built in the background), list, one with its variants, delete."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from sqlmodel import Session
@@ -141,8 +143,13 @@ def delete_model(name: IdPath, version: IdPath, session: SessionDep, rt: Runtime
             f"{name}:{version} is in the desired state of {', '.join(users[:10])}; unassign it first"
         )
     assert mv.id is not None
+    released = frozenset(
+        Path(p).resolve()
+        for p in [mv.path, *(v.path for v in crud.list_variants(session, model_version_id=mv.id))]
+        if p
+    )
     crud.delete_variants(session, model_version_id=mv.id)
     session.delete(mv)
     session.commit()
-    rt.store.collect_garbage(rt.engine)
+    rt.store.collect_garbage(rt.engine, released=released)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

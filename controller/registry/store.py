@@ -30,6 +30,10 @@ BUILD_PREFIX = ".build-"
 _ARTIFACT = re.compile(r"^[0-9a-f]{64}\.onnx$")
 # A temp file or build folder older than this at collection time was left by a crash.
 STALE_TMP_S = 3600.0
+# An unreferenced artifact younger than this is kept: with replicas sharing the store, a build on
+# another replica adopts its variant file moments before it records the row that references it, and a
+# leader collecting in between would delete a file its row is about to name.
+YOUNG_S = 600.0
 
 
 class UploadTooLargeError(ValueError):
@@ -98,13 +102,24 @@ class ArtifactStore:
         except OSError:
             shutil.copyfile(src, dst)
             src.unlink(missing_ok=True)
+        os.utime(dst)  # its age is its time in the store (collect_garbage keeps young files)
         return dst
 
     def build_dir(self) -> Path:
         return Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=self.root))
 
-    def collect_garbage(self, engine: Engine, *, stale_tmp_s: float = STALE_TMP_S) -> list[Path]:
-        """Delete store files no model version or variant references; returns what was removed."""
+    def collect_garbage(
+        self,
+        engine: Engine,
+        *,
+        stale_tmp_s: float = STALE_TMP_S,
+        young_s: float = YOUNG_S,
+        released: frozenset[Path] = frozenset(),
+    ) -> list[Path]:
+        """Delete store files no model version or variant references; returns what was removed.
+
+        Unreferenced files younger than ``young_s`` are kept (a build on another replica may be about to
+        record them), except ``released``: files whose rows the caller just deleted itself."""
         with Session(engine) as s:
             referenced = {Path(p).resolve() for p in s.exec(select(ModelVersion.path)).all()}
             referenced |= {
@@ -117,7 +132,9 @@ class ArtifactStore:
         for entry in self.root.iterdir():
             try:
                 if entry.is_file() and _ARTIFACT.match(entry.name):
-                    if entry.resolve() not in referenced:
+                    path = entry.resolve()
+                    young = now - entry.stat().st_mtime < young_s and path not in released
+                    if path not in referenced and not young:
                         entry.unlink()
                         removed.append(entry)
                 elif (

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from controller.registry.store import YOUNG_S
 from controller.registry.variants import VariantReport
 from fleet_protocol import TopicKind, decode, decode_chunk
 from fleet_protocol.messages import (
@@ -224,10 +227,16 @@ def test_unreferenced_files_are_collected_at_start(make_fleet: FleetFactory, tmp
     store.mkdir(parents=True)
     stray = store / f"{'ab' * 32}.onnx"
     stray.write_bytes(b"left over")
+    old = time.time() - 2 * YOUNG_S
+    os.utime(stray, (old, old))
+    # Unreferenced but just written: another replica's build adopted it and has not recorded it yet.
+    fresh = store / f"{'cd' * 32}.onnx"
+    fresh.write_bytes(b"a variant about to be recorded")
     keep = store / "notes.txt"
     keep.write_text("not ours")
     make_fleet()
     assert not stray.exists() and keep.exists()
+    assert fresh.exists()
 
 
 # --------------------------------------------------------------------------- variant worker
