@@ -196,7 +196,13 @@ class ControllerRuntime:
             bar_iou=settings.variant_bar_iou,
             queue_max=settings.variant_queue_max,
             stop=self.stop_event,
+            # Any replica builds (jobs claimed in the database); recomputing the devices that run the
+            # version is not leader work, so the replica that built it does it.
             on_built=self.twin.recompute_for_model,
+            replica_id=self.replica_id,
+            poll_s=settings.variant_build_poll_s,
+            lease_s=settings.variant_build_lease_s,
+            max_attempts=settings.variant_build_max_attempts,
         )
         # Started in this order, joined in reverse after the stop event: the replica's row and the
         # leadership first (leader-only workers ask it from their first round), and last to go.
@@ -237,8 +243,8 @@ class ControllerRuntime:
         # has done the leader's start-up work, _on_leadership).
         for worker in self.workers:
             worker.start()
-        if self.elector is None:
-            self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
+        if self.elector is None and self.settings.build_variants_on_start:
+            self.variants.queue_unbuilt()
         self.metrics.bind(
             bridge=self.bridge,
             ingest=self.ingest,
@@ -275,10 +281,12 @@ class ControllerRuntime:
                 self.store.collect_garbage(self.engine)
             except Exception:
                 log.exception("artifact store garbage collection failed")
-            try:
-                self.variants.queue_pending(include_unbuilt=self.settings.build_variants_on_start)
-            except Exception:
-                log.exception("queueing the pending variant builds failed")
+            # Builds left unfinished need nothing here: they are jobs that any replica claims.
+            if self.settings.build_variants_on_start:
+                try:
+                    self.variants.queue_unbuilt()
+                except Exception:
+                    log.exception("queueing the variant builds of unbuilt versions failed")
         self.bridge.set_leader(leading)
 
     def _on_broker_connect(self) -> None:

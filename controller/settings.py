@@ -96,7 +96,14 @@ class ControllerSettings(BaseSettings):
     variant_eval_frames: int = Field(default=40, ge=2, le=10000)
     variant_bar_f1: float = Field(default=0.95, ge=0.0, le=1.0)
     variant_bar_iou: float = Field(default=0.95, ge=0.0, le=1.0)
+    # Builds waiting or running across all replicas; a version uploaded over it serves fp32 only.
     variant_queue_max: int = Field(default=64, ge=1)
+    # Builds are jobs any replica claims (controller/registry/build_jobs.py): each replica polls every
+    # poll_s; a claim not renewed for lease_s (renewed every lease_s/3) is taken over; a job whose
+    # claim ended without a result max_attempts times is marked failed.
+    variant_build_poll_s: float = Field(default=2.0, gt=0, le=300)
+    variant_build_lease_s: float = Field(default=60.0, ge=3, le=3600)
+    variant_build_max_attempts: int = Field(default=3, ge=1, le=100)
     # Live view and commands (controller/observe/live.py, controller/link/commands.py).
     live_queue_max: int = Field(default=256, ge=1, le=100_000)
     command_timeout_s: float = Field(default=10.0, gt=0, le=300)

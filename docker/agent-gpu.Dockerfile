@@ -29,4 +29,7 @@ ENV LD_LIBRARY_PATH=/opt/venv/lib/python3.12/site-packages/tensorrt_libs:${LD_LI
 RUN python -c "import onnxruntime as o, tensorrt as t; assert o.get_device() == 'GPU', o.get_device(); print('onnxruntime', o.__version__, 'tensorrt', t.__version__)" \
     && python -c "from edge_agent.gpu_stack import probe_stack, check_stack; r = probe_stack(); print(r.summary()); bad = [str(p) for p in check_stack(r) if p.fatal]; assert not bad, bad"
 VOLUME /data
-ENTRYPOINT ["edgefleet", "agent", "--config", "/config/agent.yaml"]
+# The supervisor runs the agent from its A/B slot (/data/agent/slots), so an agent update deployed from the
+# controller installs, restarts into the new version and rolls back on its own; the container's restart
+# policy plays systemd's part (docker/systemd/edgefleet-agent.service on a plain host).
+ENTRYPOINT ["python", "-m", "edge_agent.supervisor", "--config", "/config/agent.yaml"]

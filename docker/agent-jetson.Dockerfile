@@ -46,4 +46,7 @@ RUN pip install --no-cache-dir -c /etc/edgefleet/constraints.txt '.[agent]'
 RUN python -c "import tensorrt as t, onnxruntime as o; from cuda import cudart; print('tensorrt', t.__version__, 'onnxruntime', o.__version__)" \
     && python -c "from edge_agent.gpu_stack import probe_stack, check_stack; r = probe_stack(); print(r.summary()); bad = [str(p) for p in check_stack(r) if p.fatal]; assert not bad, bad"
 VOLUME /data
-ENTRYPOINT ["edgefleet", "agent", "--config", "/config/agent.yaml"]
+# The supervisor runs the agent from its A/B slot (/data/agent/slots), so an agent update deployed from the
+# controller installs, restarts into the new version and rolls back on its own; the container's restart
+# policy plays systemd's part (docker/systemd/edgefleet-agent.service on a plain host).
+ENTRYPOINT ["python", "-m", "edge_agent.supervisor", "--config", "/config/agent.yaml"]

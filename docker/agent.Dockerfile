@@ -8,4 +8,7 @@ COPY controller controller
 COPY edge_agent edge_agent
 RUN pip install --no-cache-dir '.[agent]'
 VOLUME /data
-ENTRYPOINT ["edgefleet", "agent", "--config", "/config/agent.yaml"]
+# The supervisor runs the agent from its A/B slot (/data/agent/slots), so an agent update deployed from the
+# controller installs, restarts into the new version and rolls back on its own; the container's restart
+# policy plays systemd's part (docker/systemd/edgefleet-agent.service on a plain host).
+ENTRYPOINT ["python", "-m", "edge_agent.supervisor", "--config", "/config/agent.yaml"]

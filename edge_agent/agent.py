@@ -43,6 +43,7 @@ from edge_agent.outbox import Outbox
 from edge_agent.pipeline import OUT_QUEUE_SIZE, DecodeFn, LoadedModel, Pipeline, PreprocessorFactory
 from edge_agent.publisher import Publisher
 from edge_agent.queues import DropOldestQueue
+from edge_agent.self_update import EXIT_UPDATE, AgentUpdater, PackageFetcher
 from edge_agent.settings import AgentSettings
 from edge_agent.storage import Reserve
 from edge_agent.trt import TrtRuntime
@@ -243,6 +244,28 @@ class Agent:
             return link.publish(TopicKind.ARTIFACT_REQUEST, encode(req))
 
         art = settings.artifacts
+        key = load_public_key(settings.artifact_public_key) if settings.artifact_public_key else None
+        upd = settings.update
+        updater = AgentUpdater(
+            data_dir=data_dir,
+            request=request_chunks,
+            emit=publisher.emit_event,
+            stop=stop,
+            key=key,
+            require_signed=settings.require_signed_artifacts,
+            running_slot=AgentUpdater.running_slot_from_env(),
+            install_timeout_s=upd.install_timeout_s,
+            retry_min_s=upd.retry_min_s,
+            retry_max_s=upd.retry_max_s,
+            fetcher=PackageFetcher(
+                data_dir,
+                request_chunks,
+                window=art.window,
+                window_bytes=art.window_bytes,
+                request_timeout_s=art.request_timeout_s,
+                max_retries=art.max_retries,
+            ),
+        )
         fetcher = ArtifactFetcher(
             data_dir / "models",
             request_chunks,
@@ -258,13 +281,13 @@ class Agent:
             publish=link.publish,
             data_dir=data_dir,
             device_id=settings.device_id,
-            artifact_key=(
-                load_public_key(settings.artifact_public_key) if settings.artifact_public_key else None
-            ),
+            artifact_key=key,
             require_signed=settings.require_signed_artifacts,
             stop=stop,
             builds=builds,
+            agent_update=updater,
         )
+        updater.report = twin.report
         # Wired last: a watchdog step changes the twin's reported state, and the twin needs the pipeline.
         pipeline.watchdog.on_note = WatchdogReports(
             publisher=publisher, twin=twin, pipeline=pipeline, hang_timeout_s=inf.hang_timeout_s
@@ -301,6 +324,7 @@ class Agent:
             commands=commands,
             heartbeats=heartbeats,
             backends=builds.backends if builds is not None else backend_factory,
+            updater=updater,
         )
 
     def __init__(
@@ -318,6 +342,7 @@ class Agent:
         commands: CommandRunner,
         heartbeats: HeartbeatSender,
         backends: object | None = None,
+        updater: AgentUpdater | None = None,
     ) -> None:
         """Takes built parts (see :meth:`from_settings`) that share ``stop``, and ties them to the link.
 
@@ -338,6 +363,7 @@ class Agent:
         self.commands = commands
         self.heartbeats = heartbeats
         self.backends = backends
+        self.updater = updater
         self._capabilities: Capabilities | None = None
         # Backend faults on the inference path (see the module docstring).
         pipeline.watchdog.on_fatal = self._on_cuda_fatal
@@ -349,13 +375,23 @@ class Agent:
             transport.on_undecodable = self._on_undecodable
         transport.on_message(TopicKind.COMMANDS, commands.on_message)
         transport.on_message(TopicKind.ACKS, self._on_ack_msg)
-        transport.on_chunk(fetcher.on_chunk)
+        if updater is None:
+            transport.on_chunk(fetcher.on_chunk)
+        else:
+            # Each fetcher takes the chunks of its own transfers (by sha256) and ignores the rest.
+            def on_chunk(payload: bytes, upd: AgentUpdater = updater) -> None:
+                fetcher.on_chunk(payload)
+                upd.on_chunk(payload)
+
+            transport.on_chunk(on_chunk)
 
         self._threads = [
             threading.Thread(target=twin.run, name="twin", daemon=True),
             threading.Thread(target=commands.run, name="commands", daemon=True),
             threading.Thread(target=heartbeats.run, name="heartbeat", daemon=True),
         ]
+        if updater is not None:
+            self._threads.append(threading.Thread(target=updater.run, name="agent-update", daemon=True))
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -381,6 +417,8 @@ class Agent:
             message=f"agent {__version__} started",
             data={"agent_version": __version__, "cameras": [c.id for c in self.settings.cameras]},
         )
+        if self.updater is not None:
+            self.updater.start()  # how the last agent update ended, once
         self.pipeline.start()
         self.publisher.start()
         for t in self._threads:
@@ -401,6 +439,8 @@ class Agent:
                 pass
         finally:
             self.shutdown()
+        if self.updater is not None and self.updater.restart_requested and self.exit_code == EXIT_OK:
+            return EXIT_UPDATE  # the supervisor starts the version just installed
         return self.exit_code
 
     def shutdown(self) -> None:
@@ -503,13 +543,19 @@ class Agent:
         if self._capabilities is None:
             self._capabilities = self.health.capabilities([c.id for c in self.settings.cameras])
         return Availability(
-            state="online", ts=time.time(), agent_version=__version__, capabilities=self._capabilities
+            state="online",
+            ts=time.time(),
+            agent_version=__version__,
+            capabilities=self._capabilities,
+            incarnation=self.outbox.incarnation,
         )
 
     def _on_connected(self) -> None:
         self.publisher.on_connected()
         self.commands.on_connected()
         self.twin.report()
+        if self.updater is not None:
+            self.updater.on_connected()  # the healthy marker: this version works
 
     def _on_fatal(self, reason: str) -> None:
         log.error("link failed for good: %s; stopping", reason)

@@ -5,6 +5,12 @@ power cut loses nothing that was handed to the outbox. The next sequence number 
 database and is bumped in the same transaction as the row it numbers, so seqs stay monotonic across
 restarts without gaps. See PROTOCOL.md, "Sequence numbers, outbox, acks".
 
+The outbox's incarnation (PROTOCOL.md "Incarnations") names its seq space: a uuid4 made in the
+transaction that creates the database, so a wiped data folder (a reflash, a new disk) starts a new space
+at seq 1 instead of repeating seqs the controller holds. An outbox created before incarnations existed
+keeps none (the legacy space) until its database is created again: its seqs continue where they were,
+and a seq is never in two spaces.
+
 Command results are kept in the same database, outside the seq numbering (a result has no seq), until
 the broker acknowledges them: see :mod:`edge_agent.commands`.
 
@@ -21,6 +27,7 @@ import logging
 import os
 import sqlite3
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +61,8 @@ CREATE TABLE IF NOT EXISTS command_results (
     created_at REAL NOT NULL
 );
 """
+# Written only with the schema of a database created now (``meta`` holds integers only).
+_IDENTITY = "CREATE TABLE IF NOT EXISTS identity (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
 
 
 # SQLite hands Python a result code, never the errno behind a refused write: the errno each code of a
@@ -151,6 +160,11 @@ class Outbox:
         self._unrecorded_acks: list[tuple[int, int]] = []
         self._db: sqlite3.Connection | None = None
         self._closed = False
+        # The seq space this outbox numbers in; None: the legacy space (created before incarnations).
+        # Known once the database opened; never changes afterwards.
+        self.incarnation: str | None = None
+        # Acks for another incarnation (a previous outbox's, resent late): ignored, counted.
+        self.acks_ignored = 0
         try:
             self._open()
         except StorageError as exc:
@@ -167,21 +181,39 @@ class Outbox:
             db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
-            db.executescript(_SCHEMA)
+            # Created now (no meta table yet, also for an empty file) or before: the schema and the
+            # incarnation are written in one transaction, so a crash in between cannot leave a new
+            # outbox in the legacy space.
+            fresh = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone() is None
+            identity = (
+                f"{_IDENTITY} INSERT OR IGNORE INTO identity (key, value) VALUES ('incarnation', '{uuid.uuid4().hex}');"
+                if fresh
+                else ""
+            )
             # drop_first..drop_last (0 = none) and drop_count: dropped by the bound and not yet in a
             # report, on disk so that a kill -9 between a drop and its report loses nothing.
-            db.execute(
+            db.executescript(
+                f"BEGIN IMMEDIATE; {_SCHEMA} {identity} "
                 "INSERT OR IGNORE INTO meta (key, value) VALUES ('next_seq', 1), ('dropped', 0), "
                 "('drop_first', 0), ('drop_last', 0), ('drop_count', 0), "
-                "('results_dropped', 0), ('pictures_dropped', 0)"
+                "('results_dropped', 0), ('pictures_dropped', 0); COMMIT;"
+            )
+            has_identity = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'identity'").fetchone()
+            row = (
+                db.execute("SELECT value FROM identity WHERE key = 'incarnation'").fetchone()
+                if has_identity
+                else None
             )
         except sqlite3.Error as exc:
             if db is not None:
+                if db.in_transaction:
+                    db.rollback()
                 db.close()
             refused = self._storage_error(exc)
             if refused is not None:
                 raise refused from exc
             raise
+        self.incarnation = str(row[0]) if row else None
         self._db = db
 
     def _conn(self) -> sqlite3.Connection:
@@ -349,7 +381,20 @@ class Outbox:
 
     def ack(self, msg: Ack) -> int:
         """Delete every row the ack covers; returns how many were deleted. Refused by the disk: the ack
-        is remembered (its rows are not sent again) and :class:`StorageError` raised."""
+        is remembered (its rows are not sent again) and :class:`StorageError` raised.
+
+        An ack naming another incarnation covers another space's seqs: ignored (counted, 0 deleted).
+        One naming none is taken: a controller older than incarnations acks without echoing it.
+        """
+        if msg.incarnation is not None and msg.incarnation != self.incarnation:
+            self.acks_ignored += 1
+            log.warning(
+                "ack for incarnation %s ignored: this outbox is %s (%s ignored so far)",
+                msg.incarnation,
+                self.incarnation or "legacy",
+                self.acks_ignored,
+            )
+            return 0
         # SQLite integers stop at 2**63 - 1, and so do seqs: a larger bound (a garbled or hostile ack)
         # means the same as that one, instead of an OverflowError.
         top = 2**63 - 1

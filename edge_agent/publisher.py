@@ -50,10 +50,11 @@ class _EventSpec:
     message: str
     data: dict[str, Any]
 
-    def encode(self, seq: int) -> bytes:
+    def encode(self, seq: int, incarnation: str | None) -> bytes:
         return encode(
             Event(
                 seq=seq,
+                incarnation=incarnation,
                 ts=self.ts,
                 kind=self.kind,
                 severity=self.severity,
@@ -178,13 +179,22 @@ class Publisher:
 
     def _append(self, item: _Held) -> int:
         """Number and write one message (ProtocolError: it cannot be encoded; StorageError: refused)."""
-        if item.event is not None:
-            build = item.event.encode
+        # The outbox's incarnation is known once it opened, which append does before it builds.
+        event = item.event
+        if event is not None:
+
+            def build(seq: int) -> bytes:
+                return event.encode(seq, self.outbox.incarnation)
+
         else:
             frames = item.frames or []
 
             def build(seq: int) -> bytes:
-                return encode(DetectionBatch(seq=seq, sent_at=time.time(), frames=frames))
+                return encode(
+                    DetectionBatch(
+                        seq=seq, incarnation=self.outbox.incarnation, sent_at=time.time(), frames=frames
+                    )
+                )
 
         with self._emit_lock:
             return self.outbox.append(item.kind, build, now=time.time())
@@ -195,7 +205,7 @@ class Publisher:
         except StorageError as exc:  # remembered by the outbox: its rows are not sent again
             self._outbox_refused(exc)
             return
-        log.debug("ack upto %s: %s rows deleted", ack.upto, n)
+        log.debug("ack upto %s (incarnation %s): %s rows deleted", ack.upto, ack.incarnation, n)
 
     def on_connected(self) -> None:
         """Everything unacked is due again: what was in flight when the link broke may be gone."""
@@ -401,6 +411,7 @@ class Publisher:
             return encode(
                 Event(
                     seq=seq,
+                    incarnation=self.outbox.incarnation,
                     ts=time.time(),
                     kind=EventKind.OUTBOX_DROPPED,
                     severity=Severity.WARNING,

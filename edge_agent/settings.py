@@ -182,6 +182,18 @@ class ArtifactConfig(_Strict):
     max_retries: int = Field(default=6, ge=0)
 
 
+class UpdateConfig(_Strict):
+    """Agent self-update (edge_agent/self_update.py; the package comes over the artifact channel with
+    the ``artifacts`` settings)."""
+
+    install_timeout_s: float = Field(default=600.0, gt=0.0, le=7200.0)
+    """How long ``pip install`` of a new version into its slot may take before it is refused."""
+    retry_min_s: float = Field(default=10.0, gt=0.0)
+    """A package that did not arrive (the controller did not answer) is asked again after this long,
+    doubling up to ``retry_max_s``; a package refused (signature, sha256, pins) is never retried."""
+    retry_max_s: float = Field(default=300.0, gt=0.0)
+
+
 class AgentSettings(_Strict):
     device_id: str
     mqtt_url: MqttEndpoint = Field(default_factory=lambda: MqttEndpoint(host="127.0.0.1"))
@@ -210,6 +222,7 @@ class AgentSettings(_Strict):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     outbox: OutboxConfig = Field(default_factory=OutboxConfig)
     artifacts: ArtifactConfig = Field(default_factory=ArtifactConfig)
+    update: UpdateConfig = Field(default_factory=UpdateConfig)
     artifact_public_key: str | None = None
     """The controller's Ed25519 artifact key (base64 of 32 bytes), from the enrollment answer or
     ``GET /api/v1/keys/artifacts``; ``EDGEFLEET_ARTIFACT_PUBLIC_KEY`` overrides it. With a key, every

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -58,6 +58,8 @@ from fleet_protocol.desired import (
     trust_problem,
 )
 from fleet_protocol.messages import (
+    AgentPackageRef,
+    AgentReported,
     ArtifactRef,
     CameraDesired,
     CameraReported,
@@ -95,6 +97,14 @@ class _BuildCtx:
     sha256: str
     variant: str
     last_step: int = -1
+
+
+class AgentUpdateHooks(Protocol):
+    """The twin's view of :class:`edge_agent.self_update.AgentUpdater`."""
+
+    def want(self, ref: AgentPackageRef | None) -> None: ...
+
+    def reported(self) -> AgentReported: ...
 
 
 class EngineBuilds:
@@ -155,8 +165,11 @@ class Twin:
         require_signed: bool,
         stop: threading.Event,
         builds: EngineBuilds | None = None,
+        agent_update: AgentUpdateHooks | None = None,
     ) -> None:
-        """``builds`` None: the pipeline's backends come from elsewhere and report no build steps."""
+        """``builds`` None: the pipeline's backends come from elsewhere and report no build steps.
+        ``agent_update``: where a taken state's agent version goes, and what the reported state says of
+        the agent (edge_agent/self_update.py); None: agent updates are not handled."""
         self.pipeline = pipeline
         self.publisher = publisher
         self.fetcher = fetcher
@@ -171,6 +184,7 @@ class Twin:
         self._require_signed = require_signed
         self._stop = stop
         self._builds = builds
+        self._agent_update = agent_update
         # ``_received_version`` guards ordering; ``applied_version`` is what we report.
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()  # one writer of desired.json at a time (link thread, retry)
@@ -219,6 +233,10 @@ class Twin:
             self._save(desired)
         self._slot.put(desired)
         self._wake.set()
+        if self._agent_update is not None:
+            # Checked with the whole state (signature, device, order); the package's own signature
+            # is checked again by the updater before a byte of it is fetched.
+            self._agent_update.want(desired.agent)
         return True
 
     def _trust_problem(self, desired: DesiredState) -> tuple[str, str] | None:
@@ -634,12 +652,14 @@ class Twin:
     # ------------------------------------------------------------------ reported state out
 
     def reported_state(self) -> ReportedState:
+        agent = self._agent_update.reported() if self._agent_update is not None else None
         with self._lock:
             return ReportedState(
                 ts=time.time(),
                 desired_version=max(0, self.applied_version),
                 cameras=dict(self._reported),
                 agent_version=__version__,
+                agent=agent,
             )
 
     def report(self) -> None:

@@ -21,6 +21,17 @@ from fleet_protocol.ids import CameraId, DeviceId, Name
 SCHEMA_VERSION = 1
 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+# One sequence space of a device (PROTOCOL.md "Incarnations"): made by the agent when its outbox is
+# created (a uuid4 as 32 hex digits), so a reflashed device or a wiped data folder starts a new one
+# instead of repeating seqs the controller already holds.
+IncarnationId = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+
+
+def _absent(v: object) -> bool:
+    # Optional additive fields leave the wire form unchanged when unset: an older peer, and every
+    # signature over a canonical form made before the field existed, see the same bytes.
+    return v is None
+
 
 # Bounds on what a peer may send (tests/unit/controller/test_controller_fuzz_topics.py pins payloads
 # that must be refused, independently of this module). Without them a hostile or broken sender got
@@ -271,6 +282,7 @@ class Availability(Msg):
     ts: float | None = None
     agent_version: ShortText | None = None
     capabilities: Capabilities | None = None
+    incarnation: IncarnationId | None = Field(default=None, exclude_if=_absent)
 
 
 class GpuStats(Strict):
@@ -362,6 +374,8 @@ class FrameDetections(Strict):
 class DetectionBatch(Msg):
     type: Literal["detections"] = "detections"
     seq: int = Field(ge=1, le=MAX_WIRE_INT)
+    # The sequence space seq belongs to; None from an agent older than incarnations (one legacy space).
+    incarnation: IncarnationId | None = Field(default=None, exclude_if=_absent)
     sent_at: float
     frames: list[FrameDetections] = Field(min_length=1, max_length=500)
 
@@ -386,6 +400,11 @@ class EventKind(OpenStrEnum):
     WATCHDOG_RESTART = "watchdog_restart"
     OUTBOX_DROPPED = "outbox_dropped"
     AGENT_STARTED = "agent_started"
+    AGENT_UPDATE = "agent_update"  # an agent update's progress: fetching, installing, restarting
+    AGENT_UPDATED = "agent_updated"  # the new version runs and passed its health check
+    AGENT_ROLLED_BACK = "agent_rolled_back"  # the new version failed; the previous one runs again
+    DEVICE_RESET = "device_reset"  # controller-made: a new incarnation (seq space) began
+    DECOMMISSIONED = "decommissioned"  # controller-made: the operator retired the device
     ERROR = "error"
 
 
@@ -398,6 +417,7 @@ class Severity(StrEnum):
 class Event(Msg):
     type: Literal["event"] = "event"
     seq: int = Field(ge=1, le=MAX_WIRE_INT)
+    incarnation: IncarnationId | None = Field(default=None, exclude_if=_absent)
     ts: float
     kind: EventKind
     severity: Severity = Severity.INFO
@@ -422,6 +442,28 @@ class CameraReported(Strict):
     labels: list[str] | None = None
 
 
+class AgentUpdateState(OpenStrEnum):
+    IDLE = "idle"  # running the version desired (or none is desired)
+    FETCHING = "fetching"
+    VERIFYING = "verifying"
+    INSTALLING = "installing"
+    RESTARTING = "restarting"  # installed beside the running one; the supervisor switches to it
+    FAILED = "failed"  # refused or could not install; the running version goes on (error says why)
+    ROLLED_BACK = "rolled_back"  # the new version started but failed its health check; back on previous
+
+
+class AgentReported(Strict):
+    """The agent software as the device runs it, and where an update to ``target`` stands."""
+
+    version: ShortText  # the running agent's version
+    slot: ShortText | None = None  # the A/B slot it runs from
+    target: ShortText | None = None  # the version desired, when it differs or is under way
+    state: AgentUpdateState = AgentUpdateState.IDLE
+    progress_pct: float | None = Field(default=None, ge=0.0, le=100.0)
+    error: LongText | None = None
+    previous: ShortText | None = None  # the version rolled back to / from
+
+
 class ReportedState(Msg):
     type: Literal["reported"] = "reported"
     ts: float
@@ -429,6 +471,7 @@ class ReportedState(Msg):
     desired_version: int = Field(ge=0, le=MAX_DESIRED_VERSION)
     cameras: dict[CameraId, CameraReported] = Field(default_factory=dict)
     agent_version: ShortText | None = None
+    agent: AgentReported | None = Field(default=None, exclude_if=_absent)
 
 
 # How an agent's reported fetch failure (``CameraReported.error``) starts when the transfer failed (no
@@ -471,6 +514,24 @@ class CameraDesired(Signed):
     labels: list[str] | None = None  # keep only these labels; None keeps all
 
 
+class AgentPackageRef(Signed):
+    """An agent version to run: a package fetched over the artifact channel by its sha256.
+
+    Signed on its own (``signing.sign_agent_package``: version, sha256, size, chunk_size) as well as
+    inside the signed desired state, so an agent checks the package's word before fetching it and the
+    bytes against ``sha256`` before installing anything.
+    """
+
+    version: ShortText = Field(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z][0-9A-Za-z.+_-]*$")
+    sha256: Sha256
+    size: int = Field(gt=0, le=MAX_WIRE_INT)
+    chunk_size: int = Field(default=256 * 1024, ge=1024, le=4 * 1024 * 1024)
+    # How long the new version has to report healthy after the switch before it is rolled back.
+    health_timeout_s: float = Field(default=120.0, gt=0.0, le=3600.0, allow_inf_nan=False)
+    signature: str | None = Field(default=None, max_length=256)
+    key_id: str | None = Field(default=None, max_length=64)
+
+
 class DesiredState(Msg, Signed):
     """The complete desired state of one device; retained, so an offline device converges on return.
 
@@ -489,6 +550,8 @@ class DesiredState(Msg, Signed):
     issued_at: float = Field(allow_inf_nan=False)
     device_id: DeviceId | None = None
     cameras: dict[CameraId, CameraDesired] = Field(default_factory=dict)
+    # The agent version this device should run; None leaves the agent as it is.
+    agent: AgentPackageRef | None = Field(default=None, exclude_if=_absent)
     signature: str | None = Field(default=None, max_length=256)
     key_id: str | None = Field(default=None, max_length=64)
 
@@ -514,6 +577,9 @@ class Ack(Msg):
     """
 
     type: Literal["ack"] = "ack"
+    # The incarnation these seqs belong to (echoed from the batches); an agent ignores an ack for
+    # another incarnation. None from a controller older than incarnations, or for legacy batches.
+    incarnation: IncarnationId | None = Field(default=None, exclude_if=_absent)
     upto: Count
     ranges: list[tuple[Count, Count]] = Field(default_factory=list, max_length=1000)
 

@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fleet_protocol.codec import ProtocolError
-from fleet_protocol.messages import ArtifactRef, DesiredState
+from fleet_protocol.messages import AgentPackageRef, ArtifactRef, DesiredState
 
 ALGORITHM = "ed25519"
 SIGNING_CONTEXT = b"edgefleet/v1 artifact manifest\n"
@@ -101,6 +101,17 @@ def _message(ref: ArtifactRef) -> bytes:
 # --------------------------------------------------------------------------- sign / verify
 
 
+def _signature_bytes(signature: str) -> bytes:
+    """The raw Ed25519 signature of a base64 field, or :class:`SignatureError` (malformed)."""
+    try:
+        raw = base64.b64decode(signature, validate=True)
+    except (binascii.Error, ValueError):
+        raise SignatureError(MALFORMED) from None
+    if len(raw) != _SIGNATURE_LEN:
+        raise SignatureError(MALFORMED)
+    return raw
+
+
 def sign(ref: ArtifactRef, private_key: Ed25519PrivateKey) -> str:
     """The base64 Ed25519 signature of ``ref``'s canonical form (its own signature fields are ignored)."""
     return base64.b64encode(private_key.sign(_message(ref))).decode("ascii")
@@ -117,12 +128,7 @@ def verify(ref: ArtifactRef, public_key: Ed25519PublicKey) -> None:
     """Return if ``ref`` was signed by ``public_key``'s private key, else raise :class:`SignatureError`."""
     if not ref.signature:
         raise SignatureError(UNSIGNED)
-    try:
-        raw = base64.b64decode(ref.signature, validate=True)
-    except (binascii.Error, ValueError):
-        raise SignatureError(MALFORMED) from None
-    if len(raw) != _SIGNATURE_LEN:
-        raise SignatureError(MALFORMED)
+    raw = _signature_bytes(ref.signature)
     try:
         public_key.verify(raw, _message(ref))
     except InvalidSignature:
@@ -195,12 +201,7 @@ def verify_desired(state: DesiredState, public_key: Ed25519PublicKey) -> None:
     :class:`SignatureError` saying why (unsigned, malformed, or not matching)."""
     if not state.signature:
         raise SignatureError(UNSIGNED_STATE)
-    try:
-        raw = base64.b64decode(state.signature, validate=True)
-    except (binascii.Error, ValueError):
-        raise SignatureError(MALFORMED) from None
-    if len(raw) != _SIGNATURE_LEN:
-        raise SignatureError(MALFORMED)
+    raw = _signature_bytes(state.signature)
     try:
         message = _desired_message(state)
     except (ValueError, TypeError):
@@ -214,6 +215,43 @@ def verify_desired(state: DesiredState, public_key: Ed25519PublicKey) -> None:
                 f"{STATE_MISMATCH} (signed with key {state.key_id}, this device trusts {trusted})"
             ) from None
         raise SignatureError(STATE_MISMATCH) from None
+
+
+# --------------------------------------------------------------------------- agent packages
+
+AGENT_PACKAGE_CONTEXT = b"edgefleet/v1 agent package\n"
+AGENT_PACKAGE_FIELDS = ("version", "sha256", "size", "chunk_size")
+
+
+def agent_package_canonical_bytes(ref: AgentPackageRef) -> bytes:
+    """Deterministic JSON of what decides which agent bytes get installed: version, sha256, size and
+    chunk size (the health bound is covered by the desired state's own signature)."""
+    data = {f: getattr(ref, f) for f in AGENT_PACKAGE_FIELDS}
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def sign_agent_package(ref: AgentPackageRef, private_key: Ed25519PrivateKey) -> AgentPackageRef:
+    """A copy of ``ref`` carrying the signature over its canonical form and the key's id."""
+    sig = private_key.sign(AGENT_PACKAGE_CONTEXT + agent_package_canonical_bytes(ref))
+    return ref.model_copy(
+        update={
+            "signature": base64.b64encode(sig).decode("ascii"),
+            "key_id": key_id(private_key.public_key()),
+        }
+    )
+
+
+def verify_agent_package(ref: AgentPackageRef, public_key: Ed25519PublicKey) -> None:
+    """Return if ``ref`` was signed by ``public_key``'s private key, else raise :class:`SignatureError`."""
+    if not ref.signature:
+        raise SignatureError("unsigned agent package")
+    raw = _signature_bytes(ref.signature)
+    try:
+        public_key.verify(raw, AGENT_PACKAGE_CONTEXT + agent_package_canonical_bytes(ref))
+    except InvalidSignature:
+        raise SignatureError(
+            "signature does not match: agent package tampered or signed by another key"
+        ) from None
 
 
 # --------------------------------------------------------------------------- keys

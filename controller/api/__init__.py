@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from controller.api import (
+    agent_packages,
     assignments,
     deployments,
     detections,
@@ -28,6 +29,7 @@ ROUTERS = (
     devices.router,
     assignments.router,
     model_versions.router,
+    agent_packages.router,
     deployments.router,
     detections.router,
     events.router,

@@ -17,7 +17,7 @@ from controller.api.presenters import device_public
 from controller.api.schemas import DevicePublic, EnrolledDevice, LabelsBody, RevokedDevice
 from controller.db import crud
 from controller.db.states import DeviceStatus
-from controller.db.tables import DeviceCreate, HealthSamplePublic
+from controller.db.tables import Device, DeviceCreate, HealthSamplePublic
 from controller.errors import ConflictError, DeviceError, NotFoundError, UnavailableError
 from controller.link.broker_auth import check_device_id, generate_password, hash_password
 from controller.link.commands import CommandFailedError
@@ -58,6 +58,9 @@ def enroll(body: DeviceCreate, session: SessionDep, rt: RuntimeDep) -> EnrolledD
     # A device id is its broker user name and client id: never the controller's, the admin's or a
     # reserved one (ReservedIdError: a 422), whether or not the controller manages the broker.
     check_device_id(body.id, rt.settings.reserved_broker_names())
+    was_decommissioned = (
+        known := crud.get_device(session, device_id=body.id)
+    ) is not None and known.status == DeviceStatus.DECOMMISSIONED
     dev = crud.enroll_device(session, device_in=body)
     password: str | None = None
     was_online = dev.status == DeviceStatus.ONLINE
@@ -70,7 +73,14 @@ def enroll(body: DeviceCreate, session: SessionDep, rt: RuntimeDep) -> EnrolledD
         if was_online:
             _cut_off(rt, dev.id)
     session.commit()
-    if "labels" in body.model_fields_set and rt.twin.recompute(dev.id) is not None:
+    if was_decommissioned:
+        # Back: its messages are taken again, and its desired state (cleared on the broker at the
+        # decommission) is derived and published again: a new version, or the same one again.
+        rt.bridge.refuse(dev.id, False)
+        if rt.twin.recompute(dev.id) is None:
+            rt.twin.publish_latest(dev.id)
+        session.refresh(dev)
+    elif "labels" in body.model_fields_set and rt.twin.recompute(dev.id) is not None:
         session.refresh(dev)
     public = device_public(dev, rt.ingest.stats(dev.id))
     return EnrolledDevice(
@@ -106,6 +116,43 @@ def revoke(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -> Revo
     session.commit()
     _cut_off(rt, dev.id)
     return RevokedDevice(id=dev.id, mqtt_username=dev.id, revoked_at=revoked_at)
+
+
+@router.post(
+    "/{device_id}/decommission",
+    response_model=DevicePublic,
+    summary="Retire a device: its broker credentials are revoked (when the controller manages them), its "
+    "retained desired state and birth are cleared, deployments and rollouts leave it out, and whatever it "
+    "still sends is refused and counted; its detections, events and health stay readable. Enrolling it "
+    "again brings it back",
+    responses={
+        404: {"description": "unknown device"},
+        409: {"description": "already decommissioned"},
+        503: {"description": "the broker could not be reached or refused: nothing was changed"},
+    },
+)
+def decommission(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -> DevicePublic:
+    dev = session.get(Device, device_id, with_for_update=True)
+    if dev is None:
+        raise _unknown(device_id)
+    if not DeviceStatus(dev.status).can_become(DeviceStatus.DECOMMISSIONED):
+        since = dev.decommissioned_at.isoformat() if dev.decommissioned_at is not None else "before"
+        raise ConflictError(
+            f"device {device_id!r} is already decommissioned (since {since}); enroll it again to bring it back"
+        )
+    revoked = rt.broker_admin is not None
+    if rt.broker_admin is not None:
+        rt.broker_admin.revoke(dev.id)  # BrokerAdminError: a 503, nothing changed here
+        crud.revoke_mqtt_credentials(session, device=dev)
+    crud.decommission_device(session, device=dev, credentials_revoked=revoked)
+    session.commit()
+    # Refused here at once (other replicas within seconds), before the retained topics are cleared:
+    # the empty birth that clears one comes back to this controller's subscription.
+    rt.bridge.refuse(dev.id)
+    rt.bridge.publish_raw(dev.id, TopicKind.TWIN_DESIRED, b"")
+    rt.bridge.publish_raw(dev.id, TopicKind.AVAILABILITY, b"")
+    session.refresh(dev)
+    return device_public(dev, rt.ingest.stats(dev.id))
 
 
 @router.get("", response_model=list[DevicePublic], summary="All devices with status and stats")

@@ -8,7 +8,7 @@ import binascii
 import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlmodel import Session
 
@@ -18,8 +18,10 @@ from controller.api.schemas import (
     CameraAssignment,
     DeploymentPublic,
     DetectionOut,
+    DeviceAgent,
     DevicePublic,
     DeviceStats,
+    IncarnationStats,
     RolloutDevicePublic,
     RolloutPublic,
     TokenPublic,
@@ -69,6 +71,14 @@ def decode_cursor(cursor: str) -> tuple[datetime, int]:
 # --------------------------------------------------------------------------- devices
 
 
+def _status(status: str) -> Literal["online", "offline", "decommissioned"]:
+    if status == DeviceStatus.ONLINE:
+        return "online"
+    if status == DeviceStatus.DECOMMISSIONED:
+        return "decommissioned"
+    return "offline"
+
+
 def device_public(dev: Device, stats: SeqStats) -> DevicePublic:
     """A device with what its last heartbeat and reported state say, and its ingest counters; parts
     stored by an older agent or schema are skipped rather than failing the listing."""
@@ -98,7 +108,7 @@ def device_public(dev: Device, stats: SeqStats) -> DevicePublic:
         name=dev.name,
         labels=dev.labels or {},
         enrolled=dev.enrolled,
-        status="online" if dev.status == DeviceStatus.ONLINE else "offline",
+        status=_status(dev.status),
         online_since=dev.online_since,
         offline_since=dev.offline_since,
         last_seen=dev.last_seen,
@@ -111,6 +121,7 @@ def device_public(dev: Device, stats: SeqStats) -> DevicePublic:
         reported_version=dev.reported_version,
         sync=sync,
         sync_reason=sync_reason,
+        agent=device_agent(dev),
         stats=DeviceStats(
             stored=stats.stored,
             duplicates=stats.duplicates,
@@ -118,8 +129,53 @@ def device_public(dev: Device, stats: SeqStats) -> DevicePublic:
             dropped=stats.dropped,
             acked_upto=stats.acked_upto,
             max_seq=stats.max_seq,
+            incarnations=[
+                IncarnationStats(
+                    incarnation=x.incarnation,
+                    started_at=x.started_at,
+                    stored=x.stored,
+                    duplicates=x.duplicates,
+                    lost=x.lost,
+                    dropped=x.dropped,
+                    acked_upto=x.acked_upto,
+                    max_seq=x.max_seq,
+                )
+                for x in stats.incarnations
+            ],
         ),
+        incarnation=dev.incarnation,
+        incarnation_started_at=dev.incarnation_started_at,
+        decommissioned_at=dev.decommissioned_at,
         created_at=dev.created_at,
+    )
+
+
+def device_agent(dev: Device) -> DeviceAgent | None:
+    """The agent part of the device view: its reported agent (an older agent reports none: then the
+    version of its birth message) and what its desired state names."""
+    got = (dev.reported or {}).get("agent")
+    rep = got if isinstance(got, dict) else {}
+    want = dev.agent_desired or {}
+    cur, prev = want.get("current") or {}, want.get("previous") or {}
+    if not rep and not cur and not dev.agent_version:
+        return None
+
+    def text(v: object) -> str | None:
+        return str(v) if isinstance(v, str | int | float) and not isinstance(v, bool) else None
+
+    pct = rep.get("progress_pct")
+    return DeviceAgent(
+        version=text(rep.get("version")) or dev.agent_version,
+        slot=text(rep.get("slot")),
+        state=text(rep.get("state")),
+        target=text(rep.get("target")),
+        progress_pct=float(pct) if isinstance(pct, int | float) and not isinstance(pct, bool) else None,
+        error=text(rep.get("error")),
+        previous=text(rep.get("previous")),
+        desired=text(cur.get("version")),
+        desired_source=text(cur.get("source")),
+        deployment=text(cur.get("deployment")),
+        fallback=text(prev.get("version")),
     )
 
 
@@ -183,8 +239,10 @@ def deployment_public(session: Session, dep: Deployment) -> DeploymentPublic:
     return DeploymentPublic(
         id=dep.id,
         name=dep.name,
+        kind="agent" if dep.kind == "agent" else "model",
         model=dep.model,
         version=dep.version,
+        agent_version=dep.agent_version,
         variant=dep.variant,
         selector=dep.selector,
         cameras=list(dep.cameras or []),

@@ -14,13 +14,36 @@ from controller.types import CAMERA_OR_ANY_PATTERN, ID_MAX, ID_PATTERN, NO_NUL_P
 from fleet_protocol.messages import CameraReported, CameraStats, Name
 
 
-class DeviceStats(BaseModel):
-    stored: int = Field(description="detection batches and events stored")
-    duplicates: int = Field(description="messages received again after they were stored (dropped)")
-    lost: int = Field(description="seqs below the highest seen that are neither stored nor declared dropped")
-    dropped: int = Field(description="seqs the agent declared dropped from its full outbox")
-    acked_upto: int = Field(description="every seq up to this one is stored or declared dropped")
+class IncarnationStats(BaseModel):
+    """One sequence space of a device (PROTOCOL.md "Incarnations")."""
+
+    incarnation: str | None = Field(
+        description="the agent outbox's id; null: the legacy space of an older agent"
+    )
+    started_at: datetime | None = Field(description="when the controller first heard of it (null: legacy)")
+    stored: int
+    duplicates: int
+    lost: int
+    dropped: int
+    acked_upto: int
     max_seq: int
+
+
+class DeviceStats(BaseModel):
+    stored: int = Field(description="detection batches and events stored (every incarnation)")
+    duplicates: int = Field(description="messages received again after they were stored (dropped)")
+    lost: int = Field(
+        description="seqs below the highest seen that are neither stored nor declared dropped, summed over "
+        "the device's incarnations (each counts its own)"
+    )
+    dropped: int = Field(description="seqs the agent declared dropped from its full outbox")
+    acked_upto: int = Field(
+        description="every seq up to this one is stored or declared dropped (the current incarnation)"
+    )
+    max_seq: int = Field(description="the highest seq stored or declared dropped (the current incarnation)")
+    incarnations: list[IncarnationStats] = Field(
+        default_factory=list, description="per sequence space the device has sent in, oldest first"
+    )
 
 
 VariantChoice = Literal["auto", "fp32", "fp16", "int8"]
@@ -37,12 +60,35 @@ class CameraAssignment(BaseModel):
     deployment: str | None = Field(default=None, description="the deployment that won, if one did")
 
 
+class DeviceAgent(BaseModel):
+    """The agent software of a device: what it runs (its reported state) and what it should run."""
+
+    version: str | None = Field(default=None, description="the agent version running now, as reported")
+    slot: str | None = Field(default=None, description="the A/B slot it runs from (base or a version)")
+    state: str | None = Field(
+        default=None,
+        description="update state: idle, fetching, verifying, installing, restarting, failed, rolled_back",
+    )
+    target: str | None = Field(default=None, description="the version the agent is updating to, if any")
+    progress_pct: float | None = None
+    error: str | None = Field(default=None, description="why the last update failed or was rolled back")
+    previous: str | None = Field(default=None, description="the version rolled back to / from")
+    desired: str | None = Field(default=None, description="the agent version its desired state names")
+    desired_source: str | None = Field(
+        default=None, description="which layer set it: direct, deployment, or rollback (a failed rollout)"
+    )
+    deployment: str | None = Field(default=None, description="the agent deployment that set it, if one did")
+    fallback: str | None = Field(
+        default=None, description="the version a failed agent rollout sends this device back to"
+    )
+
+
 class DevicePublic(BaseModel):
     id: str
     name: str | None
     labels: dict[str, str]
     enrolled: bool
-    status: Literal["online", "offline"]
+    status: Literal["online", "offline", "decommissioned"]
     online_since: datetime | None
     offline_since: datetime | None
     last_seen: datetime | None
@@ -64,6 +110,20 @@ class DevicePublic(BaseModel):
     sync: SyncState = Field(description="does the device run its desired state (twin comparison)")
     sync_reason: str | None = Field(default=None, description="why it is not in sync")
     stats: DeviceStats
+    agent: DeviceAgent | None = Field(
+        default=None, description="the agent software: running version, update state, desired version"
+    )
+    incarnation: str | None = Field(
+        default=None,
+        description="the incarnation (outbox id) the device sends in now; null: none seen, or only the "
+        "legacy space of an agent older than incarnations",
+    )
+    incarnation_started_at: datetime | None = Field(
+        default=None, description="when the current incarnation was first heard of (a reset, a reflash)"
+    )
+    decommissioned_at: datetime | None = Field(
+        default=None, description="when the device was decommissioned (status decommissioned)"
+    )
     created_at: datetime
 
 
@@ -144,12 +204,17 @@ class AssignModel(BaseModel):
 class IngestTotals(BaseModel):
     """The fleet's ingest figures, from the database: the same whichever replica answers."""
 
-    devices: int = Field(description="devices that have sent detections or events")
+    devices: int = Field(
+        description="devices that have sent detections or events (or a birth naming an incarnation)"
+    )
+    incarnations: int = Field(description="sequence spaces: one per device incarnation, legacy ones included")
     stored: int = Field(description="detection batches and events stored")
     duplicates: int = Field(description="messages received again after they were stored (dropped)")
     dropped: int = Field(description="seqs the agents declared dropped from their full outboxes")
-    lost: int = Field(description="seqs below a device's highest, neither stored nor declared dropped")
-    acked: int = Field(description="the sum over devices of the seq up to which everything is acked")
+    lost: int = Field(
+        description="seqs below an incarnation's highest, neither stored nor declared dropped (summed)"
+    )
+    acked: int = Field(description="the sum over incarnations of the seq up to which everything is acked")
 
 
 class IngestStats(BaseModel):
@@ -219,6 +284,38 @@ class DeploymentCreate(BaseModel):
     gate: GateConfig | None = None
 
 
+class AgentDeploymentCreate(BaseModel):
+    """An agent version for the devices a selector matches, rolled out in waves with health gates."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(default=None, max_length=ID_MAX, pattern=ID_PATTERN)
+    version: Name = Field(description="an uploaded agent version")
+    selector: str = Field(
+        default="", max_length=2000, pattern=NO_NUL_PATTERN, description="label selector; empty matches all"
+    )
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    waves: list[int | str] | None = Field(default=None, description="default [1, '10%', '50%', '100%']")
+    gate: GateConfig | None = Field(
+        default=None,
+        description="soak_s, max_failure_ratio, step_timeout_s (fetch + install), offline_timeout_s apply; "
+        "the FPS, latency and watchdog bounds are a model's",
+    )
+    health_timeout_s: float = Field(
+        default=120.0,
+        gt=0.0,
+        le=3600.0,
+        description="how long the new agent has to report healthy after its restart before it is rolled back",
+    )
+
+
+class DeviceAgentAssign(BaseModel):
+    """The agent version one device runs, below every agent deployment (null clears it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: Name | None = Field(description="an uploaded agent version; null removes the direct version")
+    health_timeout_s: float = Field(default=120.0, gt=0.0, le=3600.0)
+
+
 class RolloutDevicePublic(BaseModel):
     device_id: str
     wave: int = Field(description="1-based")
@@ -257,8 +354,10 @@ class RolloutPublic(BaseModel):
 class DeploymentPublic(BaseModel):
     id: int
     name: str
-    model: str
-    version: str
+    kind: Literal["model", "agent"] = Field(default="model", description="what it deploys")
+    model: str = Field(description="the model (empty for an agent deployment)")
+    version: str = Field(description="the model version (empty for an agent deployment)")
+    agent_version: str | None = Field(default=None, description="the agent version an agent deployment runs")
     variant: str
     selector: str
     cameras: list[dict[str, Any]]

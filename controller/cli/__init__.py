@@ -6,8 +6,8 @@ One module per command group, each defining its own typer app and never importin
 - ``serve``: ``controller``, ``agent``, ``demo`` and ``simulate`` (the long-running processes; ``agent``
   and ``simulate`` dispatch lazily to ``edge_agent``, so the controller package never depends on the agent),
   and ``migrate`` (the controller's database schema, once before N replicas start)
-- ``models``, ``devices``, ``rollouts``, ``deployments`` (with ``deploy``), ``tokens``: the operator
-  commands, which talk to a controller's REST API through ``client``
+- ``models``, ``agent-packages``, ``devices``, ``rollouts``, ``deployments`` (with ``deploy``),
+  ``tokens``: the operator commands, which talk to a controller's REST API through ``client``
 
 Entry points: the ``edgefleet`` console script, ``python -m controller`` and ``python -m controller.cli``
 all call :func:`main`.
@@ -21,6 +21,7 @@ from typing import Annotated
 import typer
 
 from controller.cli import serve
+from controller.cli.agent import agent_app
 from controller.cli.client import cli_token
 from controller.cli.deployments import deploy, deployments_app
 from controller.cli.devices import devices_app
@@ -59,6 +60,7 @@ app.command("demo")(serve.demo)
 app.command("simulate")(serve.simulate)
 app.command("deploy")(deploy)
 app.add_typer(models_app, name="models")
+app.add_typer(agent_app, name="agent-packages")
 app.add_typer(devices_app, name="devices")
 app.add_typer(rollouts_app, name="rollouts")
 app.add_typer(deployments_app, name="deployments")

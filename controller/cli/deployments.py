@@ -133,7 +133,7 @@ def deployments_ls(api: ApiOption = DEFAULT_API) -> None:
         table.add_row(
             d["name"],
             str(d["id"]),
-            f"{d['model']}:{d['version']}",
+            f"agent {d.get('agent_version')}" if d.get("kind") == "agent" else f"{d['model']}:{d['version']}",
             d["selector"] or "(all)",
             str(d["priority"]),
             d["state"],

@@ -1,4 +1,4 @@
-"""``edgefleet devices``: ls, show, label."""
+"""``edgefleet devices``: ls, show, label, enroll, decommission."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import typer
 
 from controller.cli.client import DEFAULT_API, ApiOption, request
 
-devices_app = typer.Typer(help="Devices: list, show, label.", no_args_is_help=True)
+devices_app = typer.Typer(help="Devices: list, show, label, enroll, decommission.", no_args_is_help=True)
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -101,3 +101,32 @@ def devices_label(
             raise typer.Exit(2)
     d = request(api, "PUT", f"/api/v1/devices/{device}/labels", json={"labels": labels})
     typer.echo(f"{d['id']}: {_labels(d.get('labels') or {})}")
+
+
+@devices_app.command("enroll")
+def devices_enroll(
+    device: Annotated[str, typer.Argument(help="device id")],
+    name: Annotated[str | None, typer.Option(help="display name")] = None,
+    api: ApiOption = DEFAULT_API,
+) -> None:
+    """Enroll a device (again: a decommissioned one comes back). Prints what its agent needs: the
+    artifact key and, when the controller manages the broker, its MQTT password (shown once)."""
+    body: dict[str, str] = {"id": device}
+    if name is not None:
+        body["name"] = name
+    d = request(api, "POST", "/api/v1/devices", json=body)
+    typer.echo(f"{d['id']}: enrolled ({d['status']})")
+    typer.echo(f"artifact_public_key: {d['artifact_public_key']}")
+    if d.get("mqtt_password"):
+        typer.echo(f"mqtt_username: {d['mqtt_username']}")
+        typer.echo(f"mqtt_password: {d['mqtt_password']}  (shown once)")
+
+
+@devices_app.command("decommission")
+def devices_decommission(
+    device: Annotated[str, typer.Argument(help="device id")], api: ApiOption = DEFAULT_API
+) -> None:
+    """Retire a device: broker credentials revoked, no more desired state, what it sends refused; its
+    history stays readable. `edgefleet devices enroll ID` brings it back."""
+    d = request(api, "POST", f"/api/v1/devices/{device}/decommission")
+    typer.echo(f"{d['id']}: decommissioned at {d['decommissioned_at']}")

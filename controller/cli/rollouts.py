@@ -20,8 +20,13 @@ def print_rollout(dep: dict[str, Any]) -> None:
 
     console = Console()
     ro = dep.get("rollout") or {}
+    what = (
+        f"agent {dep.get('agent_version')}"
+        if dep.get("kind") == "agent"
+        else f"{dep['model']}:{dep['version']} variant {dep['variant']}"
+    )
     console.print(
-        f"[bold]{dep['name']}[/] (#{dep['id']})  {dep['model']}:{dep['version']} variant {dep['variant']}  "
+        f"[bold]{dep['name']}[/] (#{dep['id']})  {what}  "
         f"select '{dep['selector']}'  priority {dep['priority']}  deployment {dep['state']}"
     )
     if not ro:

@@ -54,10 +54,14 @@ def list_devices(session: Session) -> Sequence[Device]:
 
 
 def enroll_device(session: Session, *, device_in: DeviceCreate) -> Device:
-    """Create or update a device and mark it enrolled (idempotent)."""
+    """Create or update a device and mark it enrolled (idempotent); a decommissioned one comes back
+    (offline until its next birth), its history as it was."""
     ensure_devices(session, device_ids=[device_in.id])
     device = session.get(Device, device_in.id, with_for_update=True)
     assert device is not None
+    if device.status == DeviceStatus.DECOMMISSIONED:
+        device.status, device.offline_since = DeviceStatus.OFFLINE, utcnow()
+        device.decommissioned_at = None
     if device_in.name is not None:
         device.name = device_in.name
     if "labels" in device_in.model_fields_set:
@@ -85,6 +89,35 @@ def revoke_mqtt_credentials(session: Session, *, device: Device) -> datetime:
     session.add(device)
     session.flush()
     return now
+
+
+def decommission_device(session: Session, *, device: Device, credentials_revoked: bool) -> Event:
+    """Mark ``device`` decommissioned (the caller has locked its row and checked that it may be) and
+    record it as a controller-made ``decommissioned`` event; everything it sent stays."""
+    now = utcnow()
+    device.status, device.decommissioned_at = DeviceStatus.DECOMMISSIONED, now
+    device.offline_since = now
+    session.add(device)
+    event = Event(
+        device_id=device.id,
+        ts=now,
+        kind="decommissioned",
+        severity="info",
+        message="decommissioned: broker credentials "
+        + ("revoked" if credentials_revoked else "not managed by this controller")
+        + "; no desired state is sent and nothing it sends is stored until it is enrolled again",
+        data={"credentials_revoked": credentials_revoked, "incarnation": device.incarnation},
+        stored_at=now,
+    )
+    session.add(event)
+    session.flush()
+    return event
+
+
+def decommissioned_ids(session: Session) -> set[str]:
+    """The devices whose messages are refused (``MqttBridge.set_refused``)."""
+    q = select(Device.id).where(col(Device.status) == DeviceStatus.DECOMMISSIONED)
+    return set(session.exec(q).all())
 
 
 def ensure_devices(session: Session, *, device_ids: Iterable[str]) -> None:
@@ -340,28 +373,45 @@ def device_ids(session: Session, *, device_id: str | None = None) -> list[str]:
 
 # --------------------------------------------------------------------------- ingest truth (device_seq)
 
+# One sequence space: (device id, incarnation). LEGACY is the space of an agent older than
+# incarnations (its messages carry none), stored as '' so that it can be part of a primary key.
+Space = tuple[str, str]
+LEGACY = ""
+
+
+def space_of(device_id: str, incarnation: str | None) -> Space:
+    return device_id, incarnation or LEGACY
+
 
 def device_seq_table() -> sa.Table:
-    """The per-device ingest truth as a Core ``Table``."""
+    """The per-space ingest truth as a Core ``Table``."""
     return cast(sa.Table, DeviceSeq.__table__)  # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)
 class SeqRow:
     """A ``device_seq`` row as a plain value (a table instance costs ~100 µs to build; ingest reads
-    one per device per commit)."""
+    one per space per commit)."""
 
     device_id: str
+    incarnation: str
+    started_at: datetime | None
     upto: int
     max_seq: int
     stored: int
     dropped: int
     duplicates: int
 
+    @property
+    def space(self) -> Space:
+        return self.device_id, self.incarnation
+
 
 def _seq_row(row: Any) -> SeqRow:
     return SeqRow(
         str(row.device_id),
+        str(row.incarnation),
+        row.started_at,
         int(row.upto),
         int(row.max_seq),
         int(row.stored),
@@ -370,38 +420,103 @@ def _seq_row(row: Any) -> SeqRow:
     )
 
 
-def ensure_device_seqs(session: Session, *, device_ids: Iterable[str]) -> None:
-    """Create the ``device_seq`` rows that do not exist yet (all zero).
+def ensure_device_seqs(session: Session, *, spaces: Iterable[Space], now: datetime) -> list[Space]:
+    """Create the ``device_seq`` rows that do not exist yet (all zero); returns those created here.
 
-    In id order: two transactions inserting overlapping new devices then wait on each other in one
-    order, never in a cycle.
+    In (device, incarnation) order: two transactions inserting overlapping new spaces then wait on
+    each other in one order, never in a cycle. A row is created once, whichever replica tries: what
+    follows from a new space (``record_new_incarnations``) happens once.
     """
     rows = [
-        {"device_id": d, "upto": 0, "max_seq": 0, "stored": 0, "dropped": 0, "duplicates": 0}
-        for d in sorted(set(device_ids))
+        {
+            "device_id": d,
+            "incarnation": i,
+            "started_at": now,
+            "upto": 0,
+            "max_seq": 0,
+            "stored": 0,
+            "dropped": 0,
+            "duplicates": 0,
+        }
+        for d, i in sorted(set(spaces))
     ]
-    if rows:
-        session.execute(dialect_insert(session, device_seq_table()).on_conflict_do_nothing(), rows)
+    if not rows:
+        return []
+    t = device_seq_table()
+    ins = dialect_insert(session, t).on_conflict_do_nothing().returning(t.c.device_id, t.c.incarnation)
+    return sorted((str(d), str(i)) for d, i in session.execute(ins, rows).all())
 
 
-def lock_device_seqs(session: Session, *, device_ids: Iterable[str]) -> dict[str, SeqRow]:
-    """The devices' rows, held until the transaction ends: every replica's ingest of one device queues.
+def record_new_incarnations(session: Session, *, created: Iterable[Space], now: datetime) -> list[Event]:
+    """What the creation of new spaces (``ensure_device_seqs``' answer) means for their devices.
 
-    PostgreSQL locks the rows in id order (``ORDER BY … FOR UPDATE``), so two replicas locking
-    overlapping sets of devices cannot deadlock. SQLite has one writer at a time and ignores the clause.
-    The rows are detached copies: ``save_device_seqs`` writes them back.
+    A new incarnation becomes the device's current one; when the device had sent in another space
+    before (an incarnation, or legacy seqs), the device was reset (a wiped data folder, a reflash): a
+    controller-made ``device_reset`` event says so. Returns the events added. The device rows are
+    locked after the ``device_seq`` rows, as every ingest transaction does.
+    """
+    new = sorted((d, i) for d, i in set(created) if i != LEGACY)
+    if not new:
+        return []
+    t = device_seq_table()
+    devices = sorted({d for d, _ in new})
+    others: dict[str, set[str]] = {}
+    for d, i in session.execute(sa.select(t.c.device_id, t.c.incarnation).where(t.c.device_id.in_(devices))):
+        others.setdefault(str(d), set()).add(str(i))
+    events: list[Event] = []
+    for device_id, incarnation in new:
+        dev = session.get(Device, device_id, with_for_update=True)
+        if dev is None:
+            continue
+        previous = dev.incarnation
+        before = others.get(device_id, set()) - {incarnation}
+        dev.incarnation, dev.incarnation_started_at = incarnation, now
+        session.add(dev)
+        if before:
+            ev = Event(
+                device_id=device_id,
+                ts=now,
+                kind="device_reset",
+                severity="warning",
+                message=(
+                    f"new incarnation {incarnation} (was {previous or 'legacy'}): the agent's outbox was "
+                    "created again (data folder wiped or device reflashed); its seqs start again at 1"
+                ),
+                data={"previous": previous, "incarnation": incarnation},
+                stored_at=now,
+            )
+            session.add(ev)
+            events.append(ev)
+    session.flush()
+    return events
+
+
+def lock_device_seqs(session: Session, *, device_ids: Iterable[str]) -> dict[Space, SeqRow]:
+    """Every space's row of the devices, held until the transaction ends: every replica's ingest of
+    one device queues.
+
+    PostgreSQL locks the rows in (device, incarnation) order (``ORDER BY … FOR UPDATE``), so two
+    replicas locking overlapping sets of devices cannot deadlock. SQLite has one writer at a time and
+    ignores the clause. The rows are detached copies: ``save_device_seqs`` writes them back.
     """
     rows = session.connection().execute(_lock_seqs_stmt(), {"ids": sorted(set(device_ids))})
-    return {str(r.device_id): _seq_row(r) for r in rows}
+    return {(str(r.device_id), str(r.incarnation)): _seq_row(r) for r in rows}
 
 
-def device_seqs(session: Session, *, device_ids: Iterable[str] | None = None) -> dict[str, SeqRow]:
-    """The devices' rows as last committed (every device's when ``device_ids`` is None), unlocked."""
+def device_seqs(session: Session, *, device_ids: Iterable[str] | None = None) -> dict[str, list[SeqRow]]:
+    """Per device, its spaces' rows as last committed, oldest first (every device's when
+    ``device_ids`` is None), unlocked."""
     t = device_seq_table()
     q = sa.select(t)
     if device_ids is not None:
         q = q.where(t.c.device_id.in_(sorted(set(device_ids))))
-    return {str(r.device_id): _seq_row(r) for r in session.execute(q).all()}
+    out: dict[str, list[SeqRow]] = {}
+    for r in session.execute(q).all():
+        out.setdefault(str(r.device_id), []).append(_seq_row(r))
+    for rows in out.values():
+        # The legacy space (no start time: it predates incarnations) first, then by when each began.
+        rows.sort(key=lambda r: (r.started_at is not None, r.started_at or datetime.min, r.incarnation))
+    return out
 
 
 def save_device_seqs(session: Session, *, rows: Iterable[SeqRow]) -> None:
@@ -409,6 +524,7 @@ def save_device_seqs(session: Session, *, rows: Iterable[SeqRow]) -> None:
     params = [
         {
             "b_id": r.device_id,
+            "b_incarnation": r.incarnation,
             "upto": r.upto,
             "max_seq": r.max_seq,
             "stored": r.stored,
@@ -421,16 +537,17 @@ def save_device_seqs(session: Session, *, rows: Iterable[SeqRow]) -> None:
         session.connection().execute(_save_seqs_stmt(), params)
 
 
-def seq_islands(session: Session, *, device_ids: Iterable[str]) -> dict[str, list[tuple[int, int]]]:
-    """Per device, the runs of consecutive seqs in ``ingested_seq`` above the ``upto`` its ``device_seq``
-    row holds in this transaction, as ``(first, last)`` in order.
+def seq_islands(session: Session, *, device_ids: Iterable[str]) -> dict[Space, list[tuple[int, int]]]:
+    """Per space of the devices, the runs of consecutive seqs in ``ingested_seq`` above the ``upto``
+    its ``device_seq`` row holds in this transaction, as ``(first, last)`` in order.
 
     Only the tail above ``upto`` is read (normally the seqs of the batch being stored and a few that
     arrived out of order), through the primary key, whatever the size of the history below it.
     """
-    out: dict[str, list[tuple[int, int]]] = {}
-    for dev, a, b in session.connection().execute(_islands_stmt(), {"ids": sorted(set(device_ids))}):
-        out.setdefault(str(dev), []).append((int(a), int(b)))
+    out: dict[Space, list[tuple[int, int]]] = {}
+    rows = session.connection().execute(_islands_stmt(), {"ids": sorted(set(device_ids))})
+    for dev, inc, a, b in rows:
+        out.setdefault((str(dev), str(inc)), []).append((int(a), int(b)))
     return out
 
 
@@ -444,7 +561,7 @@ def _lock_seqs_stmt() -> sa.Select[Any]:
     return (
         sa.select(t)
         .where(t.c.device_id.in_(sa.bindparam("ids", expanding=True)))
-        .order_by(t.c.device_id)
+        .order_by(t.c.device_id, t.c.incarnation)
         .with_for_update()
     )
 
@@ -452,43 +569,52 @@ def _lock_seqs_stmt() -> sa.Select[Any]:
 @cache
 def _save_seqs_stmt() -> sa.Update:
     t = device_seq_table()
-    return sa.update(t).where(t.c.device_id == sa.bindparam("b_id"))
+    return sa.update(t).where(
+        t.c.device_id == sa.bindparam("b_id"), t.c.incarnation == sa.bindparam("b_incarnation")
+    )
 
 
 @cache
 def _islands_stmt() -> sa.Select[Any]:
     t = ingested_seq_table()
     d = device_seq_table()
-    grp = (t.c.seq - sa.func.row_number().over(partition_by=t.c.device_id, order_by=t.c.seq)).label("grp")
+    grp = (
+        t.c.seq - sa.func.row_number().over(partition_by=(t.c.device_id, t.c.incarnation), order_by=t.c.seq)
+    ).label("grp")
     tail = (
-        sa.select(t.c.device_id, t.c.seq, grp)
+        sa.select(t.c.device_id, t.c.incarnation, t.c.seq, grp)
         .select_from(d)
-        .join(t, sa.and_(t.c.device_id == d.c.device_id, t.c.seq > d.c.upto))
+        .join(
+            t,
+            sa.and_(t.c.device_id == d.c.device_id, t.c.incarnation == d.c.incarnation, t.c.seq > d.c.upto),
+        )
         .where(d.c.device_id.in_(sa.bindparam("ids", expanding=True)))
         .subquery()
     )
     return (
-        sa.select(tail.c.device_id, sa.func.min(tail.c.seq), sa.func.max(tail.c.seq))
-        .group_by(tail.c.device_id, tail.c.grp)
-        .order_by(tail.c.device_id, sa.func.min(tail.c.seq))
+        sa.select(tail.c.device_id, tail.c.incarnation, sa.func.min(tail.c.seq), sa.func.max(tail.c.seq))
+        .group_by(tail.c.device_id, tail.c.incarnation, tail.c.grp)
+        .order_by(tail.c.device_id, tail.c.incarnation, sa.func.min(tail.c.seq))
     )
 
 
 class SeqTotals(NamedTuple):
-    """The whole fleet's ingest figures, summed over ``device_seq``."""
+    """The whole fleet's ingest figures, summed over ``device_seq`` (every space of every device)."""
 
     devices: int
+    incarnations: int  # sequence spaces, the legacy ones included
     stored: int
     duplicates: int
     dropped: int
     lost: int
-    acked: int  # the sum of every device's upto
+    acked: int  # the sum of every space's upto
 
 
 def seq_totals(session: Session) -> SeqTotals:
     t = device_seq_table()
     missing = t.c.max_seq - t.c.stored - t.c.dropped
     q = sa.select(
+        sa.func.count(sa.distinct(t.c.device_id)),
         sa.func.count(),
         sa.func.coalesce(sa.func.sum(t.c.stored), 0),
         sa.func.coalesce(sa.func.sum(t.c.duplicates), 0),

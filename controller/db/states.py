@@ -97,11 +97,24 @@ class DeviceStatus(StrEnum):
 
     Transitions: created ``offline``; ``offline`` → ``online`` (an ``online`` availability message or
     any heartbeat); ``online`` → ``offline`` (an ``offline`` availability message, the broker's Last
-    Will, or nothing received within the timeout).
+    Will, or nothing received within the timeout); ``online`` or ``offline`` → ``decommissioned`` (the
+    operator retired the device: nothing it sends is stored, no desired state is sent);
+    ``decommissioned`` → ``offline`` (enrolled again: it comes online with its next birth).
     """
 
     ONLINE = "online"
     OFFLINE = "offline"
+    DECOMMISSIONED = "decommissioned"
+
+    def can_become(self, new: DeviceStatus) -> bool:
+        return new in _DEVICE_TRANSITIONS[self]
+
+
+_DEVICE_TRANSITIONS: dict[DeviceStatus, frozenset[DeviceStatus]] = {
+    DeviceStatus.OFFLINE: frozenset({DeviceStatus.ONLINE, DeviceStatus.DECOMMISSIONED}),
+    DeviceStatus.ONLINE: frozenset({DeviceStatus.OFFLINE, DeviceStatus.DECOMMISSIONED}),
+    DeviceStatus.DECOMMISSIONED: frozenset({DeviceStatus.OFFLINE}),
+}
 
 
 # The API's ``sync`` field: this docstring is its OpenAPI description, so it names no code.

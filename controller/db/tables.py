@@ -109,6 +109,16 @@ class Device(DeviceBase, table=True):
     mqtt_password_hash: str | None = Field(default=None, max_length=200)
     mqtt_issued_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
     mqtt_revoked_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    # The agent software this device should run (controller/fleet/twin.py ``agent_layer``): the
+    # operator's direct version, and the package refs now and before the last change, the one a
+    # failed agent rollout sends the device back to.
+    agent_desired: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    # The seq space the device's agent sends in now (PROTOCOL.md "Incarnations"); None: none seen yet,
+    # or only the legacy space of an agent older than incarnations.
+    incarnation: str | None = Field(default=None, max_length=32)
+    incarnation_started_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    # Set by a decommission (status DECOMMISSIONED), cleared by the next enrolment.
+    decommissioned_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
 
 
 # --------------------------------------------------------------------------- health
@@ -162,11 +172,13 @@ class Detection(SQLModel, table=True):
 
 
 class IngestedSeq(SQLModel, table=True):
-    """One row per ``(device, seq)`` ever stored or declared dropped: the dedup record."""
+    """One row per ``(device, incarnation, seq)`` ever stored or declared dropped: the dedup record."""
 
     __tablename__ = "ingested_seq"
 
     device_id: str = Field(primary_key=True, max_length=64)
+    # '' is the legacy space (an agent older than incarnations): NOT NULL, so it can be in the key.
+    incarnation: str = Field(default="", primary_key=True, max_length=32)
     seq: int = Field(primary_key=True, sa_type=sa.BigInteger)
     kind: str = Field(max_length=16)  # "detections", "events" (the topic kind) or "dropped"
     stored_at: datetime = Field(sa_type=UtcDateTime)
@@ -232,6 +244,13 @@ class ModelVersion(ModelVersionBase, table=True):
     build_stage: str | None = Field(default=None, max_length=32)
     build_progress: float = Field(default=0.0)
     build_error: str | None = Field(default=None)
+    # The claim on a ``building`` version (controller/registry/build_jobs.py): the replica building it,
+    # a token only that build knows (its writes are fenced by it), when the claim was last renewed,
+    # and how many claims it has had (a bound ends a build that keeps killing its replica).
+    build_owner: str | None = Field(default=None, max_length=64)
+    build_token: str | None = Field(default=None, max_length=64)
+    build_heartbeat_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    build_attempts: int = Field(default=0)
 
 
 class ModelVariantBase(SQLModel):
@@ -281,6 +300,36 @@ class ModelVersionPublic(ModelVersionBase):
     variants: list[ModelVariantPublic] = []
 
 
+# --------------------------------------------------------------------------- agent packages
+
+
+class AgentPackageBase(SQLModel):
+    version: str = Field(max_length=64)
+    sha256: str = Field(max_length=64)
+    size: int = Field(sa_type=sa.BigInteger)
+    # Pinned requirement strings of the wheel's dependencies ("paho-mqtt==2.1.0"), from the package.
+    requires: list[str] = Field(default_factory=list, sa_type=JSON)
+    notes: str | None = Field(default=None)
+
+
+class AgentPackage(AgentPackageBase, table=True):
+    """An uploaded edge agent package (``edgefleet-agent-<version>.tar.gz``), stored by sha256."""
+
+    __tablename__ = "agent_package"
+    __table_args__ = (
+        sa.UniqueConstraint("version", name="uq_agent_package_version"),
+        sa.Index("ix_agent_package_sha256", "sha256"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    path: str
+    uploaded_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+class AgentPackagePublic(AgentPackageBase):
+    uploaded_at: datetime
+
+
 # --------------------------------------------------------------------------- deployments / rollouts
 
 
@@ -302,6 +351,11 @@ class Deployment(SQLModel, table=True):
     # A DeploymentState (controller/db/states.py, with its transitions); the column is a plain string.
     state: str = Field(default=DeploymentState.ROLLING_OUT, max_length=16)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    # "model" (the fields above) or "agent": the agent software version ``agent_version`` for the
+    # matching devices, rolled out through the same waves and gates (model and version are empty).
+    kind: str = Field(default="model", max_length=8)
+    agent_version: str | None = Field(default=None, max_length=64)
+    agent_health_timeout_s: float | None = Field(default=None)
 
 
 class Rollout(SQLModel, table=True):
@@ -395,8 +449,9 @@ class ControllerReplica(SQLModel, table=True):
 
 
 class DeviceSeq(SQLModel, table=True):
-    """One device's ingest truth, shared by every controller replica (``controller/link/ingest.py``).
+    """One sequence space's ingest truth, shared by every controller replica (``controller/link/ingest.py``).
 
+    A space is a device's incarnation ('' for the legacy space of an agent older than incarnations).
     Every seq ``1..upto`` is stored or declared dropped, so ``ingested_seq`` only needs its rows above
     ``upto`` to build an ack (those below may be compacted). The counters change in the transaction that
     stores what they count, whichever replica ran it: they are the fleet's figures, not one process's.
@@ -405,6 +460,9 @@ class DeviceSeq(SQLModel, table=True):
     __tablename__ = "device_seq"
 
     device_id: str = Field(primary_key=True, max_length=64)
+    incarnation: str = Field(default="", primary_key=True, max_length=32)
+    # When the controller first heard of this space (None for the legacy rows migrated in 0010).
+    started_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
     upto: int = Field(default=0, sa_type=sa.BigInteger)
     max_seq: int = Field(default=0, sa_type=sa.BigInteger)  # the highest seq stored or declared dropped
     stored: int = Field(default=0, sa_type=sa.BigInteger)  # distinct seqs stored

@@ -8,6 +8,10 @@ A deployment applies to a device when its selector matches the device's labels a
 - it is ``rolling_out``: only devices its rollout admitted (``applying`` or ``active``);
 - it is ``cancelled``: only devices on which its rollout had already become ``active``;
 - ``rolled_back`` / ``deleted``: none.
+
+A deployment of kind ``agent`` (issue 14.3) carries an agent version instead of a model: the same
+selector, states and rollout, but it makes the device's agent layer (:func:`agent_layer`), not a
+camera's.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from typing import Any
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
-from controller.db.states import DeploymentState, MemberState
+from controller.db.states import DeploymentState, DeviceStatus, MemberState
 from controller.db.tables import Deployment, Device, Rollout, RolloutDevice
 from controller.fleet.selectors import Op, Requirement, Selector, SelectorError, parse_selector
 
 APPLIED_STATES = (DeploymentState.ACTIVE, DeploymentState.ROLLING_OUT, DeploymentState.CANCELLED)
 ADMITTED = (MemberState.APPLYING, MemberState.ACTIVE)
 ANY_CAMERA = "*"
+MODEL_KIND, AGENT_KIND = "model", "agent"  # Deployment.kind
+AGENT_HEALTH_TIMEOUT_S = 120.0  # AgentPackageRef.health_timeout_s unless the deployment says otherwise
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,7 @@ def layers(dev: Device, deployments: Iterable[Deployment], admitted: Mapping[int
     # Lowest first, so that higher priority (then the newer deployment) overwrites.
     ordered = sorted(deployments, key=lambda x: (x.priority, x.id or 0))
     for dep in ordered:
-        if not applies(dep, dev, admitted):
+        if dep.kind == AGENT_KIND or not applies(dep, dev, admitted):
             continue
         for cam, e in deployment_cameras(dep, known).items():
             out[cam] = Layer(
@@ -126,6 +132,41 @@ def layers(dev: Device, deployments: Iterable[Deployment], admitted: Mapping[int
                 labels=e.get("labels"),
             )
     return out
+
+
+@dataclass(frozen=True)
+class AgentLayer:
+    """The agent version a device must run, and which layer said so."""
+
+    version: str
+    source: str  # "direct" or "deployment"
+    deployment: str | None = None
+    health_timeout_s: float = AGENT_HEALTH_TIMEOUT_S
+
+
+def agent_layer(
+    dev: Device, deployments: Iterable[Deployment], admitted: Mapping[int, str]
+) -> AgentLayer | None:
+    """The winning agent layer of ``dev``: the highest-priority agent deployment that applies to it
+    (then the newer one), else the operator's direct version; None: no layer says anything."""
+    ordered = sorted(deployments, key=lambda x: (x.priority, x.id or 0), reverse=True)
+    for dep in ordered:
+        if dep.kind == AGENT_KIND and dep.agent_version and applies(dep, dev, admitted):
+            return AgentLayer(
+                version=dep.agent_version,
+                source="deployment",
+                deployment=dep.name,
+                health_timeout_s=dep.agent_health_timeout_s or AGENT_HEALTH_TIMEOUT_S,
+            )
+    direct = (dev.agent_desired or {}).get("direct")
+    if isinstance(direct, str) and direct:
+        timeout = (dev.agent_desired or {}).get("direct_health_timeout_s")
+        return AgentLayer(
+            version=direct,
+            source="direct",
+            health_timeout_s=float(timeout) if isinstance(timeout, int | float) else AGENT_HEALTH_TIMEOUT_S,
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- database
@@ -202,5 +243,10 @@ def matching_devices(s: Session, dep: Deployment, *, exclude: Iterable[str] = ()
     if sel is None:
         return []
     skip = set(exclude)
-    q = select(Device).where(selector_sql(sel)).order_by(col(Device.id))
+    # A decommissioned device is in no deployment's waves.
+    q = (
+        select(Device)
+        .where(selector_sql(sel), col(Device.status) != DeviceStatus.DECOMMISSIONED)
+        .order_by(col(Device.id))
+    )
     return [d for d in s.exec(q).all() if d.id not in skip and sel.matches(d.labels or {})]

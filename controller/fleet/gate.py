@@ -122,6 +122,9 @@ class DeviceView:
     # When the device last said its engine build for the rollout's model moved (a model_build
     # started/progress event since admission, controller clock); None: no build seen.
     build_active_at: float | None = None
+    # The agent software as the device reports it (fleet_protocol AgentReported: version, state,
+    # target, error); None from an agent that does not report it.
+    agent: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,10 @@ class RolloutView:
     members: Mapping[str, MemberView]
     gated_waves: frozenset[int] = frozenset()
     admit_all_in_last: bool = True
+    # An agent rollout (issue 14.3): the agent version each member must come to run, and how long the
+    # agent has to report healthy after its switch (on top of step_timeout_s for fetch and install).
+    agent_version: str | None = None
+    agent_health_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -200,9 +207,59 @@ def _crash_loop(m: MemberView, dev: DeviceView) -> Settle | None:
     return None
 
 
+# Agent update states (fleet_protocol AgentUpdateState) that end an attempt without the new version.
+AGENT_FAILED_STATES = ("failed", "rolled_back")
+AGENT_SETTLED_STATE = "idle"
+
+
+def _agent_failure(dev: DeviceView, target: str) -> str | None:
+    """Why the device's agent says the update to ``target`` failed, or None."""
+    a = dev.agent or {}
+    # The attempt at this version: the agent names it as its target, or (rolled back) as previous.
+    if a.get("state") in AGENT_FAILED_STATES and (
+        a.get("target") in (target, None) or a.get("previous") == target
+    ):
+        what = "rolled back" if a.get("state") == "rolled_back" else "refused or could not install"
+        runs = f"; runs {a.get('version')}" if a.get("version") else ""
+        return f"agent {target} {what}: {a.get('error') or 'no reason'}{runs}"
+    return None
+
+
+def _settle_agent_applying(m: MemberView, dev: DeviceView, r: RolloutView, now: float) -> Settle | None:
+    """A member of an agent rollout: active once it runs the version and is idle (healthy under the
+    supervisor); failed when it says the update failed or rolled back, when it stays offline, or
+    when it has not come to run the version within step_timeout_s + the health timeout."""
+    target = r.agent_version
+    assert target is not None
+    a = dev.agent or {}
+    if a.get("version") == target and a.get("state", AGENT_SETTLED_STATE) == AGENT_SETTLED_STATE:
+        return Settle(m.device_id, MemberState.ACTIVE)
+    if (why := _agent_failure(dev, target)) is not None:
+        return Settle(m.device_id, MemberState.FAILED, why)
+    off = _offline_for(dev, m.admitted_at, now)
+    if not dev.online and off > r.gate.offline_timeout_s:
+        return Settle(
+            m.device_id, MemberState.FAILED, f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)"
+        )
+    bound = r.gate.step_timeout_s + r.agent_health_timeout_s
+    if now - m.admitted_at > bound:
+        seen = f"{a.get('version')} ({a.get('state') or 'idle'})" if a else "no agent state"
+        return Settle(
+            m.device_id,
+            MemberState.FAILED,
+            f"not running agent {target} after {bound:g}s (step_timeout_s + health timeout); reports {seen}",
+        )
+    return None
+
+
 def _settle_applying(m: MemberView, dev: DeviceView | None, r: RolloutView, now: float) -> Settle | None:
     if dev is None:
         return Settle(m.device_id, MemberState.FAILED, "device is no longer known")
+    if r.agent_version is not None:
+        if not dev.matches:
+            return Settle(m.device_id, MemberState.FAILED, "device no longer matches the selector")
+        # No crash-loop count from heartbeat uptimes here: the update itself restarts the agent.
+        return _settle_agent_applying(m, dev, r, now)
     if (crash := _crash_loop(m, dev)) is not None:
         return crash
     if not dev.matches:
@@ -259,7 +316,15 @@ def _settle_active(m: MemberView, dev: DeviceView | None, r: RolloutView, now: f
     """A device of the wave being soaked that went bad after activation."""
     if dev is None:
         return Settle(m.device_id, MemberState.FAILED, "device is no longer known")
-    if (crash := _crash_loop(m, dev)) is not None:
+    if r.agent_version is not None:
+        # After activation: the supervisor fell back (a crash after the health check), or the agent runs
+        # another version.
+        if (why := _agent_failure(dev, r.agent_version)) is not None:
+            return Settle(m.device_id, MemberState.FAILED, why)
+        running = (dev.agent or {}).get("version")
+        if running is not None and running != r.agent_version:
+            return Settle(m.device_id, MemberState.FAILED, f"agent runs {running}, not {r.agent_version}")
+    elif (crash := _crash_loop(m, dev)) is not None:
         return crash
     for cam in m.cameras:
         rep = dev.reported.get(cam) or {}

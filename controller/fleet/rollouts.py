@@ -25,6 +25,8 @@ from controller.db.states import LIVE_ROLLOUT_STATES, DeploymentState, DeviceSta
 from controller.db.tables import Deployment, Device, Event, HealthSample, Rollout, RolloutDevice, utcnow
 from controller.errors import ConflictError, ControllerError, InvalidError, NotFoundError
 from controller.fleet.deployments import (
+    AGENT_HEALTH_TIMEOUT_S,
+    AGENT_KIND,
     get_deployment,
     matches,
     matching_devices,
@@ -48,6 +50,7 @@ from controller.fleet.gate import (
 )
 from controller.fleet.selectors import SelectorError, parse_selector
 from controller.fleet.twin import AUTO, TwinService, choose
+from controller.registry.agent_packages import get_package
 from fleet_protocol.messages import EventKind
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,10 @@ class DeploymentModelNotFoundError(DeploymentError, NotFoundError):
 
 class DeploymentConflictError(DeploymentError, ConflictError):
     """The deployment's name is taken, or its pinned variant is not fit."""
+
+
+class DeploymentAgentNotFoundError(DeploymentError, NotFoundError):
+    """The agent version to deploy was not uploaded."""
 
 
 def _ts(dt: datetime | None) -> float | None:
@@ -195,7 +202,14 @@ def device_view(
         restarts=restarts,
         watchdog=watchdog,
         build_active_at=build_active_at,
+        agent=_agent_reported(dev),
     )
+
+
+def _agent_reported(dev: Device) -> dict[str, Any] | None:
+    """The device's reported agent (AgentReported as stored), read loosely: the agent's JSON."""
+    a = (dev.reported or {}).get("agent")
+    return dict(a) if isinstance(a, dict) else None
 
 
 def member_view(m: RolloutDevice) -> MemberView:
@@ -224,6 +238,8 @@ def rollout_view(ro: Rollout, dep: Deployment, members: Sequence[RolloutDevice])
         members={m.device_id: member_view(m) for m in members},
         gated_waves=frozenset(int(g["wave"]) for g in ro.gates or [] if g.get("passed")),
         admit_all_in_last=bool(waves) and str(waves[-1]).strip() == "100%",
+        agent_version=dep.agent_version if dep.kind == AGENT_KIND else None,
+        agent_health_timeout_s=dep.agent_health_timeout_s or AGENT_HEALTH_TIMEOUT_S,
     )
 
 
@@ -481,20 +497,57 @@ class RolloutService:
                 priority=priority,
                 state=DeploymentState.ROLLING_OUT,
             )
-            s.add(dep)
-            s.flush()
-            assert dep.id is not None
-            n = len(matching_devices(s, dep))
-            s.add(
-                Rollout(
-                    deployment_id=dep.id,
-                    waves=list(plan_in),
-                    plan=plan_waves(plan_in, n),
-                    gate=(gate or GateConfig()).model_dump(),
+            return _add_with_rollout(s, dep, plan_in, gate)
+
+    def create_agent(
+        self,
+        *,
+        name: str,
+        version: str,
+        selector: str,
+        priority: int = 0,
+        waves: Sequence[int | str] | None = None,
+        gate: GateConfig | None = None,
+        health_timeout_s: float = AGENT_HEALTH_TIMEOUT_S,
+    ) -> int:
+        """A new agent deployment (kind ``agent``: the agent software ``version`` for the devices the
+        selector matches) in state rolling_out with its rollout; returns the deployment id.
+
+        The same waves, gates, operator actions and leader ticks as a model deployment; a member is
+        active once it reports running ``version`` idle, failed when its agent reports the update
+        failed or rolled back, and a failed gate sends the wave's devices back to their previous
+        agent version (controller.fleet.twin ``TwinService._agent``).
+        """
+        try:
+            parse_selector(selector)
+        except SelectorError as exc:
+            raise DeploymentInvalidError(f"selector: {exc}") from None
+        try:
+            plan_in = [parse_wave(w) for w in (waves if waves is not None else DEFAULT_WAVES)]
+        except ValueError as exc:
+            raise DeploymentInvalidError(f"waves: {exc}") from None
+        if not plan_in:
+            raise DeploymentInvalidError("waves: at least one wave")
+        with self._lock, Session(self._engine) as s:
+            if get_package(s, version) is None:
+                raise DeploymentAgentNotFoundError(
+                    f"agent version {version!r} is not uploaded (edgefleet agent upload FILE)"
                 )
+            if get_deployment(s, name) is not None:
+                raise DeploymentConflictError(f"a deployment named {name!r} exists")
+            dep = Deployment(
+                name=name,
+                model="",
+                version="",
+                selector=selector,
+                cameras=[],
+                priority=priority,
+                state=DeploymentState.ROLLING_OUT,
+                kind=AGENT_KIND,
+                agent_version=version,
+                agent_health_timeout_s=health_timeout_s,
             )
-            s.commit()
-            return dep.id
+            return _add_with_rollout(s, dep, plan_in, gate)
 
     # ------------------------------------------------------------------ operator actions
 
@@ -615,3 +668,23 @@ class RolloutService:
                 s.commit()
             self._twin.recompute_many(touched)
         return touched
+
+
+def _add_with_rollout(
+    s: Session, dep: Deployment, plan_in: Sequence[int | str], gate: GateConfig | None
+) -> int:
+    """Store ``dep`` with its rollout (the wave plan over the devices it matches now); its id."""
+    s.add(dep)
+    s.flush()
+    assert dep.id is not None
+    n = len(matching_devices(s, dep))
+    s.add(
+        Rollout(
+            deployment_id=dep.id,
+            waves=list(plan_in),
+            plan=plan_waves(plan_in, n),
+            gate=(gate or GateConfig()).model_dump(),
+        )
+    )
+    s.commit()
+    return dep.id

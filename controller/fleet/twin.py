@@ -21,22 +21,31 @@ from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
 from controller.db.states import DeviceStatus, ModelVersionStatus, SyncState
 from controller.db.tables import Device, Event, ModelVariant, ModelVersion, utcnow
 from controller.errors import ConflictError, NotFoundError
-from controller.fleet.deployments import admitted_for, applied_deployments, layers
+from controller.fleet.deployments import (
+    AGENT_HEALTH_TIMEOUT_S,
+    AgentLayer,
+    admitted_for,
+    agent_layer,
+    applied_deployments,
+    layers,
+)
 from controller.fleet.sync import device_sync
-from controller.link.artifacts import artifact_file, with_chunk_hashes
+from controller.link.artifacts import artifact_file, ref_chunk_size, with_chunk_hashes
 from controller.link.bridge import MqttBridge
+from controller.registry.agent_packages import get_package
 from controller.registry.variants import VariantReport, choose_variant
 from controller.security.keys import ArtifactSigner
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import (
     FETCH_TRANSPORT_ERROR,
+    AgentPackageRef,
     ArtifactRef,
     CameraDesired,
     Capabilities,
     DesiredState,
     ModelManifest,
 )
-from fleet_protocol.signing import signed_desired
+from fleet_protocol.signing import sign_agent_package, signed_desired
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +229,7 @@ class TwinService:
         Returns the new state, or None when nothing changed."""
         with self._lock, session_scope(self._engine) as s:
             dev = _locked(s, device_id)
-            if dev is None:
+            if dev is None or dev.status == DeviceStatus.DECOMMISSIONED:  # retired: nothing to send
                 return None
             return self._apply(s, dev)
 
@@ -234,7 +243,8 @@ class TwinService:
         return changed
 
     def _apply(self, s: Session, dev: Device) -> DesiredState | None:
-        chosen = layers(dev, applied_deployments(s), admitted_for(s, dev.id))
+        deployments, admitted = applied_deployments(s), admitted_for(s, dev.id)
+        chosen = layers(dev, deployments, admitted)
         cameras: dict[str, CameraDesired] = {}
         assignments: dict[str, Any] = {}
         for cam, layer in sorted(chosen.items()):
@@ -259,17 +269,95 @@ class TwinService:
             }
         if assignments != (dev.assignments or {}):
             dev.assignments = assignments
+        agent = self._agent(s, dev, agent_layer(dev, deployments, admitted))
         s.add(dev)
         old = self.current(dev.desired)
-        new = self._signed(old.model_copy(update={"cameras": cameras}), dev.id)
+        new = self._signed(old.model_copy(update={"cameras": cameras, "agent": agent}), dev.id)
         same = {k: v.model_dump(mode="json") for k, v in new.cameras.items()} == {
             k: v.model_dump(mode="json") for k, v in old.cameras.items()
-        }
+        } and _agent_json(new.agent) == _agent_json(old.agent)
         if same:
             s.commit()
             return None
         log.info("desired state of %s changed; publishing", dev.id)
-        return self._commit(s, dev.id, old, cameras)
+        return self._commit(s, dev.id, old, cameras, agent)
+
+    def _agent(self, s: Session, dev: Device, layer: AgentLayer | None) -> AgentPackageRef | None:
+        """The agent ref of ``dev``'s desired state, keeping ``dev.agent_desired`` up to date.
+
+        ``current`` is the ref sent now, ``previous`` the one before the last change of version (or,
+        the first time, the package of the version the device reports running, when it was uploaded).
+        When the deployment that set ``current`` no longer applies (its rollout failed, was rolled
+        back or cancelled before the device was active, it was deleted) and no other layer names a
+        version, the device goes back to ``previous``: leaving the agent as it is would not be a roll
+        back. Without a ``previous`` there is nothing to go back to, and the agent is left as it is.
+        """
+        state = dict(dev.agent_desired or {})
+        cur: dict[str, Any] | None = state.get("current")
+        prev: dict[str, Any] | None = state.get("previous")
+        if layer is not None:
+            pkg = get_package(s, layer.version)
+            if pkg is None:
+                # Deleting a package someone needs is refused; a row gone all the same keeps what was sent.
+                log.warning("agent %s for %s is not uploaded; desired agent unchanged", layer.version, dev.id)
+            else:
+                want = {
+                    "version": pkg.version,
+                    "sha256": pkg.sha256,
+                    "size": pkg.size,
+                    "chunk_size": ref_chunk_size(pkg.size, self._chunk_size),
+                    "health_timeout_s": layer.health_timeout_s,
+                    "source": layer.source,
+                    "deployment": layer.deployment,
+                }
+                if cur is None or cur.get("version") != want["version"]:
+                    prev = cur if cur is not None else _running_package(s, dev, self._chunk_size)
+                cur = want
+        elif cur is not None and cur.get("source") == "deployment":
+            log.info(
+                "agent %s of %s: its deployment %s no longer applies; back to %s",
+                cur.get("version"),
+                dev.id,
+                cur.get("deployment"),
+                (prev or {}).get("version") or "what it runs (no earlier package known)",
+            )
+            cur = {**prev, "source": "rollback", "deployment": None} if prev is not None else None
+            prev = None
+        state.update(current=cur, previous=prev)
+        # A device no agent layer ever named keeps NULL (most of a fleet, most of the time).
+        if state != (dev.agent_desired or {}) and (
+            dev.agent_desired is not None or any(v is not None for v in state.values())
+        ):
+            dev.agent_desired = state
+        if cur is None:
+            return None
+        return AgentPackageRef(
+            version=cur["version"],
+            sha256=cur["sha256"],
+            size=cur["size"],
+            chunk_size=cur["chunk_size"],
+            health_timeout_s=float(cur.get("health_timeout_s") or AGENT_HEALTH_TIMEOUT_S),
+        )
+
+    def assign_agent(
+        self, *, device_id: str, version: str | None, health_timeout_s: float = AGENT_HEALTH_TIMEOUT_S
+    ) -> DesiredState:
+        """Set (or with None clear) the device's direct agent version, the layer below every agent
+        deployment, and publish its desired state when it changed."""
+        with self._lock, session_scope(self._engine) as s:
+            dev = _locked(s, device_id)
+            if dev is None:
+                raise NotFoundError(f"device {device_id!r} is not known")
+            if version is not None and get_package(s, version) is None:
+                raise NotFoundError(f"agent version {version!r} is not uploaded")
+            state = dict(dev.agent_desired or {})
+            state.update(direct=version, direct_health_timeout_s=health_timeout_s if version else None)
+            if version is None and (state.get("current") or {}).get("source") != "deployment":
+                # Cleared: the desired state stops naming a version (the agent runs on as it is) and
+                # no longer holds a package; a deployment's version stays.
+                state.update(current=None, previous=None)
+            dev.agent_desired = state
+            return self._apply(s, dev) or self.current(dev.desired)
 
     def recompute_for_model(self, model_version_id: int) -> int:
         """Recompute every device whose desired state runs this model version; returns how many changed."""
@@ -282,7 +370,12 @@ class TwinService:
         return sum(self.recompute(d) is not None for d in devices)
 
     def _commit(
-        self, s: Session, device_id: str, old: DesiredState, cameras: dict[str, CameraDesired]
+        self,
+        s: Session,
+        device_id: str,
+        old: DesiredState,
+        cameras: dict[str, CameraDesired],
+        agent: AgentPackageRef | None,
     ) -> DesiredState:
         dev = crud.get_device(s, device_id=device_id)
         assert dev is not None
@@ -291,6 +384,7 @@ class TwinService:
                 version=max(old.version, dev.desired_version) + 1,
                 issued_at=_issue_time(old),
                 cameras=cameras,
+                agent=agent,
             ),
             device_id,
         )
@@ -310,7 +404,7 @@ class TwinService:
         """
         with Session(self._engine) as s:
             dev = _locked(s, device_id)
-            if dev is None or dev.desired is None:
+            if dev is None or dev.desired is None or dev.status == DeviceStatus.DECOMMISSIONED:
                 return False
             state = self._signed(self.current(dev.desired), device_id)
             try:
@@ -339,8 +433,16 @@ class TwinService:
             cam: cd.model_copy(update={"model": self._signer.sign(cd.model)}) if cd.model is not None else cd
             for cam, cd in state.cameras.items()
         }
+        # The agent package is signed on its own too: the agent checks it before fetching a byte.
+        agent = sign_agent_package(state.agent, self._signer.private_key) if state.agent is not None else None
         bound = state.model_copy(
-            update={"cameras": cameras, "device_id": device_id, "signature": None, "key_id": None}
+            update={
+                "cameras": cameras,
+                "agent": agent,
+                "device_id": device_id,
+                "signature": None,
+                "key_id": None,
+            }
         )
         # Through validation again: a copy is not validated, and what is signed must be what decodes.
         return signed_desired(DesiredState.model_validate(bound.model_dump()), self._signer.private_key)
@@ -356,7 +458,13 @@ class TwinService:
             return 0
         with Session(self._engine) as s:
             ids = list(
-                s.exec(select(Device.id).where(col(Device.desired).is_not(None)).order_by(col(Device.id)))
+                s.exec(
+                    select(Device.id)
+                    .where(
+                        col(Device.desired).is_not(None), col(Device.status) != DeviceStatus.DECOMMISSIONED
+                    )
+                    .order_by(col(Device.id))
+                )
             )
         done = 0
         for device_id in ids:
@@ -391,7 +499,10 @@ class TwinService:
             old = self.current(dev.desired)
             version = max(old.version, dev.desired_version, dev.reported_version or 0) + 1
             new = self._signed(
-                DesiredState(version=version, issued_at=_issue_time(old), cameras=old.cameras), device_id
+                DesiredState(
+                    version=version, issued_at=_issue_time(old), cameras=old.cameras, agent=old.agent
+                ),
+                device_id,
             )
             dev.desired = new.model_dump(mode="json")
             dev.desired_version = new.version
@@ -435,6 +546,29 @@ def _issue_time(previous: DesiredState) -> float:
     """Now, but never before the previous state's issue time: an agent refuses a state issued before
     the one it has, so a controller clock stepped back must not lock its devices out."""
     return max(time.time(), previous.issued_at)
+
+
+def _agent_json(ref: AgentPackageRef | None) -> dict[str, Any] | None:
+    """What decides an agent ref's sameness: everything but its signature (made at every publish)."""
+    return ref.model_dump(mode="json", exclude={"signature", "key_id"}) if ref is not None else None
+
+
+def _running_package(s: Session, dev: Device, chunk_size: int) -> dict[str, Any] | None:
+    """The uploaded package of the agent version ``dev`` reports running, as a ``current`` entry: what
+    a first agent change goes back to. None when that version was never uploaded (a base install)."""
+    reported = ((dev.reported or {}).get("agent") or {}).get("version") or dev.agent_version
+    pkg = get_package(s, str(reported)) if reported else None
+    if pkg is None:
+        return None
+    return {
+        "version": pkg.version,
+        "sha256": pkg.sha256,
+        "size": pkg.size,
+        "chunk_size": ref_chunk_size(pkg.size, chunk_size),
+        "health_timeout_s": AGENT_HEALTH_TIMEOUT_S,
+        "source": "running",
+        "deployment": None,
+    }
 
 
 def _artifact_path(s: Session, sha256: str) -> Path | None:

@@ -45,8 +45,9 @@ from controller.link.bridge import (
     MqttBridge,
     RateLimitedLog,
 )
+from controller.registry.agent_packages import package_by_sha
 from fleet_protocol import TopicKind, encode_chunk
-from fleet_protocol.messages import MAX_CHUNK_HASHES, ArtifactRef, ArtifactRequest, Message
+from fleet_protocol.messages import MAX_CHUNK_HASHES, AgentPackageRef, ArtifactRef, ArtifactRequest, Message
 
 log = logging.getLogger(__name__)
 
@@ -184,13 +185,18 @@ def with_chunk_hashes(ref: ArtifactRef, path: Path | None, hashes: ChunkHashes |
 
 
 def artifact_file(s: Session, sha256: str) -> tuple[Path, int] | None:
-    """Path and size of the model version or variant file with this sha256, if the registry has one."""
+    """Path and size of the model version, variant or agent package file with this sha256, if the
+    registry has one."""
     mv = crud.get_model_by_sha(s, sha256=sha256)
     if mv is not None:
         return Path(mv.path), mv.size
     var = crud.get_variant_by_sha(s, sha256=sha256)
     if var is not None and var.path is not None and var.size is not None:
         return Path(var.path), var.size
+    # Agent packages travel the same channel, by the same sha256 addressing (issue 14.3).
+    pkg = package_by_sha(s, sha256)
+    if pkg is not None:
+        return Path(pkg.path), pkg.size
     return None
 
 
@@ -198,12 +204,19 @@ def artifact_file(s: Session, sha256: str) -> tuple[Path, int] | None:
 
 
 def desired_artifacts(desired: dict[str, Any] | None) -> dict[str, frozenset[int]]:
-    """sha256 → chunk sizes of the artifact refs in a stored desired state (read loosely: a stored
-    state is the controller's own JSON, but of whichever version of it wrote it)."""
+    """sha256 → chunk sizes of the artifact refs (models, and the agent package) in a stored desired
+    state (read loosely: a stored state is the controller's own JSON, but of whichever version of it
+    wrote it)."""
     out: dict[str, set[int]] = {}
+    agent = (desired or {}).get("agent")
+    if isinstance(agent, dict):
+        sha = agent.get("sha256")
+        cs = agent.get("chunk_size", AgentPackageRef.model_fields["chunk_size"].default)
+        if isinstance(sha, str) and isinstance(cs, int):
+            out.setdefault(sha, set()).add(cs)
     cameras = (desired or {}).get("cameras")
     if not isinstance(cameras, dict):
-        return {}
+        return {k: frozenset(v) for k, v in out.items()}
     for cd in cameras.values():
         ref = cd.get("model") if isinstance(cd, dict) else None
         if not isinstance(ref, dict):
@@ -430,7 +443,7 @@ class ArtifactServer:
             hit = self._cache.get(sha256)
         if hit is not None:
             return hit
-        # Model versions and their variants, both by sha256 (an fp16/int8 file has its own).
+        # Model versions, their variants (an fp16/int8 file has its own) and agent packages, by sha256.
         with Session(self._engine) as s:
             found = artifact_file(s, sha256)
         if found is None:

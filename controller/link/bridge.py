@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import paho.mqtt.client as mqtt
@@ -73,6 +73,8 @@ UNKNOWN_KIND = "unknown"
 # additive change, PROTOCOL.md "Versions and compatibility"): counted besides its handler's outcome.
 UNKNOWN_FIELDS = "unknown_fields"
 ERROR = "error"  # a handler raised
+# From a decommissioned device (a broker without per-device credentials still lets it publish).
+REFUSED_DECOMMISSIONED = "refused_decommissioned"
 
 # How bad an outcome is, for combining those of several handlers; any outcome not named here is a
 # drop or failure (rank 2): the message did not get everywhere it was meant to.
@@ -336,6 +338,12 @@ class MqttBridge:
         self._connect_listeners: list[ConnectCallback] = []
         self._bad = RateLimitedLog(log)
         self._activity: dict[str, float] = {}
+        # Devices whose messages are refused (decommissioned). Copy on write: read without a lock.
+        self._refused: frozenset[str] = frozenset()
+        self._refused_lock = threading.Lock()
+        # This process's own changes (device -> (refused, monotonic time)), kept over a database read
+        # that began before them (it may not see their commit yet).
+        self._refused_changes: dict[str, tuple[bool, float]] = {}
 
     @property
     def connected(self) -> bool:
@@ -369,6 +377,28 @@ class MqttBridge:
                     self._handlers.pop(kind, None)
 
         return remove
+
+    def set_refused(self, device_ids: Iterable[str], *, read_at: float) -> None:
+        """Refuse (count, never hand on) what these devices send: the decommissioned ones, as the
+        database said when read at ``read_at`` (``time.monotonic()`` before the read; the status worker
+        reads it every few seconds, for other replicas' changes). This process's own changes since
+        ``read_at`` stand."""
+        with self._refused_lock:
+            refused = set(device_ids)
+            for device_id, (refuse, at) in list(self._refused_changes.items()):
+                if at < read_at:
+                    del self._refused_changes[device_id]  # the read saw it
+                elif refuse:
+                    refused.add(device_id)
+                else:
+                    refused.discard(device_id)
+            self._refused = frozenset(refused)
+
+    def refuse(self, device_id: str, refused: bool = True) -> None:
+        """Refuse ``device_id`` from now on (False: take its messages again), in this process at once."""
+        with self._refused_lock:
+            self._refused_changes[device_id] = (refused, time.monotonic())
+            self._refused = self._refused | {device_id} if refused else self._refused - {device_id}
 
     def on_connect(self, listener: ConnectCallback) -> None:
         self._connect_listeners.append(listener)
@@ -479,6 +509,15 @@ class MqttBridge:
                 return
             kind_name = parsed.kind.value
             device_id = parsed.device_id
+            if device_id in self._refused:
+                self.counters.add(kind_name, REFUSED_DECOMMISSIONED)
+                self._bad.warning(
+                    f"{REFUSED_DECOMMISSIONED}:{device_id}",
+                    "refusing %s from %s: the device is decommissioned (enroll it again to take it back)",
+                    kind_name,
+                    device_id,
+                )
+                return
 
             def newer(what: tuple[str, ...]) -> None:
                 self.counters.add(kind_name, UNKNOWN_FIELDS)

@@ -5,9 +5,11 @@ and acks after the commit. The two overlap: the writer's database time is spent 
 with the GIL released, while paho's thread decodes the next messages.
 
 The truth is in the database, not in this process: controller replicas share a device's messages
-round-robin (MQTT ``$share``), so no process sees all of them. Each transaction locks the batch's
-``device_seq`` rows (in device-id order), treats every seq up to ``upto`` as a duplicate, claims the
-rest in ``ingested_seq``, moves ``upto`` over the claimed rows above it, whoever stored them, and
+round-robin (MQTT ``$share``), so no process sees all of them. A device's seqs are numbered per
+incarnation (PROTOCOL.md "Incarnations"; '' for the legacy space of an older agent): dedup, acks and
+counters are per (device, incarnation), a space. Each transaction locks the batch's devices'
+``device_seq`` rows (in (device, incarnation) order), treats every seq up to a space's ``upto`` as a
+duplicate, claims the rest in ``ingested_seq``, moves ``upto`` over the claimed rows above it, whoever stored them, and
 counts what it stored, found twice or saw declared dropped. The ack it publishes after the commit is
 built from that, so it is right whichever replica stored which seq; and a start reads no history.
 
@@ -36,7 +38,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from controller.db import crud
-from controller.db.crud import SeqRow
+from controller.db.crud import SeqRow, Space, space_of
 from controller.db.engine import db_json, db_text, session_scope
 from controller.db.tables import Detection, Event, utcnow
 from controller.link.bridge import DROPPED_QUEUE_FULL, DUPLICATE, INVALID, OK, STORE_FAILED, MqttBridge
@@ -92,6 +94,10 @@ class _Item:
     device_id: str
     msg: IngestMsg
     received_at: float  # epoch seconds
+
+    @property
+    def space(self) -> Space:
+        return space_of(self.device_id, self.msg.incarnation)
 
     @property
     def kind(self) -> str:
@@ -246,11 +252,23 @@ _STATS_BY_ID_MAX = 500
 
 
 def seq_stats(row: SeqRow | None) -> SeqStats:
+    """One space's figures."""
     if row is None:
         return NO_STATS
     return SeqStats.of(
-        upto=row.upto, max_seq=row.max_seq, stored=row.stored, dropped=row.dropped, duplicates=row.duplicates
+        upto=row.upto,
+        max_seq=row.max_seq,
+        stored=row.stored,
+        dropped=row.dropped,
+        duplicates=row.duplicates,
+        incarnation=row.incarnation or None,
+        started_at=row.started_at,
     )
+
+
+def device_stats(rows: list[SeqRow]) -> SeqStats:
+    """A device's figures over its spaces (``rows`` oldest first), each space's among them."""
+    return SeqStats.total([seq_stats(r) for r in rows])
 
 
 class IngestService:
@@ -273,8 +291,8 @@ class IngestService:
         self._batch_max = batch_max
         self._queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_max)
         self._stop = stop
-        # Devices whose device and device_seq rows this writer has seen exist (the writer thread's own).
-        self._known_devices: set[str] = set()
+        # Spaces whose device and device_seq rows this writer has seen exist (the writer thread's own).
+        self._known_spaces: set[Space] = set()
         self._thread: threading.Thread | None = None
         self._det_insert: _DetectionInsert | None = None
 
@@ -308,7 +326,7 @@ class IngestService:
         rows = crud.device_seqs(
             session, device_ids=device_ids if len(device_ids) <= _STATS_BY_ID_MAX else None
         )
-        return {d: seq_stats(rows.get(d)) for d in device_ids}
+        return {d: device_stats(rows.get(d, [])) for d in device_ids}
 
     # ---------------------------------------------------------------- bridge handler (paho thread)
 
@@ -354,8 +372,8 @@ class IngestService:
             results = {}
             for item in batch:
                 try:
-                    for dev, res in self._store([item]).items():
-                        merged = results.setdefault(dev, _DeviceResult())
+                    for space, res in self._store([item]).items():
+                        merged = results.setdefault(space, _DeviceResult())
                         merged.stored += res.stored
                         merged.converted |= res.converted
                         merged.duplicates += res.duplicates
@@ -369,37 +387,38 @@ class IngestService:
         write_s = time.perf_counter() - t0
         self._after_commit(results)
         if self._on_stored is not None:
-            stored = [(dev, item.msg) for dev, res in results.items() for item in res.stored]
+            stored = [(dev, item.msg) for (dev, _), res in results.items() for item in res.stored]
             try:
                 self._on_stored(StoredBatch(messages=stored, stored_at=utcnow(), write_s=write_s))
             except Exception:
                 log.exception("on_stored callback failed")
 
-    def _store(self, batch: list[_Item]) -> dict[str, _DeviceResult]:
-        by_device: dict[str, dict[int, _Item]] = defaultdict(dict)
-        results: dict[str, _DeviceResult] = defaultdict(_DeviceResult)
+    def _store(self, batch: list[_Item]) -> dict[Space, _DeviceResult]:
+        by_space: dict[Space, dict[int, _Item]] = defaultdict(dict)
+        results: dict[Space, _DeviceResult] = defaultdict(_DeviceResult)
         for item in batch:
-            seen = by_device[item.device_id]
+            space = item.space
+            seen = by_space[space]
             if item.msg.seq in seen:
-                results[item.device_id].duplicates.append(item)
+                results[space].duplicates.append(item)
             else:
                 seen[item.msg.seq] = item
         now = utcnow()
         with session_scope(self._engine) as s:
-            truth = self._lock_truth(s, set(by_device))
-            claimed = self._claim(s, by_device, truth, now)
+            truth = self._lock_truth(s, set(by_space), now)
+            claimed = self._claim(s, by_space, truth, now)
             det_rows: list[tuple[Any, ...]] = []
             det_insert = self._detection_insert(s)
-            for device_id, items in by_device.items():
-                res = results[device_id]
-                row = truth[device_id]
-                # Only a device with seqs declared dropped (and not arrived since) can have one revived.
-                self._sort_device(s, device_id, items, claimed, res, now, revive=row.dropped > 0)
-                self._rows_device(s, device_id, res, now, det_rows, det_insert, upto=row.upto)
-            islands = crud.seq_islands(s, device_ids=by_device)
-            for device_id, row in truth.items():
-                self._account(row, results[device_id], islands.get(device_id, []))
-            crud.save_device_seqs(s, rows=truth.values())
+            for space, items in by_space.items():
+                res = results[space]
+                row = truth[space]
+                # Only a space with seqs declared dropped (and not arrived since) can have one revived.
+                self._sort_device(s, space, items, claimed, res, now, revive=row.dropped > 0)
+                self._rows_device(s, space, res, now, det_rows, det_insert, upto=row.upto)
+            islands = crud.seq_islands(s, device_ids={d for d, _ in by_space})
+            for space in by_space:
+                self._account(truth[space], results[space], islands.get(space, []))
+            crud.save_device_seqs(s, rows=[truth[space] for space in by_space])
             # One INSERT for the detections of every device in the batch.
             if det_insert.usable:
                 det_insert.execute(s, det_rows)
@@ -408,65 +427,87 @@ class IngestService:
                 for i in range(0, len(det_rows), _INSERT_CHUNK):
                     chunk = [dict(zip(_DET_COLUMNS, r, strict=True)) for r in det_rows[i : i + _INSERT_CHUNK]]
                     s.execute(sa.insert(table), chunk)
-        self._known_devices |= set(by_device)
+        self._known_spaces |= set(by_space)
         return dict(results)
 
-    def _lock_truth(self, s: Session, device_ids: set[str]) -> dict[str, SeqRow]:
-        """The batch's ``device_seq`` rows, created if new and locked until the commit.
+    def _lock_truth(self, s: Session, spaces: set[Space], now: datetime) -> dict[Space, SeqRow]:
+        """The ``device_seq`` rows of the batch's devices (every space of theirs), the batch's spaces
+        created if new, locked until the commit.
+
+        A space created here is new to the fleet (the insert happens once, whichever replica tries):
+        a new incarnation becomes its device's current one, with a ``device_reset`` event when the
+        device had sent in another space before.
 
         On SQLite the driver opens the transaction at the first write, so the read may come before it;
         it still sees the rows as the commit will find them: SQLite serves one controller process, with
         one ingest writer, the only one that writes these rows.
         """
-        new = device_ids - self._known_devices
+        new = spaces - self._known_spaces
         if new:
-            crud.ensure_devices(s, device_ids=new)
-            crud.ensure_device_seqs(s, device_ids=new)
-        truth = crud.lock_device_seqs(s, device_ids=device_ids)
-        missing = device_ids - truth.keys()
+            self._create_spaces(s, new, now)
+        devices = {d for d, _ in spaces}
+        truth = crud.lock_device_seqs(s, device_ids=devices)
+        missing = spaces - truth.keys()
         if missing:  # deleted behind this writer's back (by hand: the controller never deletes them)
-            crud.ensure_devices(s, device_ids=missing)
-            crud.ensure_device_seqs(s, device_ids=missing)
-            truth |= crud.lock_device_seqs(s, device_ids=missing)
+            self._create_spaces(s, missing, now)
+            truth |= crud.lock_device_seqs(s, device_ids={d for d, _ in missing})
         return truth
 
     @staticmethod
-    def _claim(
-        s: Session, by_device: dict[str, dict[int, _Item]], truth: dict[str, SeqRow], now: datetime
-    ) -> set[tuple[str, int]]:
-        """Insert the dedup record of every ``(device, seq)`` above the device's ``upto``; returns those
-        that were new.
+    def _create_spaces(s: Session, spaces: set[Space], now: datetime) -> None:
+        crud.ensure_devices(s, device_ids={d for d, _ in spaces})
+        created = crud.ensure_device_seqs(s, spaces=spaces, now=now)
+        for ev in crud.record_new_incarnations(s, created=created, now=now):
+            log.warning("%s: %s", ev.device_id, ev.message)
 
-        The primary key (device, seq) is the dedup: a seq stored before (by this writer or any other)
+    @staticmethod
+    def _claim(
+        s: Session, by_space: dict[Space, dict[int, _Item]], truth: dict[Space, SeqRow], now: datetime
+    ) -> set[tuple[Space, int]]:
+        """Insert the dedup record of every ``(device, incarnation, seq)`` above its space's ``upto``;
+        returns those that were new.
+
+        The primary key (device, incarnation, seq) is the dedup: a seq stored before (by this writer or any other)
         is not returned, and is then either a declared-dropped seq that arrived after all, or a duplicate.
         A seq up to ``upto`` is not even tried: its row may have been compacted away.
         """
         t = crud.ingested_seq_table()
         rows = [
-            {"device_id": device_id, "seq": q, "kind": item.kind, "stored_at": now, "dropped": False}
-            for device_id, items in by_device.items()
+            {
+                "device_id": space[0],
+                "incarnation": space[1],
+                "seq": q,
+                "kind": item.kind,
+                "stored_at": now,
+                "dropped": False,
+            }
+            for space, items in by_space.items()
             for q, item in items.items()
-            if q > truth[device_id].upto
+            if q > truth[space].upto
         ]
         if not rows:
             return set()
-        ins = crud.dialect_insert(s, t).on_conflict_do_nothing().returning(t.c.device_id, t.c.seq)
-        return {(str(d), int(q)) for d, q in s.execute(ins, rows).all()}
+        ins = (
+            crud.dialect_insert(s, t)
+            .on_conflict_do_nothing()
+            .returning(t.c.device_id, t.c.incarnation, t.c.seq)
+        )
+        return {((str(d), str(i)), int(q)) for d, i, q in s.execute(ins, rows).all()}
 
     @staticmethod
     def _sort_device(
         s: Session,
-        device_id: str,
+        space: Space,
         items: dict[int, _Item],
-        claimed: set[tuple[str, int]],
+        claimed: set[tuple[Space, int]],
         res: _DeviceResult,
         now: datetime,
         *,
         revive: bool,
     ) -> None:
-        """Split one device's messages into stored (new, or declared dropped before) and duplicates."""
-        stored = [q for q in items if (device_id, q) in claimed]
-        seen_before = [q for q in items if (device_id, q) not in claimed]
+        """Split one space's messages into stored (new, or declared dropped before) and duplicates."""
+        stored = [q for q in items if (space, q) in claimed]
+        seen_before = [q for q in items if (space, q) not in claimed]
         if seen_before:
             revived: set[int] = set()
             if revive:
@@ -474,7 +515,12 @@ class IngestService:
                 t = crud.ingested_seq_table()
                 upd = (
                     sa.update(t)
-                    .where(t.c.device_id == device_id, t.c.seq.in_(seen_before), t.c.dropped.is_(True))
+                    .where(
+                        t.c.device_id == space[0],
+                        t.c.incarnation == space[1],
+                        t.c.seq.in_(seen_before),
+                        t.c.dropped.is_(True),
+                    )
                     .values(dropped=False, stored_at=now)
                     .returning(t.c.seq)
                 )
@@ -494,7 +540,7 @@ class IngestService:
     def _rows_device(
         self,
         s: Session,
-        device_id: str,
+        space: Space,
         res: _DeviceResult,
         now: datetime,
         det_rows: list[tuple[Any, ...]],
@@ -503,6 +549,7 @@ class IngestService:
         upto: int,
     ) -> None:
         """Append the stored detections' rows to ``det_rows``; add the stored events to the session."""
+        device_id = space[0]
         usable = det_insert.usable
         # Timestamps in the driver's form, converted once per commit and once per frame, not per row.
         stored_db = det_insert.stored_to_db(now) if usable else now
@@ -551,11 +598,11 @@ class IngestService:
                 )
                 rng = declared_range(msg)
                 if rng is not None:
-                    res.declared += self._declare_dropped(s, device_id, rng, now, upto=upto)
+                    res.declared += self._declare_dropped(s, space, rng, now, upto=upto)
 
     @staticmethod
     def _declare_dropped(
-        s: Session, device_id: str, rng: tuple[int, int], now: datetime, *, upto: int
+        s: Session, space: Space, rng: tuple[int, int], now: datetime, *, upto: int
     ) -> list[int]:
         # Every seq up to upto is covered already, and its row may be compacted: not declared again.
         first, last = max(rng[0], upto + 1), rng[1]
@@ -565,28 +612,41 @@ class IngestService:
         for a in range(first, last + 1, _INSERT_CHUNK):
             b = min(last, a + _INSERT_CHUNK - 1)
             rows = [
-                {"device_id": device_id, "seq": q, "kind": "dropped", "stored_at": now, "dropped": True}
+                {
+                    "device_id": space[0],
+                    "incarnation": space[1],
+                    "seq": q,
+                    "kind": "dropped",
+                    "stored_at": now,
+                    "dropped": True,
+                }
                 for q in range(a, b + 1)
             ]
             newly += [int(r[0]) for r in s.execute(ins, rows).all()]
         if newly:
             log.warning(
-                "%s declared %d seqs dropped from its outbox (%d..%d)", device_id, len(newly), first, last
+                "%s (incarnation %s) declared %d seqs dropped from its outbox (%d..%d)",
+                space[0],
+                space[1] or "legacy",
+                len(newly),
+                first,
+                last,
             )
         return newly
 
     @staticmethod
     def _account(row: SeqRow, res: _DeviceResult, islands: list[tuple[int, int]]) -> None:
-        """Count the device's batch on its row, move ``upto`` and build the ack (inside the transaction)."""
+        """Count the space's batch on its row, move ``upto`` and build the ack (inside the transaction):
+        it names the space's incarnation, so an agent that started another meanwhile ignores it."""
         row.stored += len(res.stored)
         row.dropped += len(res.declared) - len(res.converted)
         row.duplicates += len(res.duplicates)
         upto, ranges = advance(row.upto, islands)
         row.upto = upto
         row.max_seq = max(row.max_seq, islands[-1][1] if islands else upto)
-        res.ack = Ack(upto=upto, ranges=ranges)
+        res.ack = Ack(incarnation=row.incarnation or None, upto=upto, ranges=ranges)
 
-    def _after_commit(self, results: dict[str, _DeviceResult]) -> None:
+    def _after_commit(self, results: dict[Space, _DeviceResult]) -> None:
         # This process's own outcome counters (the fleet's are the device_seq rows).
         counters = self._bridge.counters
         for res in results.values():
@@ -595,7 +655,7 @@ class IngestService:
             for item in res.duplicates:
                 counters.add(item.kind, DUPLICATE)
         # Acked after commit, and also for duplicates: a resend means the agent missed our last ack.
-        for device_id, res in results.items():
+        for (device_id, _), res in results.items():
             ack = res.ack
             if ack is None:
                 continue

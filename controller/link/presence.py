@@ -17,14 +17,21 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from controller.db import crud
 from controller.db.engine import db_json, db_text, session_scope
 from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
 from controller.db.states import DeviceStatus
 from controller.db.tables import Device, HealthSample, utcnow
-from controller.link.bridge import DROPPED_QUEUE_FULL, INVALID, OK, STORE_FAILED, MqttBridge
+from controller.link.bridge import (
+    DROPPED_QUEUE_FULL,
+    INVALID,
+    OK,
+    REFUSED_DECOMMISSIONED,
+    STORE_FAILED,
+    MqttBridge,
+)
 from controller.link.commands import command_result_event
 from fleet_protocol.codec import MESSAGE_FOR_TOPIC
 from fleet_protocol.messages import Availability, CommandResult, Heartbeat, Message, ReportedState
@@ -32,6 +39,9 @@ from fleet_protocol.messages import Availability, CommandResult, Heartbeat, Mess
 log = logging.getLogger(__name__)
 
 StatusMsg = Availability | Heartbeat | ReportedState | CommandResult
+# How often every replica reads which devices are decommissioned (its own decommissions take effect at
+# once; another replica's within this).
+REFUSED_REFRESH_S = 5.0
 MAX_VERSION = 2**31 - 1  # device.reported_version is a 32-bit INTEGER
 _KIND: dict[type, str] = {cls: kind.value for kind, cls in MESSAGE_FOR_TOPIC.items()}
 
@@ -110,9 +120,23 @@ class StatusService:
 
     # ---------------------------------------------------------------- worker
 
+    def refresh_refused(self) -> None:
+        """Have the bridge refuse what decommissioned devices send, as the database says now (every
+        replica: another one may have decommissioned or enrolled a device)."""
+        read_at = time.monotonic()
+        with Session(self._engine) as s:
+            self._bridge.set_refused(crud.decommissioned_ids(s), read_at=read_at)
+
     def _run(self) -> None:
         next_sweep = time.monotonic() + self._sweep_every
+        next_refresh = 0.0
         while not self._stop.is_set():
+            if time.monotonic() >= next_refresh:
+                next_refresh = time.monotonic() + REFUSED_REFRESH_S
+                try:
+                    self.refresh_refused()
+                except Exception:
+                    log.exception("reading the decommissioned devices failed")
             batch: list[_Item] = []
             republish = False
             try:
@@ -167,9 +191,30 @@ class StatusService:
         changed: set[str] = set()
         with session_scope(self._engine) as s:
             crud.ensure_devices(s, device_ids={i.device_id for i in batch})
+            # A birth names the incarnation the agent sends in: a new one is recorded now, even before
+            # its first batch (once, whichever of birth and batch, or replica, comes first). Before the
+            # device rows are touched, in the order ingest locks them: device_seq, then device.
+            spaces = {
+                (i.device_id, i.msg.incarnation or crud.LEGACY)
+                for i in batch
+                if isinstance(i.msg, Availability) and i.msg.state == "online" and i.msg.incarnation
+            }
+            if spaces:
+                now = utcnow()
+                created = crud.ensure_device_seqs(s, spaces=spaces, now=now)
+                for ev in crud.record_new_incarnations(s, created=created, now=now):
+                    log.warning("%s: %s", ev.device_id, ev.message)
+            # One SELECT for the batch's devices, not one per message (a heartbeat batch names hundreds).
+            ids = sorted({i.device_id for i in batch})
+            devices = {d.id: d for d in s.exec(select(Device).where(col(Device.id).in_(ids))).all()}
             for item in batch:
-                dev = s.get(Device, item.device_id)
+                dev = devices.get(item.device_id)
                 if dev is None:
+                    continue
+                if dev.status == DeviceStatus.DECOMMISSIONED:
+                    # Past the bridge's refusal (another replica decommissioned it a moment ago): a
+                    # retired device neither comes back online nor writes its health.
+                    self._bridge.counters.add(_KIND[type(item.msg)], REFUSED_DECOMMISSIONED)
                     continue
                 if self._apply_one(s, dev, item):
                     changed.add(dev.id)

@@ -1,8 +1,8 @@
 """The ack arithmetic: which sequence numbers are stored or declared dropped, and the Ack they make.
 
 Pure functions and data structures (no I/O), so the arithmetic can be tested on its own. The controller
-keeps the truth in the database (``device_seq``: every seq up to ``upto`` covered; ``ingested_seq``:
-the rows above it) and turns it into an ack with ``advance``; ``SeqTracker`` is the same arithmetic over
+keeps the truth in the database, per sequence space (a device's incarnation; ``device_seq``: every seq
+up to ``upto`` covered; ``ingested_seq``: the rows above it) and turns it into an ack with ``advance``; ``SeqTracker`` is the same arithmetic over
 a whole history in memory, the model the database-backed ingest is checked against.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 MAX_ACK_RANGES = 1000  # fleet_protocol.messages.Ack.ranges max_length
 
@@ -74,16 +75,51 @@ class IntervalSet:
 
 @dataclass(frozen=True)
 class SeqStats:
+    """One sequence space's figures; or a device's, summed over its spaces (``total``)."""
+
     stored: int
     duplicates: int
     dropped: int
     lost: int
     acked_upto: int
     max_seq: int
+    incarnation: str | None = None  # the space (None: legacy, or a device total)
+    started_at: datetime | None = None
+    incarnations: tuple[SeqStats, ...] = ()  # a device total: its spaces, oldest first
 
     @classmethod
-    def of(cls, *, upto: int, max_seq: int, stored: int, dropped: int, duplicates: int) -> SeqStats:
-        """From a device's counters: every seq up to ``max_seq`` neither stored nor declared dropped is lost."""
+    def total(cls, spaces: Sequence[SeqStats]) -> SeqStats:
+        """A device's figures over its spaces (oldest first): counts and ``lost`` summed (each space
+        loses on its own: a new one starting again at 1 hides nothing missing in the old one),
+        ``acked_upto`` and ``max_seq`` those of the newest space, the one the agent sends in now."""
+        if not spaces:
+            return NO_STATS
+        now = spaces[-1]
+        return cls(
+            stored=sum(x.stored for x in spaces),
+            duplicates=sum(x.duplicates for x in spaces),
+            dropped=sum(x.dropped for x in spaces),
+            lost=sum(x.lost for x in spaces),
+            acked_upto=now.acked_upto,
+            max_seq=now.max_seq,
+            incarnation=now.incarnation,
+            started_at=now.started_at,
+            incarnations=tuple(spaces),
+        )
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        upto: int,
+        max_seq: int,
+        stored: int,
+        dropped: int,
+        duplicates: int,
+        incarnation: str | None = None,
+        started_at: datetime | None = None,
+    ) -> SeqStats:
+        """From a space's counters: every seq up to ``max_seq`` neither stored nor declared dropped is lost."""
         return cls(
             stored=stored,
             duplicates=duplicates,
@@ -91,6 +127,8 @@ class SeqStats:
             lost=max(0, max_seq - stored - dropped),
             acked_upto=upto,
             max_seq=max_seq,
+            incarnation=incarnation,
+            started_at=started_at,
         )
 
 

@@ -1,5 +1,5 @@
 """Retention: old detections, events and health history are deleted; health history is thinned with age;
-the dedup records below each device's ``upto`` are compacted.
+the dedup records below each sequence space's ``upto`` are compacted.
 
 One named background thread, woken every ``interval_s`` or stopped by the controller's stop event.
 Every delete is a small batch in its own short transaction, with a pause in between, so that the
@@ -8,7 +8,7 @@ long. Among controller replicas this is the leader's work: a round starts only o
 every delete transaction is fenced (``Leadership.fence``), so a replica that lost the leadership
 cannot commit one after another replica took over.
 
-Compaction: ingest treats every seq up to a device's ``device_seq.upto`` as a duplicate without
+Compaction: ingest treats every seq up to a space's (a device's incarnation) ``device_seq.upto`` as a duplicate without
 reading ``ingested_seq``, so the rows there are no longer needed for dedup and are deleted once
 older than ``seq_keep_s`` (recent ones stay for whoever inspects what was stored). Rows of seqs the
 agent declared dropped are kept: a late arrival of one of them is stored after all, and its row says so.
@@ -170,7 +170,7 @@ class RetentionService:
         return rep
 
     def _compact_seqs(self, now: datetime) -> int:
-        """Delete ``ingested_seq`` rows at or below their device's ``upto``, not dropped, older than
+        """Delete ``ingested_seq`` rows at or below their space's ``upto``, not dropped, older than
         ``seq_keep_s``: in seq order, a batch at a time, up to the first row still too young (rows are
         stored roughly in seq order; one stored later waits for a later pass)."""
         p = self.policy
@@ -180,16 +180,19 @@ class RetentionService:
         # upto only grows, and ingest never writes a row at or below it again (but a dropped one, kept
         # here): a value read now stays safe to compact below while ingest goes on.
         with self._engine.connect() as conn:
-            devices = conn.execute(
-                sa.select(ds.c.device_id, ds.c.upto).where(ds.c.upto > 0).order_by(ds.c.device_id)
+            spaces = conn.execute(
+                sa.select(ds.c.device_id, ds.c.incarnation, ds.c.upto)
+                .where(ds.c.upto > 0)
+                .order_by(ds.c.device_id, ds.c.incarnation)
             ).all()
         deleted = 0
-        for dev, upto in devices:
+        for dev, inc, upto in spaces:
+            mine = sa.and_(t.c.device_id == dev, t.c.incarnation == inc)
             after = 0
             while self._going():
                 q = (
                     sa.select(t.c.seq, t.c.stored_at)
-                    .where(t.c.device_id == dev, t.c.seq > after, t.c.seq <= upto, t.c.dropped.is_(False))
+                    .where(mine, t.c.seq > after, t.c.seq <= upto, t.c.dropped.is_(False))
                     .order_by(t.c.seq)
                     .limit(p.batch)
                 )
@@ -202,7 +205,7 @@ class RetentionService:
                     doomed.append(int(seq))
                 if doomed:
                     stmt = sa.delete(t).where(
-                        t.c.device_id == dev, t.c.seq.in_(doomed), t.c.dropped.is_(False), t.c.seq <= upto
+                        mine, t.c.seq.in_(doomed), t.c.dropped.is_(False), t.c.seq <= upto
                     )
                     deleted += _delete(self._engine, stmt, self._leadership.fence)
                 if len(doomed) < p.batch:

@@ -65,11 +65,23 @@
     const st = $("status");
     st.replaceChildren(badge(d.status));
     st.dataset.status = d.status;
-    $("status-since").textContent = d.status === "online"
-      ? `online since ${when(d.online_since)}` : `offline since ${when(d.offline_since)}`;
+    $("status-since").textContent = d.status === "online" ? `online since ${when(d.online_since)}`
+      : d.status === "decommissioned" ? `decommissioned ${when(d.decommissioned_at)}`
+      : `offline since ${when(d.offline_since)}`;
     $("last-heartbeat").textContent = hb ? `${new Date(hb * 1000).toLocaleTimeString()} (${ago(new Date(hb * 1000).toISOString())})` : "none yet";
     $("last-heartbeat").dataset.hbTs = hb === undefined ? "" : String(hb);
-    $("agent-version").textContent = d.agent_version || "unknown";
+    const ag = d.agent || {};
+    $("agent-version").textContent = ag.version || d.agent_version || "unknown";
+    // Running version vs. desired, the update's state and, after a failure or roll back, why.
+    const upd = [];
+    if (ag.desired && ag.desired !== ag.version) upd.push(`→ ${ag.desired}`);
+    if (ag.state && ag.state !== "idle") upd.push(ag.progress_pct == null ? ag.state : `${ag.state} ${ag.progress_pct.toFixed(0)}%`);
+    if (ag.error && (ag.state === "failed" || ag.state === "rolled_back")) upd.push(ag.error);
+    $("agent-update").textContent = upd.length ? upd.join(" · ") : ag.desired ? "up to date" : "–";
+    $("agent-update").dataset.state = ag.state || "";
+    $("incarnation").textContent = d.incarnation
+      ? `${d.incarnation.slice(0, 8)} since ${when(d.incarnation_started_at)}` : "legacy / none";
+    $("incarnation").dataset.incarnation = d.incarnation || "";
     setVal($("cpu"), h.cpu_pct, 1, "%", hb);
     setVal($("memory"), h.memory_pct, 1, "%", hb);
     setVal($("disk"), h.disk_pct, 1, "%", hb);

@@ -148,6 +148,10 @@ def test_device_page_matches_the_api_and_the_snapshot_button_shows_an_image(
         page.goto(f"{fleet.controller.url}/devices/{DEVICE}#token={fleet.controller.token}")
         page.wait_for_selector('#status[data-status="online"]', timeout=15_000)
         page.wait_for_selector('#cpu[data-hb-ts]:not([data-hb-ts=""])', timeout=15_000)
+        # The seq space the agent sends in (its outbox's incarnation), as the API has it.
+        shown_incarnation = page.locator("#incarnation").get_attribute("data-incarnation")
+        api_incarnation = fleet.api.get(f"/api/v1/devices/{DEVICE}").json()["incarnation"]
+        assert shown_incarnation and shown_incarnation == api_incarnation
         # The values shown belong to one heartbeat; the same heartbeat through the API must agree.
         shown = page.evaluate(
             """() => Object.fromEntries(['cpu', 'memory', 'disk'].map(

@@ -152,15 +152,19 @@ class Postgres:
         held: set[int] = set()
         with self.engine.connect() as c:
             c.execute(sa.text("SET LOCAL lock_timeout = '500ms'"))
+            # The seq space the agent sends in (PROTOCOL.md "Incarnations"), recorded from its birth.
+            incarnation = c.execute(
+                sa.text("SELECT COALESCE(incarnation, '') FROM device WHERE id = :d"), {"d": device}
+            ).scalar_one()
             for q in sorted(candidates):
                 probe = c.begin_nested()
                 try:
                     c.execute(
                         sa.text(
-                            "INSERT INTO ingested_seq (device_id, seq, kind, stored_at, dropped) "
-                            "VALUES (:d, :q, 'probe', now(), false) ON CONFLICT DO NOTHING"
+                            "INSERT INTO ingested_seq (device_id, incarnation, seq, kind, stored_at, dropped) "
+                            "VALUES (:d, :i, :q, 'probe', now(), false) ON CONFLICT DO NOTHING"
                         ),
-                        {"d": device, "q": q},
+                        {"d": device, "i": incarnation, "q": q},
                     )
                 except sa.exc.OperationalError as exc:
                     if not isinstance(exc.orig, psycopg.errors.LockNotAvailable):

@@ -3,15 +3,17 @@ this controller, and this agent against the previous release's controller, on a 
 the bundled person detector on the bundled footage. Both ways: the model is transferred in chunks and
 runs (the device reports in sync), detections are stored, heartbeats arrive (online, with health).
 
-"The previous release" is the edgefleet code of :data:`PREVIOUS_RELEASE`, exported with ``git archive``
+"The previous release" is the edgefleet code of :data:`PREVIOUS_RELEASE` (the last landed release
+before this round's additive fields: incarnations, agent updates), exported with ``git archive``
 (read-only: no worktree, nothing in .git changes) into a venv of its own made without network:
 ``python -m venv --without-pip`` and a ``.pth`` file that puts the exported code first on the path and
 this checkout's venv site-packages after it, for the third-party packages. The same dependency set,
 the old edgefleet code. A checkout without that commit (a shallow clone) fails here, saying so: CI
 runs on a full clone.
 
-The previous release refuses every unknown field (that is why an upgrade had to be all at once): a
-newer agent's additive field makes it drop the message, which this release takes and counts instead.
+The release before the policy (:data:`BEFORE_POLICY`) refused every unknown field (that is why an
+upgrade to the policy had to be all at once): a newer agent's additive field makes it drop the message,
+which this release takes and counts instead. From the policy on, a rolling upgrade works both ways.
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
-# The release before the version skew policy (the last commit before this round's protocol changes):
-# its decoder refuses unknown fields. Overridable, to check a rolling upgrade from another release.
-PREVIOUS_RELEASE = os.environ.get("EDGEFLEET_PREVIOUS_RELEASE", "242107a7acacb3a2b92c2cc53f73adf6d7a09171")
+# The release before the version skew policy: its decoder refuses unknown fields.
+BEFORE_POLICY = "242107a7acacb3a2b92c2cc53f73adf6d7a09171"
+# The previous release a rolling upgrade starts from: the last landed commit before this round added
+# incarnations and agent updates (both additive: fields the previous release ignores and counts).
+# Overridable, to check a rolling upgrade from another release.
+PREVIOUS_RELEASE = os.environ.get("EDGEFLEET_PREVIOUS_RELEASE", "02be8e517df70aab7f1e8088f087a31db28615f3")
 PACKAGES = ("controller", "edge_agent", "fleet_protocol")
 DEVICE = "skew-1"
 # What a newer agent might add to its heartbeat (an additive, optional field).
@@ -58,22 +63,32 @@ def _old_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def old_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The interpreter of a venv running the previous release's edgefleet code."""
+    return _release_python(tmp_path_factory, PREVIOUS_RELEASE)
+
+
+@pytest.fixture(scope="module")
+def pre_policy_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The interpreter of a venv running the release before the skew policy."""
+    return _release_python(tmp_path_factory, BEFORE_POLICY)
+
+
+def _release_python(tmp_path_factory: pytest.TempPathFactory, release: str) -> str:
     found = subprocess.run(
-        ["git", "-C", str(REPO), "cat-file", "-e", f"{PREVIOUS_RELEASE}^{{commit}}"],
+        ["git", "-C", str(REPO), "cat-file", "-e", f"{release}^{{commit}}"],
         capture_output=True,
         check=False,
     )
     if found.returncode != 0:
         pytest.fail(
-            f"the previous release {PREVIOUS_RELEASE} is not in this clone ({REPO}); the version skew "
+            f"the release {release} is not in this clone ({REPO}); the version skew "
             "tests need the full history (git fetch --unshallow), or EDGEFLEET_PREVIOUS_RELEASE set to "
             "a commit it has"
         )
-    root = tmp_path_factory.mktemp("previous-release")
+    root = tmp_path_factory.mktemp(f"release-{release[:8]}")
     src = root / "src"
     src.mkdir()
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", PREVIOUS_RELEASE, *PACKAGES], capture_output=True, check=True
+        ["git", "-C", str(REPO), "archive", release, *PACKAGES], capture_output=True, check=True
     )
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
     venv = root / "venv"
@@ -99,7 +114,7 @@ def old_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(python)
 
 
-def test_the_previous_release_refuses_what_this_one_takes(old_python: str) -> None:
+def test_the_release_before_the_policy_refuses_what_this_one_takes(pre_policy_python: str) -> None:
     """Why a rolling upgrade broke: the old decoder refuses a current message plus one unknown field,
     on every topic kind; this release decodes the same payload."""
     payloads = {
@@ -118,7 +133,7 @@ def test_the_previous_release_refuses_what_this_one_takes(old_python: str) -> No
         "print(json.dumps(out))\n"
     )
     run = subprocess.run(
-        [old_python, "-c", script],
+        [pre_policy_python, "-c", script],
         input=json.dumps(payloads),
         capture_output=True,
         text=True,
@@ -239,8 +254,8 @@ def test_the_previous_agent_works_with_this_controller(
     try:
         with new_controller.client() as api:
             _rolls(api, agent)
-            # A newer agent's heartbeat: taken and counted, not refused (the previous release refuses it,
-            # test_the_new_agent_works_with_the_previous_controller).
+            # A newer agent's heartbeat: taken and counted, not refused (the release before the policy
+            # refused it: test_the_release_before_the_policy_refuses_what_this_one_takes).
             assert api.post("/api/v1/devices", json={"id": "skew-newer"}).status_code in (200, 201)
             before = _heartbeat_counts(api)
             _publish_newer_heartbeat(broker, "skew-newer")
@@ -267,13 +282,23 @@ def test_the_new_agent_works_with_the_previous_controller(
     try:
         with old_controller.client() as api:
             _rolls(api, agent)
-            # What the previous release does with an additive field: drops the message, counted invalid.
+            # The previous release has the skew policy: a newer heartbeat is taken and counted, not refused.
+            assert api.post("/api/v1/devices", json={"id": "skew-newer"}).status_code in (200, 201)
             before = _heartbeat_counts(api)
             _publish_newer_heartbeat(broker, "skew-newer")
+
+            def counted() -> dict[str, int] | None:
+                c = _heartbeat_counts(api)
+                return c if c.get("unknown_fields", 0) > before.get("unknown_fields", 0) else None
+
+            counts = wait_for(
+                counted, timeout=20, what="the previous controller counting the newer heartbeat"
+            )
+            assert counts.get("invalid", 0) == before.get("invalid", 0), counts
             wait_for(
-                lambda: _heartbeat_counts(api).get("invalid", 0) > before.get("invalid", 0),
+                lambda: api.get("/api/v1/devices/skew-newer").json().get("last_health"),
                 timeout=20,
-                what="the previous controller refusing the newer heartbeat",
+                what="the newer heartbeat stored by the previous controller",
             )
     finally:
         agent.stop()

@@ -120,9 +120,11 @@ def covered(acks: list[Ack]) -> set[int]:
     return out
 
 
-def truth(engine: Engine, device: str) -> crud.SeqRow | None:
+def truth(engine: Engine, device: str, incarnation: str | None = None) -> crud.SeqRow | None:
+    """The device's ``device_seq`` row for ``incarnation`` (None: the legacy space)."""
     with Session(engine) as s:
-        return crud.device_seqs(s, device_ids=[device]).get(device)
+        rows = crud.device_seqs(s, device_ids=[device]).get(device, [])
+    return next((r for r in rows if r.incarnation == (incarnation or crud.LEGACY)), None)
 
 
 def seq_rows(engine: Engine, device: str) -> dict[int, bool]:

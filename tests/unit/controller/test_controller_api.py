@@ -184,7 +184,9 @@ def test_detections_are_stored_and_acked(fleet: Fleet) -> None:
     events = fleet.client.get("/api/v1/events", params={"device": DEV}).json()
     assert [(e["seq"], e["kind"], e["message"]) for e in events] == [(2, "camera_up", "hello")]
     stats = fleet.device(DEV)["stats"]
+    spaces = stats.pop("incarnations")
     assert stats == {"stored": 3, "duplicates": 0, "lost": 0, "dropped": 0, "acked_upto": 3, "max_seq": 3}
+    assert [(x["incarnation"], x["stored"]) for x in spaces] == [(None, 3)]  # one space: the legacy one
     assert fleet.counters()["detections"]["ok"] == 2 and fleet.counters()["events"]["ok"] == 1
 
 

@@ -166,15 +166,21 @@ def test_the_api_reports_the_fleet_figures_whoever_stored_them(make_fleet: Fleet
     fleet.wait_ack("api-a", lambda a: (a.upto, a.ranges) == (11, []), "the API's own controller acks 1..11")
 
     stats = fleet.device("api-a")["stats"]
+    spaces = stats.pop("incarnations")
     assert stats == {"stored": 11, "duplicates": 1, "lost": 0, "dropped": 0, "acked_upto": 11, "max_seq": 11}
+    # One space: the legacy one of an agent that names no incarnation.
+    assert [(x["incarnation"], x["started_at"] is not None, x["stored"]) for x in spaces] == [
+        (None, True, 11)
+    ]
     r = fleet.client.get("/api/v1/devices")
     assert r.status_code == 200, r.text
     listed = {d["id"]: d["stats"] for d in r.json()}
-    assert listed["api-a"] == stats
+    assert listed["api-a"] == stats | {"incarnations": spaces}
     assert (listed["api-b"]["stored"], listed["api-b"]["dropped"], listed["api-b"]["acked_upto"]) == (1, 2, 3)
     body = fleet.client.get("/api/v1/stats/ingest").json()
     assert body["fleet"] == {
         "devices": 2,
+        "incarnations": 2,
         "stored": 12,
         "duplicates": 1,
         "dropped": 2,
@@ -214,13 +220,15 @@ def test_the_migration_fills_device_seq_from_the_history(db_url: str) -> None:
         migrate(db_url, engine=engine)
         with Session(engine) as s:
             got = {
-                d: (r.upto, r.max_seq, r.stored, r.dropped, r.duplicates)
-                for d, r in crud.device_seqs(s).items()
+                (d, r.incarnation): (r.upto, r.max_seq, r.stored, r.dropped, r.duplicates)
+                for d, rows in crud.device_seqs(s).items()
+                for r in rows
             }
+        # Every row there was is the legacy space ('') after 0010.
         assert got == {
-            "m-a": (6, 6, 5, 1, 10),  # 4 was declared dropped: covered
-            "m-b": (0, 3, 2, 0, 3),  # seq 1 never came: upto acks nothing
-            "m-c": (3, 3, 1, 2, 0),
+            ("m-a", ""): (6, 6, 5, 1, 10),  # 4 was declared dropped: covered
+            ("m-b", ""): (0, 3, 2, 0, 3),  # seq 1 never came: upto acks nothing
+            ("m-c", ""): (3, 3, 1, 2, 0),
         }
     finally:
         engine.dispose()
