@@ -130,5 +130,18 @@ def db_text(s: str | None) -> str | None:
 
 def db_json(obj: Any) -> Any:
     """A device's JSON as the database can hold it: NaN/Infinity are valid floats on the wire but not
-    JSON, and PostgreSQL would refuse the whole batch over one of them (they become null)."""
-    return json.loads(json.dumps(obj, allow_nan=True), parse_constant=lambda _c: None)
+    JSON, and PostgreSQL would refuse the whole batch over one of them (they become null); a NUL in a
+    key or a string becomes U+FFFD, as in :func:`db_text`: PostgreSQL's ``json`` stores the escape of NUL
+    but every ``->>`` over the row then fails, so one such event would break later queries of its
+    device (found by the topic fuzz test)."""
+    return _no_nul(json.loads(json.dumps(obj, allow_nan=True), parse_constant=lambda _c: None))
+
+
+def _no_nul(v: Any) -> Any:
+    if isinstance(v, str):
+        return v.replace("\x00", "\ufffd")
+    if isinstance(v, dict):
+        return {_no_nul(k): _no_nul(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_no_nul(x) for x in v]
+    return v

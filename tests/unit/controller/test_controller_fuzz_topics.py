@@ -430,6 +430,23 @@ def test_every_device_topic_survives_random_payloads(
     assert _worker_failures(quiet_errors) == []
 
 
+def test_a_nul_in_event_data_does_not_break_the_devices_later_messages(
+    fleet: Fleet, quiet_errors: pytest.LogCaptureFixture
+) -> None:
+    """Found by the random test above on PostgreSQL: an event whose data had a NUL in a key was stored
+    in the ``json`` column as ``\\u0000``, and every later ``->>`` over that device's events failed, so
+    its command results were lost. NUL is stored as U+FFFD, as in text columns."""
+    device = "nul-dev"
+    event = json.loads(encode(valid_message(TopicKind.EVENTS, seq=1)))
+    event["data"] = {"\x00key": "v\x00", "id": "cmd-nul"}
+    Sender(fleet).send(TopicKind.EVENTS, json.dumps(event).encode(), device=device)
+    _still_works(fleet, device, seq=2)
+    stored = fleet.client.get("/api/v1/events", params={"device": device, "limit": 100}).json()
+    first = next(e for e in stored if e.get("seq") == 1)
+    assert first["data"] == {"\ufffdkey": "v\ufffd", "id": "cmd-nul"}
+    assert _worker_failures(quiet_errors) == []
+
+
 # --------------------------------------------------------------------------- pinned verdicts
 # The fuzz tests above judge each payload by the production decode(): they prove counting and that
 # nothing crashes, not WHAT is refused. Here the verdicts are written out by hand, per topic kind,
