@@ -246,8 +246,14 @@ def test_the_running_controller_re_sends_to_a_drifted_device_until_it_converges(
     )
     assert "drifted" in resent[-1]["message"]
     assert fleet.device("d1")["desired_version"] >= 2
-    msgs = [decode(TopicKind.TWIN_DESIRED, p.payload) for p in fleet.transport.on_topic(topic)]
-    assert [m.version for m in msgs][:2] == [1, 2]  # type: ignore[union-attr]
+
+    def published() -> list[int] | None:
+        # The re-send is committed (its event with it) before it is published: wait for the broker's copy.
+        msgs = [decode(TopicKind.TWIN_DESIRED, p.payload) for p in fleet.transport.on_topic(topic)]
+        versions = [m.version for m in msgs]  # type: ignore[union-attr]
+        return versions if len(versions) >= 2 else None
+
+    assert wait_for(published, timeout=10, what="the re-sent state published")[:2] == [1, 2]
 
     # The device takes it up: in sync, and the controller says it converged.
     version = fleet.device("d1")["desired_version"]
