@@ -6,21 +6,18 @@ deployments`` show, pause, cancel, roll back and delete it like a model one.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from controller.cli.client import DEFAULT_API, ApiOption, api_error, http_client, request
-from controller.cli.rollouts import print_rollout
+from controller.cli.rollouts import follow_rollout, print_rollout
 
 agent_app = typer.Typer(
     help="Agent software: upload a package, list, deploy in waves, roll back, set one device.",
     no_args_is_help=True,
 )
-
-FINISHED = ("succeeded", "failed", "cancelled", "rolled_back")
 
 
 @agent_app.command("upload")
@@ -80,25 +77,6 @@ def agent_show(
         typer.echo(f"  requires {r}")
 
 
-def _follow(api: str, dep: dict[str, Any]) -> dict[str, Any]:
-    from rich.live import Live
-    from rich.text import Text
-
-    with Live(Text(""), refresh_per_second=2) as live:
-        while True:
-            dep = request(api, "GET", f"/api/v1/deployments/{dep['id']}")
-            ro = dep["rollout"]
-            live.update(
-                Text(
-                    f"rollout {ro['state']}  wave {ro['current_wave']}/{len(ro['plan'])}  "
-                    + "  ".join(f"{k} {v}" for k, v in ro["progress"].items())
-                )
-            )
-            if ro["state"] in FINISHED:
-                return dep
-            time.sleep(1.0)
-
-
 @agent_app.command("deploy")
 def agent_deploy(
     version: Annotated[str, typer.Argument(help="an uploaded agent version")],
@@ -147,7 +125,7 @@ def agent_deploy(
     )
     if not follow:
         return
-    dep = _follow(api, dep)
+    dep = follow_rollout(api, dep)
     print_rollout(dep)
     if dep["rollout"]["state"] != "succeeded":
         raise typer.Exit(1)

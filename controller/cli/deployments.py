@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from controller.cli.client import DEFAULT_API, ApiOption, request
-from controller.cli.rollouts import print_rollout
+from controller.cli.rollouts import follow_rollout, print_rollout
 
 deployments_app = typer.Typer(help="Deployments: ls, delete.", no_args_is_help=True)
 
@@ -67,7 +67,6 @@ def deploy(
     api: ApiOption = DEFAULT_API,
 ) -> None:
     """Deploy a model version to the devices a selector matches, wave by wave with health gates."""
-    import time
 
     model, sep, version = ref.partition(":")
     if not sep or not model or not version:
@@ -101,22 +100,7 @@ def deploy(
     typer.echo(f"deployment {dep['name']} (#{dep['id']}) created; rollout plan {dep['rollout']['plan']}")
     if not follow:
         return
-    from rich.live import Live
-    from rich.text import Text
-
-    with Live(Text(""), refresh_per_second=2) as live:
-        while True:
-            dep = request(api, "GET", f"/api/v1/deployments/{dep['id']}")
-            ro = dep["rollout"]
-            live.update(
-                Text(
-                    f"rollout {ro['state']}  wave {ro['current_wave']}/{len(ro['plan'])}  "
-                    + "  ".join(f"{k} {v}" for k, v in ro["progress"].items())
-                )
-            )
-            if ro["state"] in ("succeeded", "failed", "cancelled", "rolled_back"):
-                break
-            time.sleep(1.0)
+    dep = follow_rollout(api, dep)
     print_rollout(dep)
     if dep["rollout"]["state"] != "succeeded":
         raise typer.Exit(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 import typer
@@ -11,6 +12,29 @@ from controller.cli.client import DEFAULT_API, ApiOption, request
 rollouts_app = typer.Typer(
     help="Rollouts of deployments: ls, show, pause, resume, cancel, rollback.", no_args_is_help=True
 )
+
+
+FINISHED = ("succeeded", "failed", "cancelled", "rolled_back")
+
+
+def follow_rollout(api: str, dep: dict[str, Any]) -> dict[str, Any]:
+    """Show a deployment's rollout live until it finishes; the deployment as it ended."""
+    from rich.live import Live
+    from rich.text import Text
+
+    with Live(Text(""), refresh_per_second=2) as live:
+        while True:
+            dep = request(api, "GET", f"/api/v1/deployments/{dep['id']}")
+            ro = dep["rollout"]
+            live.update(
+                Text(
+                    f"rollout {ro['state']}  wave {ro['current_wave']}/{len(ro['plan'])}  "
+                    + "  ".join(f"{k} {v}" for k, v in ro["progress"].items())
+                )
+            )
+            if ro["state"] in FINISHED:
+                return dep
+            time.sleep(1.0)
 
 
 def print_rollout(dep: dict[str, Any]) -> None:

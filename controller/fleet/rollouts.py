@@ -467,16 +467,7 @@ class RolloutService:
         gate: GateConfig | None = None,
     ) -> int:
         """A new deployment in state rolling_out with its rollout; returns the deployment id."""
-        try:
-            parse_selector(selector)
-        except SelectorError as exc:
-            raise DeploymentInvalidError(f"selector: {exc}") from None
-        try:
-            plan_in = [parse_wave(w) for w in (waves if waves is not None else DEFAULT_WAVES)]
-        except ValueError as exc:
-            raise DeploymentInvalidError(f"waves: {exc}") from None
-        if not plan_in:
-            raise DeploymentInvalidError("waves: at least one wave")
+        plan_in = _checked_plan(selector, waves)
         with self._lock, Session(self._engine) as s:
             mv = crud.get_model_version(s, name=model, version=version)
             if mv is None:
@@ -518,16 +509,7 @@ class RolloutService:
         failed or rolled back, and a failed gate sends the wave's devices back to their previous
         agent version (controller.fleet.twin ``TwinService._agent``).
         """
-        try:
-            parse_selector(selector)
-        except SelectorError as exc:
-            raise DeploymentInvalidError(f"selector: {exc}") from None
-        try:
-            plan_in = [parse_wave(w) for w in (waves if waves is not None else DEFAULT_WAVES)]
-        except ValueError as exc:
-            raise DeploymentInvalidError(f"waves: {exc}") from None
-        if not plan_in:
-            raise DeploymentInvalidError("waves: at least one wave")
+        plan_in = _checked_plan(selector, waves)
         with self._lock, Session(self._engine) as s:
             if get_package(s, version) is None:
                 raise DeploymentAgentNotFoundError(
@@ -688,3 +670,18 @@ def _add_with_rollout(
     )
     s.commit()
     return dep.id
+
+
+def _checked_plan(selector: str, waves: Sequence[int | str] | None) -> list[int | str]:
+    """The wave plan as asked, once the selector and the waves are known to be valid."""
+    try:
+        parse_selector(selector)
+    except SelectorError as exc:
+        raise DeploymentInvalidError(f"selector: {exc}") from None
+    try:
+        plan_in = [parse_wave(w) for w in (waves if waves is not None else DEFAULT_WAVES)]
+    except ValueError as exc:
+        raise DeploymentInvalidError(f"waves: {exc}") from None
+    if not plan_in:
+        raise DeploymentInvalidError("waves: at least one wave")
+    return plan_in
