@@ -24,12 +24,13 @@ the replicas share the cores, so what transfers to a bigger machine is CPU-secon
 role; the bench prints the machine's load with every row.
 
 Usage: ``python bench/fleet.py [--replicas 1,2,3] [--devices 250,500,1000,2000] [--seconds 30]
-[--heartbeat-s 5] [--batch-s 1] [--database-url URL] [--smoke] [--json]``
+[--heartbeat-s 5] [--batch-s 1] [--database-url URL] [--pin] [--smoke] [--json]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -57,6 +58,32 @@ from tests.processes import SimulatorProcess  # noqa: E402
 from tests.scaleout.replicas import SHARE_GROUP, ReplicaSet  # noqa: E402
 
 P99_LIMIT_MS = 1000.0
+# "A growing queue": the ingest queues' trend over the steady window adds up to more than this many
+# messages. A trend, not one sample: a commit takes up to 500 messages at once, so a single reading
+# anywhere between 0 and a commit's worth says nothing about whether the replicas keep up.
+QUEUE_GROWTH_LIMIT = 100.0
+
+
+def _trend(samples: list[tuple[float, int]]) -> float:
+    """Least-squares slope of (time, depth) samples times their span: how much the queue grew."""
+    if len(samples) < 3:
+        return float(samples[-1][1] - samples[0][1]) if len(samples) == 2 else 0.0
+    n = len(samples)
+    mt = sum(t for t, _ in samples) / n
+    mq = sum(q for _, q in samples) / n
+    var = sum((t - mt) ** 2 for t, _ in samples)
+    if var <= 0:
+        return 0.0
+    slope = sum((t - mt) * (q - mq) for t, q in samples) / var
+    return slope * (samples[-1][0] - samples[0][0])
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (sched_setaffinity acts on one thread; threads started
+    later inherit it from the one that starts them)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def _cpu_s(pid: int) -> float:
@@ -128,11 +155,15 @@ class Row:
     p99_ms: float | None
     queue_start: int
     queue_end: int
+    queue_max: int  # the largest of the samples taken every second of the steady window
+    queue_growth: float  # the samples' trend over the steady window (least squares), in messages
     controller_cpu_s: float  # less the replicas' idle CPU over the same time (timers, leader checks)
     steady_s: float  # the middle of the window: every device connected, none stopping
     steady_cpu_s: float  # the replicas' CPU in it, less idle
     postgres_cpu_s: float
     simulator_cpu_per_s: float
+    broker_cpu_per_s: float  # mosquitto's CPU-seconds a second over the run
+    postgres_cpu_per_s: float
     load1: float
     ok: bool
 
@@ -142,8 +173,13 @@ class Row:
             self.ok
             and self.p99_ms is not None
             and self.p99_ms < P99_LIMIT_MS
-            and self.queue_end <= max(self.queue_start, 0) + 100
+            and self.queue_growth <= QUEUE_GROWTH_LIMIT
         )
+
+    @property
+    def replica_cpu_per_s(self) -> float:
+        """The replicas' CPU-seconds a second in the steady window (idle subtracted)."""
+        return self.steady_cpu_s / max(self.steady_s, 1e-9)
 
 
 def _queue(rs: ReplicaSet | None) -> int:
@@ -200,7 +236,9 @@ def _run(
     args: argparse.Namespace,
     tag: str,
     idle_cpu_per_s: float = 0.0,
+    pin: set[int] | None = None,
 ) -> Row:
+    """``pin``: the CPUs the simulator runs on (``--pin``)."""
     prefix = f"f{tag}-"
     pids = [r.proc.pid for r in rs.live() if r.proc is not None] if rs is not None else []
     bare = BareSubscriber(broker, prefix) if kind == "raw" else None
@@ -210,6 +248,8 @@ def _run(
     drain = 0.0 if kind == "raw" else 60.0
     cpu0 = sum(_cpu_s(p) for p in pids)
     pg0 = _postgres_cpu_s()
+    broker_pid = broker.proc.pid if broker.proc is not None else 0
+    broker0 = _cpu_s(broker_pid)
     q0 = _queue(rs)
     t0 = time.monotonic()
     sim = _simulate(
@@ -227,16 +267,26 @@ def _run(
     sim_cpu = 0.0
     # Steady state: from 30 % to 90 % of the window (connections, births and reported states are
     # over; nobody is stopping yet). The queue at its end, before the drain empties it.
+    if pin is not None:
+        _pin(sim_pid, pin)
     time.sleep(args.seconds * 0.3)
+    if pin is not None:
+        _pin(sim_pid, pin)  # threads the simulator started meanwhile
     cpu_a, ta = sum(_cpu_s(p) for p in pids), time.monotonic()
-    time.sleep(args.seconds * 0.6)
+    samples: list[tuple[float, int]] = []
+    end = ta + args.seconds * 0.6
+    while (now := time.monotonic()) < end:
+        samples.append((now, _queue(rs)))
+        time.sleep(max(0.0, min(1.0, end - time.monotonic())))
     cpu_b, tb = sum(_cpu_s(p) for p in pids), time.monotonic()
     q1 = _queue(rs)
+    samples.append((time.monotonic(), q1))
     sim_cpu = _cpu_s(sim_pid)
     code = sim.wait(timeout=args.seconds + 180)
     wall = time.monotonic() - t0
     cpu = max(0.0, sum(_cpu_s(p) for p in pids) - cpu0 - idle_cpu_per_s * wall)
     pg = _postgres_cpu_s() - pg0
+    broker_cpu = _cpu_s(broker_pid) - broker0
     report = sim.report()
     total = report["total"]
     if bare is not None:
@@ -259,19 +309,25 @@ def _run(
         p99_ms=total["p99_ms"],
         queue_start=q0,
         queue_end=q1,
+        queue_max=max(q for _, q in samples),
+        queue_growth=round(_trend(samples), 1),
         controller_cpu_s=round(cpu, 2),
         steady_s=round(tb - ta, 2),
         steady_cpu_s=round(max(0.0, cpu_b - cpu_a - idle_cpu_per_s * (tb - ta)), 3),
         postgres_cpu_s=round(pg, 2),
         simulator_cpu_per_s=round(sim_cpu / max(args.seconds, 1e-9), 2),
+        broker_cpu_per_s=round(broker_cpu / max(wall, 1e-9), 2),
+        postgres_cpu_per_s=round(pg / max(wall, 1e-9), 2),
         load1=round(os.getloadavg()[0], 2),
         ok=(code == 0) if kind != "raw" else True,
     )
 
 
-def _broker(work: Path, name: str) -> MosquittoBroker:
+def _broker(work: Path, name: str, pin: set[int] | None = None) -> MosquittoBroker:
     broker = MosquittoBroker(work / f"mosquitto-{name}", extra_conf="max_queued_messages 100000\n")
     broker.start()
+    if pin is not None and broker.proc is not None:
+        _pin(broker.proc.pid, pin)
     return broker
 
 
@@ -328,10 +384,21 @@ def main() -> int:
     ap.add_argument(
         "--smoke", action="store_true", help="a quick check that it runs: 1 replica, 20 devices, 8 s"
     )
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="the replicas on CPUs 1.. (round-robin), the simulator and the broker on CPU 0 (PostgreSQL "
+        "free): each replica then has at most one core, so a fleet it keeps is a fleet per replica-core",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.smoke:
         a.replicas, a.devices, a.seconds = "1", "20", 8.0
+    cpus = sorted(os.sched_getaffinity(0))
+    if a.pin and len(cpus) < 2:
+        ap.error("--pin needs two CPUs or more")
+    side = {cpus[0]} if a.pin else None  # the simulator's and the broker's CPU
+    replica_cpus = cpus[1:]
     replica_counts = [int(x) for x in a.replicas.split(",") if x]
     sizes = sorted(int(x) for x in a.devices.split(",") if x)
     if not replica_counts or not sizes or min(replica_counts + sizes) < 1 or a.seconds <= 0:
@@ -351,26 +418,32 @@ def main() -> int:
         work = Path(tmp)
         # A broker of its own for each phase: the retained births of one phase's devices must not reach
         # the next phase's replicas (a new leader subscribes to them all and would be busy with them).
-        broker = _broker(work, "raw")
+        broker = _broker(work, "raw", side)
         try:
             for n in sizes:
-                row = _run("raw", work, broker, None, n, a, f"raw{n}")
+                row = _run("raw", work, broker, None, n, a, f"raw{n}", pin=side)
                 rows.append(row)
                 say(
                     f"  raw      {n:5d} devices: {row.batches_per_s:8.1f} batches/s delivered to a bare subscriber"
                 )
             broker.stop()
             for rc in replica_counts:
-                broker = _broker(work, f"r{rc}")
+                broker = _broker(work, f"r{rc}", side)
                 with _replicas(work, broker, rc, a.database_url) as rs:
+                    if a.pin:
+                        for i, r in enumerate(rs.live()):
+                            assert r.proc is not None
+                            cpu = replica_cpus[i % len(replica_cpus)]
+                            _pin(r.proc.pid, {cpu})
+                            say(f"  replica {i} pinned to CPU {cpu}; simulator and broker on CPU {cpus[0]}")
                     idle = _idle_cpu_per_s(rs)
                     say(f"  {rc} replica(s) idle: {idle:.3f} CPU-s/s (subtracted below)")
                     for n in sizes:
                         _settle(rs, idle)
-                        hb = _run("heartbeats", work, broker, rs, n, a, f"h{rc}x{n}", idle)
+                        hb = _run("heartbeats", work, broker, rs, n, a, f"h{rc}x{n}", idle, side)
                         rows.append(hb)
                         _settle(rs, idle)
-                        full = _run("controller", work, broker, rs, n, a, f"c{rc}x{n}", idle)
+                        full = _run("controller", work, broker, rs, n, a, f"c{rc}x{n}", idle, side)
                         rows.append(full)
                         raw = next(r for r in rows if r.kind == "raw" and r.devices == n)
                         # CPU per message from the steady part of each run, at the rates the devices send.
@@ -391,26 +464,48 @@ def main() -> int:
                                     full.postgres_cpu_s / max(full.acked, 1) * 1e3, 3
                                 ),
                                 "healthy": full.healthy,
+                                "replica_cpu_per_s": round(full.replica_cpu_per_s, 3),
+                                "devices_per_replica_core": round(n / max(full.replica_cpu_per_s, 1e-9)),
                             }
                         )
                         say(
                             f"  {rc} replica(s) {n:5d} devices: {full.batches_per_s:8.1f} batches/s "
                             f"({full.batches_per_s / max(raw.batches_per_s, 1e-9):.3f} of raw), p99 "
                             f"{full.p99_ms if full.p99_ms is not None else float('nan'):.0f} ms, queue "
-                            f"{full.queue_start}->{full.queue_end}, controller CPU {per_batch * 1e3:.2f} ms/batch "
+                            f"{full.queue_start}->{full.queue_end} (max {full.queue_max}, trend "
+                            f"{full.queue_growth:+.0f}), resends {full.resends}, controller CPU {per_batch * 1e3:.2f} ms/batch "
                             f"{per_hb * 1e3:.2f} ms/heartbeat, PostgreSQL {full.postgres_cpu_s / max(full.acked, 1) * 1e3:.2f} "
                             f"ms/batch, {'OK' if full.healthy else 'NOT healthy'} (load {full.load1})"
+                        )
+                        # On a small machine the other parts take cores too: what was left to the replicas.
+                        say(
+                            f"      CPU-s/s beside the replicas: simulator {full.simulator_cpu_per_s:.2f}, "
+                            f"broker {full.broker_cpu_per_s:.2f}, PostgreSQL {full.postgres_cpu_per_s:.2f}; "
+                            f"replicas {full.replica_cpu_per_s:.2f} in the steady window, i.e. "
+                            f"{n / max(full.replica_cpu_per_s, 1e-9):,.0f} devices per replica-core"
                         )
                 broker.stop()
         finally:
             broker.stop()
     summary: dict[str, Any] = {}
     for rc in replica_counts:
-        good = [r.devices for r in rows if r.kind == "controller" and r.replicas == rc and r.healthy]
-        summary[str(rc)] = {"largest_fleet_p99_under_1s": max(good) if good else None}
+        good = [r for r in rows if r.kind == "controller" and r.replicas == rc and r.healthy]
+        best = max(good, key=lambda r: r.devices, default=None)
+        summary[str(rc)] = {
+            "largest_fleet_p99_under_1s": best.devices if best else None,
+            # That fleet over the replica CPU it took: what one core of replica keeps at p99 < 1 s.
+            "devices_per_replica_core": round(best.devices / max(best.replica_cpu_per_s, 1e-9))
+            if best
+            else None,
+            "pinned": bool(a.pin),
+        }
     say("largest fleet with p99 < 1 s, every batch acked, no growing queue:")
     for key, s in summary.items():
-        say(f"  {key} replica(s): {s['largest_fleet_p99_under_1s']}")
+        per_core = s["devices_per_replica_core"]
+        say(
+            f"  {key} replica(s): {s['largest_fleet_p99_under_1s']}"
+            + (f" ({per_core:,} devices per replica-core)" if per_core else "")
+        )
     rates = {
         rc: max((r.batches_per_s for r in rows if r.kind == "controller" and r.replicas == rc), default=0.0)
         for rc in replica_counts

@@ -137,6 +137,7 @@ class ControllerRuntime:
             self.bridge,
             queue_max=settings.ingest_queue_max,
             batch_max=settings.ingest_batch_max,
+            linger_s=settings.commit_linger_s,
             stop=self.stop_event,
             on_stored=self._on_stored,
         )
@@ -170,6 +171,7 @@ class ControllerRuntime:
             republish=self.twin.republish_all,
             on_capabilities=self.twin.recompute,
             leadership=self.leadership,
+            linger_s=settings.commit_linger_s,
         )
         self.artifacts = ArtifactServer(
             self.engine,

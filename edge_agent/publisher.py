@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_agent.outbox import DroppedRange, Outbox, StorageError
+from edge_agent.ack_timer import AckTimer
+from edge_agent.outbox import DroppedRange, Outbox, OutboxRow, StorageError
 from edge_agent.queues import DropOldestQueue
 from edge_agent.settings import OutboxConfig
 from edge_agent.storage import Reserve, StorageGuard
@@ -94,6 +95,9 @@ class _HeldCounts:
             self.counts[f"{what}_events"] = self.counts.get(f"{what}_events", 0) + 1
 
 
+_TIMED_MAX = 10_000  # first-send times kept for the ack timer
+
+
 class Publisher:
     def __init__(
         self,
@@ -105,8 +109,11 @@ class Publisher:
         stop: threading.Event,
         resend_interval_s: float = 0.25,
         reserve: Reserve | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        """``reserve``: room kept on the outbox's disk for the events that say it is full (None: none)."""
+        """``reserve``: room kept on the outbox's disk for the events that say it is full (None: none);
+        ``clock``: the time sends, resends and acks are timed by."""
+        self._clock = clock
         self.outbox = outbox
         self._frames = frames
         self._publish = publish
@@ -128,6 +135,10 @@ class Publisher:
         self._episode = _HeldCounts()
         self.held_dropped = _HeldCounts()  # since the start, for diagnostics and tests
         self._loop_errors = 0
+        # The resend timeout follows the acks (ack_timer.py), timed on messages sent once: seq -> when.
+        self.ack_timer = AckTimer(config.ack_timeout_s)
+        self._timing_lock = threading.Lock()
+        self._first_sent: dict[int, float] = {}
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
     # ------------------------------------------------------------------ API (any thread)
@@ -200,11 +211,16 @@ class Publisher:
             return self.outbox.append(item.kind, build, now=time.time())
 
     def on_ack(self, ack: Ack) -> None:
+        now = self._clock()
         try:
             n = self.outbox.ack(ack)
         except StorageError as exc:  # remembered by the outbox: its rows are not sent again
             self._outbox_refused(exc)
             return
+        if n:
+            with self._timing_lock:
+                for seq in [q for q in self._first_sent if ack.covers(q)]:
+                    self.ack_timer.sample(now - self._first_sent.pop(seq))
         log.debug("ack upto %s (incarnation %s): %s rows deleted", ack.upto, ack.incarnation, n)
 
     def on_connected(self) -> None:
@@ -310,7 +326,7 @@ class Publisher:
                 if self._resend_now.is_set() or now >= next_resend:
                     self._resend_now.clear()
                     next_resend = now + self._resend_interval
-                    self._resend()
+                    self.resend_due()
                 if self.storage.probe_due(now):
                     self.storage.probe()
             except Exception:
@@ -379,8 +395,9 @@ class Publisher:
         # Rows are sent by the resend pass: one code path, oldest first, marks what went out.
         self._resend_now.set()
 
-    def _resend(self) -> None:
-        rows = self.outbox.due(time.time(), self._cfg.ack_timeout_s, self._cfg.resend_batch)
+    def resend_due(self) -> None:
+        """One resend round: what is due, oldest first (the publisher thread runs it)."""
+        rows = self.outbox.due(self._clock(), self.ack_timer.timeout_s, self._cfg.resend_batch)
         sent: list[int] = []
         for row in rows:
             if self._publish(_TOPIC.get(row.kind, TopicKind.EVENTS), row.payload):
@@ -388,14 +405,27 @@ class Publisher:
             else:
                 self.publish_failures += 1
                 break  # not connected: the rest waits for the reconnect
+        self._time_sends(rows[: len(sent)], self._clock())
         if sent:
             self.published += len(sent)
             try:
-                self.outbox.mark_sent(sent, time.time())
+                self.outbox.mark_sent(sent, self._clock())
             except StorageError as exc:  # remembered by the outbox: not due again before the timeout
                 self._outbox_refused(exc)
         if len(sent) == self._cfg.resend_batch:
             self._resend_now.set()  # more may be due: next round at once
+
+    def _time_sends(self, rows: list[OutboxRow], now: float) -> None:
+        """Remember when each first send went out; a resent seq is not timed (Karn's rule)."""
+        with self._timing_lock:
+            for row in rows:
+                if row.attempts == 0:
+                    self._first_sent[row.seq] = now
+                else:
+                    self._first_sent.pop(row.seq, None)
+            # Bounded: the oldest timings go first (an ack for them only loses a sample).
+            while len(self._first_sent) > _TIMED_MAX:
+                del self._first_sent[next(iter(self._first_sent))]
 
     def _report_drops(self) -> None:
         """Report what the bound dropped as one OUTBOX_DROPPED event (itself through the outbox).

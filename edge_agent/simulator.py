@@ -5,7 +5,8 @@ persistent session, Last Will ``offline`` (retained), a birth ``online`` with ca
 version, its subscriptions, then its reported state; a heartbeat every ``heartbeat_s``; one
 ``DetectionBatch`` every ``batch_s`` (a few plausible boxes per frame, deterministic from the seq);
 an outbox that numbers detection batches and events from ONE per-device sequence and sends every
-unacked seq again after ``ack_timeout_s`` until an ``Ack`` covers it; desired states taken as the
+unacked seq again after the ack timeout (``ack_timeout_s``, longer while acks are slower:
+``edge_agent/ack_timer.py``) until an ``Ack`` covers it; desired states taken as the
 agent takes them (signature and device checked when a key is given, then version and issue time) and
 reported as applied, each camera ``running`` the desired model with the settings in effect. No
 artifact is fetched and nothing is inferred.
@@ -66,6 +67,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import SecretStr
 
 from edge_agent import __version__
+from edge_agent.ack_timer import AckTimer
 from fleet_protocol.codec import ProtocolError, decode, encode
 from fleet_protocol.desired import (
     REFUSED_DEVICE,
@@ -190,8 +192,11 @@ class SimOutbox:
         reserve: Callable[[int], None] | None = None,
         reserved: int | None = None,
         block: int = SEQ_BLOCK,
+        ack_timeout_s: float = 10.0,
     ) -> None:
-        """``reserved``: seqs below it are already reserved on disk (default: none are)."""
+        """``reserved``: seqs below it are already reserved on disk (default: none are);
+        ``ack_timeout_s``: the least wait before a resend (ack_timer.py)."""
+        self.timer = AckTimer(ack_timeout_s)
         if next_seq < 1:
             raise ValueError("next_seq starts at 1")
         self.next_seq = next_seq
@@ -290,6 +295,8 @@ class SimOutbox:
             p = self._pending.pop(seq)
             if p.first_sent is not None:
                 lat.append(now - p.first_sent)
+                if p.attempts == 1:  # Karn's rule: a resent message's ack times no one send
+                    self.timer.sample(now - p.first_sent)
         self.acked += len(covered)
         self.latencies.extend(lat)
         top = max([msg.upto, *(b for _, b in msg.ranges)])
@@ -994,7 +1001,11 @@ class FleetSimulator:
             # The first block of every device in one transaction (below), not one each at its first batch.
             reservations.append((device_id, next_seq + SEQ_BLOCK))
             outbox = SimOutbox(
-                next_seq, max_messages=self.cfg.outbox_max, reserve=reserve, reserved=next_seq + SEQ_BLOCK
+                next_seq,
+                max_messages=self.cfg.outbox_max,
+                reserve=reserve,
+                reserved=next_seq + SEQ_BLOCK,
+                ack_timeout_s=self.cfg.ack_timeout_s,
             )
             for seq, kind, payload in left:
                 outbox.carry(seq, kind, payload)
@@ -1339,11 +1350,11 @@ class FleetSimulator:
         return info.rc == mqtt.MQTT_ERR_SUCCESS
 
     def _send_due(self, slot: _Slot, now: float) -> None:
-        """Publish what is due (never sent, or unacked for ack_timeout_s), oldest first."""
+        """Publish what is due (never sent, or unacked for the device's ack timer), oldest first."""
         if slot.state is not _Conn.CONNECTED:
             return
         outbox = slot.device.outbox
-        for p in outbox.due(now, self.cfg.ack_timeout_s, RESEND_LIMIT):
+        for p in outbox.due(now, outbox.timer.timeout_s, RESEND_LIMIT):
             if not self._publish(slot, p.kind, p.payload):
                 break
             outbox.mark_sent(p, now)

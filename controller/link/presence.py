@@ -8,6 +8,7 @@ a birth or a heartbeat and a timeout cannot undo each other.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -15,15 +16,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any, cast
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from controller.db import crud
 from controller.db.engine import db_json, db_text, session_scope
 from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
 from controller.db.states import DeviceStatus
 from controller.db.tables import Device, HealthSample, utcnow
+from controller.link.batching import take_batch
 from controller.link.bridge import (
     DROPPED_QUEUE_FULL,
     INVALID,
@@ -43,7 +47,45 @@ StatusMsg = Availability | Heartbeat | ReportedState | CommandResult
 # once; another replica's within this).
 REFUSED_REFRESH_S = 5.0
 MAX_VERSION = 2**31 - 1  # device.reported_version is a 32-bit INTEGER
+STATUS_BATCH_MAX = 500  # messages per status transaction
 _KIND: dict[type, str] = {cls: kind.value for kind, cls in MESSAGE_FOR_TOPIC.items()}
+
+
+_DEVICE = cast(sa.Table, Device.__table__)  # type: ignore[attr-defined]
+_HEALTH = cast(sa.Table, HealthSample.__table__)  # type: ignore[attr-defined]
+_SEEN_STMT = (
+    sa.update(_DEVICE)
+    .where(_DEVICE.c.id == sa.bindparam("b_id"))
+    .values(last_seen=sa.bindparam("last_seen"), last_health=sa.bindparam("last_health"))
+)
+_CAME_ONLINE_STMT = (
+    sa.update(_DEVICE)
+    .where(_DEVICE.c.id == sa.bindparam("b_id"))
+    .values(
+        status=DeviceStatus.ONLINE.value,
+        online_since=sa.bindparam("online_since"),
+        last_seen=sa.bindparam("last_seen"),
+        last_health=sa.bindparam("last_health"),
+    )
+)
+
+
+# PostgreSQL: the heartbeat writes as statements over arrays (_write_heartbeats_pg).
+_HEALTH_PG = sa.text(
+    "INSERT INTO health_sample (device_id, ts, payload) SELECT v.device_id, v.ts, CAST(v.payload AS json) "
+    "FROM unnest(CAST(:device_id AS varchar[]), CAST(:ts AS timestamptz[]), CAST(:payload AS text[])) "
+    "AS v(device_id, ts, payload)"
+)
+_SEEN_PG = sa.text(
+    "UPDATE device AS d SET last_seen = v.last_seen, last_health = CAST(v.last_health AS json) "
+    "FROM unnest(CAST(:id AS varchar[]), CAST(:last_seen AS timestamptz[]), CAST(:last_health AS text[])) "
+    "AS v(id, last_seen, last_health) WHERE d.id = v.id"
+)
+_CAME_ONLINE_PG = sa.text(
+    "UPDATE device AS d SET status = :status, online_since = v.online_since "
+    "FROM unnest(CAST(:id AS varchar[]), CAST(:online_since AS timestamptz[])) AS v(id, online_since) "
+    "WHERE d.id = v.id"
+)
 
 
 @dataclass
@@ -69,8 +111,11 @@ class StatusService:
         republish: Callable[[], int],
         on_capabilities: Callable[[str], object] | None = None,
         leadership: Leadership = ALWAYS_LEADER,
+        linger_s: float = 0.0,
     ) -> None:
+        """``linger_s``: how long a commit waits for more messages after the first (batching.py)."""
         self._engine = engine
+        self._linger_s = linger_s
         self._bridge = bridge
         self._timeout = heartbeat_timeout_s
         self._sweep_every = max(0.05, min(1.0, heartbeat_timeout_s / 4))
@@ -82,6 +127,7 @@ class StatusService:
         # The sweep and the republish after a reconnect run on the leader only.
         self._leadership = leadership
         self._fenced = False  # logged once per loss of the lead, not once per sweep
+        self._known: set[str] = set()  # devices this worker registered or found (the worker's own)
         self._thread: threading.Thread | None = None
 
     @property
@@ -141,12 +187,9 @@ class StatusService:
             republish = False
             try:
                 first = self._queue.get(timeout=max(0.0, min(0.2, next_sweep - time.monotonic())))
-                pending: list[_Item | _Republish] = [first]
-                while len(pending) < 500:
-                    try:
-                        pending.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
+                # A republish (after a reconnect) is not held back to gather messages.
+                linger = self._linger_s if isinstance(first, _Item) else 0.0
+                pending = take_batch(self._queue, first, max_items=STATUS_BATCH_MAX, linger_s=linger)
                 for p in pending:
                     if isinstance(p, _Republish):
                         republish = True
@@ -189,8 +232,19 @@ class StatusService:
 
     def _apply_batch(self, batch: list[_Item]) -> set[str]:
         changed: set[str] = set()
+        # Devices that sent only heartbeats in this batch (nearly all, in steady state) are written with
+        # two Core statements; the ORM's unit of work cost more than everything else in this worker
+        # (bench/fleet.py profile). A device with any other message goes through the ORM, in order.
+        beats_only = {i.device_id for i in batch}
+        for i in batch:
+            if not isinstance(i.msg, Heartbeat):
+                beats_only.discard(i.device_id)
         with session_scope(self._engine) as s:
-            crud.ensure_devices(s, device_ids={i.device_id for i in batch})
+            ids = sorted({i.device_id for i in batch})
+            # Registered once per device and worker; one deleted since is registered again below.
+            unknown = [d for d in ids if d not in self._known]
+            if unknown:
+                crud.ensure_devices(s, device_ids=unknown)
             # A birth names the incarnation the agent sends in: a new one is recorded now, even before
             # its first batch (once, whichever of birth and batch, or replica, comes first). Before the
             # device rows are touched, in the order ingest locks them: device_seq, then device.
@@ -204,22 +258,121 @@ class StatusService:
                 created = crud.ensure_device_seqs(s, spaces=spaces, now=now)
                 for ev in crud.record_new_incarnations(s, created=created, now=now):
                     log.warning("%s: %s", ev.device_id, ev.message)
-            # One SELECT for the batch's devices, not one per message (a heartbeat batch names hundreds).
-            ids = sorted({i.device_id for i in batch})
-            devices = {d.id: d for d in s.exec(select(Device).where(col(Device.id).in_(ids))).all()}
-            for item in batch:
-                dev = devices.get(item.device_id)
-                if dev is None:
-                    continue
-                if dev.status == DeviceStatus.DECOMMISSIONED:
-                    # Past the bridge's refusal (another replica decommissioned it a moment ago): a
-                    # retired device neither comes back online nor writes its health.
-                    self._bridge.counters.add(_KIND[type(item.msg)], REFUSED_DECOMMISSIONED)
-                    continue
-                if self._apply_one(s, dev, item):
-                    changed.add(dev.id)
-                s.add(dev)
+            rest = [i for i in batch if i.device_id not in beats_only]
+            if rest:
+                changed = self._apply_orm(s, rest)
+            if beats_only:
+                self._apply_heartbeats(s, [i for i in batch if i.device_id in beats_only])
+        self._known.update(ids)
         return changed
+
+    def _apply_orm(self, s: Session, batch: list[_Item]) -> set[str]:
+        changed: set[str] = set()
+        # One SELECT for the batch's devices, not one per message (a batch names hundreds).
+        ids = sorted({i.device_id for i in batch})
+        devices = {d.id: d for d in crud.devices_by_ids(s, device_ids=ids)}
+        if len(devices) < len(ids):  # deleted since this worker registered them: registered again
+            crud.ensure_devices(s, device_ids=set(ids) - devices.keys())
+            devices = {d.id: d for d in crud.devices_by_ids(s, device_ids=ids)}
+        for item in batch:
+            dev = devices.get(item.device_id)
+            if dev is None:
+                continue
+            if dev.status == DeviceStatus.DECOMMISSIONED:
+                # Past the bridge's refusal (another replica decommissioned it a moment ago): a
+                # retired device neither comes back online nor writes its health.
+                self._bridge.counters.add(_KIND[type(item.msg)], REFUSED_DECOMMISSIONED)
+                continue
+            if self._apply_one(s, dev, item):
+                changed.add(dev.id)
+            s.add(dev)
+        return changed
+
+    def _apply_heartbeats(self, s: Session, batch: list[_Item]) -> None:
+        """Heartbeats of devices that sent nothing else in this batch, as ``_apply_one`` would apply
+        them: each a health sample; the device online, its last health and last seen the latest."""
+        ids = sorted({i.device_id for i in batch})
+        status = crud.device_statuses(s, device_ids=ids)
+        if len(status) < len(ids):
+            crud.ensure_devices(s, device_ids=set(ids) - status.keys())
+            status = crud.device_statuses(s, device_ids=ids)
+        samples: list[dict[str, Any]] = []
+        latest: dict[str, tuple[datetime, Any]] = {}
+        online_since: dict[str, datetime] = {}
+        for item in batch:
+            st = status.get(item.device_id)
+            if st is None:
+                continue
+            if st == DeviceStatus.DECOMMISSIONED:
+                self._bridge.counters.add(_KIND[Heartbeat], REFUSED_DECOMMISSIONED)
+                continue
+            # NaN/Infinity are valid floats on the wire but not JSON: PostgreSQL refuses them.
+            payload = db_json(item.msg.model_dump(mode="json"))
+            samples.append({"device_id": item.device_id, "ts": item.received_at, "payload": payload})
+            latest[item.device_id] = (item.received_at, payload)
+            if st != DeviceStatus.ONLINE and item.device_id not in online_since:
+                # Alive is alive: a heartbeat after a timeout sweep (or a lost birth) means online.
+                online_since[item.device_id] = item.received_at
+                log.info("device %s online (heartbeat)", item.device_id)
+        if not samples:
+            return
+        conn = s.connection()
+        if s.get_bind().dialect.name == "postgresql":
+            self._write_heartbeats_pg(s, samples, latest, online_since)
+            return
+        seen = [
+            {"b_id": d, "last_seen": ts, "last_health": payload}
+            for d, (ts, payload) in latest.items()
+            if d not in online_since
+        ]
+        if seen:
+            conn.execute(_SEEN_STMT, seen)
+        came = [
+            {"b_id": d, "last_seen": latest[d][0], "last_health": latest[d][1], "online_since": since}
+            for d, since in online_since.items()
+        ]
+        if came:
+            conn.execute(_CAME_ONLINE_STMT, came)
+        conn.execute(sa.insert(_HEALTH), samples)
+
+    @staticmethod
+    def _write_heartbeats_pg(
+        s: Session,
+        samples: list[dict[str, Any]],
+        latest: dict[str, tuple[datetime, Any]],
+        online_since: dict[str, datetime],
+    ) -> None:
+        """The same writes as three statements over arrays (an UPDATE or INSERT per row costs the
+        client more than the server); each payload serialised once."""
+        text = {id(p["payload"]): json.dumps(p["payload"]) for p in samples}
+        conn = s.connection()
+        conn.execute(
+            _HEALTH_PG,
+            {
+                "device_id": [p["device_id"] for p in samples],
+                "ts": [p["ts"] for p in samples],
+                "payload": [text[id(p["payload"])] for p in samples],
+            },
+        )
+        ids = sorted(latest)
+        conn.execute(
+            _SEEN_PG,
+            {
+                "id": ids,
+                "last_seen": [latest[d][0] for d in ids],
+                "last_health": [text[id(latest[d][1])] for d in ids],
+            },
+        )
+        if online_since:
+            came = sorted(online_since)
+            conn.execute(
+                _CAME_ONLINE_PG,
+                {
+                    "id": came,
+                    "online_since": [online_since[d] for d in came],
+                    "status": DeviceStatus.ONLINE.value,
+                },
+            )
 
     def _apply_one(self, s: Session, dev: Device, item: _Item) -> bool:
         """Apply one message; True when the device's capabilities changed."""

@@ -76,4 +76,4 @@ def test_fleet_bench_smoke_runs_a_replica_against_a_simulated_fleet_and_a_bare_s
         out,
         re.M,
     ), out
-    assert re.search(r"^  1 replica\(s\): 20$", out, re.M), out
+    assert re.search(r"^  1 replica\(s\): 20 \([\d,]+ devices per replica-core\)$", out, re.M), out

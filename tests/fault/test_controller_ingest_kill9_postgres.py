@@ -7,7 +7,7 @@ seqs the transaction holds is asked of PostgreSQL itself: an insert of the same 
 from another session waits on an uncommitted row (``lock_timeout`` says so).
 
 a  **in flight**: ``LOCK TABLE detection IN EXCLUSIVE MODE``. The ingest transaction has claimed its
-   seqs (``ingested_seq`` rows, uncommitted) and waits on its detection INSERT. The controller is
+   seqs (``ingested_seq`` rows, uncommitted) and waits on its detection COPY (INSERT without psycopg). The controller is
    killed there; with the lock still held, PostgreSQL notices the dead client (the controller's
    ``client_connection_check_interval``) and rolls the transaction back (``pg_xact_status``
    ``aborted``): none of its seqs is stored, half or whole; the agent sends them again, and the
@@ -330,9 +330,10 @@ def test_controller_kill9_while_ingest_transaction_waits(pg_rig: Rig, pg: Postgr
 
     pg.hold("LOCK TABLE detection IN EXCLUSIVE MODE")  # reads go on; the ingest INSERT waits
     blocked = wait_for(
-        lambda: pg.blocked("INSERT INTO detection "),
+        # Detections go in by binary COPY through psycopg (ingest.py), by INSERT otherwise.
+        lambda: pg.blocked("COPY detection ") or pg.blocked("INSERT INTO detection "),
         timeout=60,
-        what="the controller's ingest INSERT waiting on the test's lock",
+        what="the controller's ingest COPY/INSERT waiting on the test's lock",
     )
     # Inside its transaction: it has an xid, and has written its dedup rows already.
     assert blocked.xid, blocked

@@ -4,6 +4,7 @@ kept across restarts, and desired states taken as the agent takes them (edge_age
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -277,3 +278,47 @@ def test_percentile_interpolates() -> None:
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+
+
+def _ramp_latency(i: int) -> float:
+    """Seq i+1 is acked this long after it was sent: a controller falling behind, 0.5 s more a second."""
+    return min(0.1 + 0.5 * i, 15.0)
+
+
+def _run_ramp(box: SimOutbox, timeout: Callable[[], float], seconds: int = 60) -> None:
+    """One batch a second (seq i+1 sent at i s), acks arriving at ``i + _ramp_latency(i)``."""
+    for step in range(seconds * 10):
+        now = step / 10
+        acked = [i for i in range(seconds) if i + _ramp_latency(i) <= now]
+        if acked:
+            box.ack(Ack(upto=max(acked) + 1), now)
+        if step % 10 == 0:
+            _add(box)
+        for p in box.due(now, timeout(), 100):
+            box.mark_sent(p, now)
+
+
+def test_slow_acks_stretch_the_resend_timeout_instead_of_sending_everything_twice() -> None:
+    fixed = SimOutbox(ack_timeout_s=10.0)
+    _run_ramp(fixed, lambda: 10.0)
+    assert fixed.resends > 20, "the old fixed timeout sent most batches twice once acks took > 10 s"
+    box = SimOutbox(ack_timeout_s=10.0)
+    _run_ramp(box, lambda: box.timer.timeout_s)
+    assert box.resends == 0, "an ack slower than ack_timeout_s must not double the load"
+    assert box.timer.timeout_s > 15.0
+    # A message that is really lost is still sent again, once the stretched timeout has passed.
+    left = [p.seq for p in box.pending()]
+    late = 60.0 + box.timer.timeout_s
+    assert [p.seq for p in box.due(late, box.timer.timeout_s, 100)] == left
+
+
+def test_fast_acks_keep_the_configured_resend_timeout() -> None:
+    box = SimOutbox(ack_timeout_s=10.0)
+    for t in range(20):
+        _add(box)
+        _send_all(box, float(t), box.timer.timeout_s)
+        box.ack(Ack(upto=t + 1), float(t) + 0.05)
+    assert box.timer.timeout_s == 10.0
+    _add(box)
+    _send_all(box, 100.0, box.timer.timeout_s)
+    assert [p.seq for p in box.due(110.0, box.timer.timeout_s, 100)] == [21], "lost: sent again after 10 s"
