@@ -178,11 +178,11 @@ class PahoTransport:
         # until acked), and a persistent session would replay a flood after a long outage.
         self._client = make_client(target, client_id=client_id, clean_session=True)
         # No in-flight window (0 = unlimited): paho's window is shared by every device, so with chunked
-        # model pushes to many devices at once it, not the link, would set the pace; and each PUBACK
-        # walks the window to find the next queued message (Client._update_inflight), so at a window
-        # of 1,000 the network thread spent its time there once acks queued up: past ~1,800 devices on
-        # one replica the queue reached paho's 65,535 message ids and acks failed with "Message queue
-        # full" (bench/fleet.py). What this process publishes is bounded by its own queues and pacing.
+        # model pushes to many devices at once it, not the link, would set the pace; and with a window,
+        # each PUBACK walks paho's out-messages from the start to find the next queued one
+        # (Client._update_inflight), O(window) on the network thread per ack once acks queue up, and
+        # queued acks count against paho's 65,535 message ids. What this process publishes is bounded
+        # by its own queues and pacing.
         self._client.max_inflight_messages_set(0)
         self._client.max_queued_messages_set(0)
         self._client.on_connect = self._on_connect
