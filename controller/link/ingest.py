@@ -517,7 +517,6 @@ class IngestService:
         is not returned, and is then either a declared-dropped seq that arrived after all, or a duplicate.
         A seq up to ``upto`` is not even tried: its row may have been compacted away.
         """
-        t = crud.ingested_seq_table()
         new = [
             (space, q, item.kind)
             for space, items in by_space.items()
@@ -549,6 +548,7 @@ class IngestService:
                 }
                 for sp, q, k in new
             ]
+            t = crud.ingested_seq_table()
             ins = (
                 crud.dialect_insert(s, t)
                 .on_conflict_do_nothing()

@@ -61,12 +61,7 @@ _SEEN_STMT = (
 _CAME_ONLINE_STMT = (
     sa.update(_DEVICE)
     .where(_DEVICE.c.id == sa.bindparam("b_id"))
-    .values(
-        status=DeviceStatus.ONLINE.value,
-        online_since=sa.bindparam("online_since"),
-        last_seen=sa.bindparam("last_seen"),
-        last_health=sa.bindparam("last_health"),
-    )
+    .values(status=DeviceStatus.ONLINE.value, online_since=sa.bindparam("online_since"))
 )
 
 
@@ -316,24 +311,18 @@ class StatusService:
                 log.info("device %s online (heartbeat)", item.device_id)
         if not samples:
             return
-        conn = s.connection()
         if s.get_bind().dialect.name == "postgresql":
             self._write_heartbeats_pg(s, samples, latest, online_since)
             return
-        seen = [
-            {"b_id": d, "last_seen": ts, "last_health": payload}
-            for d, (ts, payload) in latest.items()
-            if d not in online_since
-        ]
-        if seen:
-            conn.execute(_SEEN_STMT, seen)
-        came = [
-            {"b_id": d, "last_seen": latest[d][0], "last_health": latest[d][1], "online_since": since}
-            for d, since in online_since.items()
-        ]
-        if came:
-            conn.execute(_CAME_ONLINE_STMT, came)
+        # The same three writes as on PostgreSQL, as executemany statements.
+        conn = s.connection()
         conn.execute(sa.insert(_HEALTH), samples)
+        conn.execute(
+            _SEEN_STMT,
+            [{"b_id": d, "last_seen": ts, "last_health": payload} for d, (ts, payload) in latest.items()],
+        )
+        if online_since:
+            conn.execute(_CAME_ONLINE_STMT, [{"b_id": d, "online_since": t} for d, t in online_since.items()])
 
     @staticmethod
     def _write_heartbeats_pg(
