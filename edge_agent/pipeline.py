@@ -1,10 +1,12 @@
 """Per-camera model slots, the inference thread, and the hand-off to the publisher.
 
-Stages overlap: capture threads (one per camera, newest frame only) -> a prepare thread (takes the
-newest frame of each camera, batches frames of cameras sharing a model, preprocesses) -> a one-item
-hand-off that blocks the prepare thread when full -> ONE inference thread (runs the model, decodes)
--> a bounded drop-oldest queue -> the publisher thread. So the next batch is decoded from video and
-preprocessed while the model runs on the current one.
+Stages overlap: capture threads (one per camera, newest frame only; each preprocesses its frames for
+the camera's model while none of them is dropped, see ``CameraWorker.use_preprocessor``) -> a prepare
+thread (takes the newest frame of each camera, batches frames of cameras sharing a model,
+preprocesses those the capture thread did not) -> a one-item hand-off per inference worker that blocks
+the prepare thread when full -> the inference worker threads (run the model, decode) -> a bounded
+drop-oldest queue -> the publisher thread. So the next batch is decoded from video and preprocessed
+while the model runs on the current one.
 
 Hot swap: a new model is loaded and warmed up beside the old one; only then does the camera's slot
 point at it. A batch already prepared for the old model still runs on it, and the next frame goes to
@@ -295,6 +297,9 @@ class Pipeline:
             st = self._stats.get(camera)
             if st is not None and st.window.model is not model:
                 st.window = _ModelWindow(model=model)
+        cam = self.cameras.get(camera)
+        if cam is not None:
+            cam.use_preprocessor(model.manifest.input, self._preprocessor_factory)
         log.info("camera %s now runs %s (threshold %.2f)", camera, model.key, params.threshold)
 
     def params_of(self, camera: str) -> CameraParams | None:
@@ -310,6 +315,9 @@ class Pipeline:
                 self._slots[camera] = (slot[0], params)
 
     def clear(self, camera: str) -> None:
+        cam = self.cameras.get(camera)
+        if cam is not None:
+            cam.use_preprocessor(None)
         with self._lock:
             old = self._slots.pop(camera, None)
             self._retire_if_unused(old[0] if old else None)
@@ -459,8 +467,11 @@ class Pipeline:
             for i in range(0, len(items), step):
                 chunk = items[i : i + step]
                 images = [f.image for f, _ in chunk]
+                early = _prepared_for(model.manifest.input, [f for f, _ in chunk])
                 try:
-                    if len(images) == 1:
+                    if early is not None:
+                        batch, metas = early
+                    elif len(images) == 1:
                         tensor, meta = model.preprocessor(images[0])
                         batch, metas = tensor[None], [meta]
                     else:
@@ -656,6 +667,19 @@ class Pipeline:
 
     def camera_ids(self) -> Iterable[str]:
         return self.cameras.keys()
+
+
+def _prepared_for(spec: InputSpec, frames: Sequence[Frame]) -> tuple[np.ndarray, list[Any]] | None:
+    """The batch of ``frames`` from the inputs their capture threads made, if every one was made for
+    ``spec`` (else None: a frame captured before a swap to a model with another input, or one whose
+    preprocessing failed there, is preprocessed here)."""
+    ready = [f.prepared for f in frames]
+    if not all(p is not None and (p.spec is spec or p.spec == spec) for p in ready):
+        return None
+    tensors = [p.tensor for p in ready if p is not None]
+    metas = [p.meta for p in ready if p is not None]
+    batch = tensors[0][None] if len(tensors) == 1 else np.stack(tensors)
+    return batch, metas
 
 
 def _detection(r: _Raw, labels: Sequence[str]) -> Detection | None:

@@ -72,14 +72,17 @@ class LatestSlot(Generic[T]):
         self._wake = wake
         self.dropped = 0
 
-    def put(self, item: T) -> None:
+    def put(self, item: T) -> bool:
+        """Store ``item``; True when it replaced one nobody took (counted as dropped)."""
         with self._lock:
-            if self._item is not None:
+            replaced = self._item is not None
+            if replaced:
                 self.dropped += 1
             self._item = item
             self._latest = item
         if self._wake is not None:
             self._wake.set()
+        return replaced
 
     def take(self) -> T | None:
         """The unconsumed item, if any; the slot is empty afterwards."""

@@ -4,13 +4,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from edge_agent.capture import CameraWorker, SourceError, VideoSource, redact_source
+from edge_agent.capture import CameraWorker, Frame, SourceError, VideoSource, redact_source
 from edge_agent.settings import CameraConfig
-from fleet_protocol.messages import CameraState
+from fleet_protocol.messages import CameraState, InputSpec
 
 
 def wait_for(pred: Callable[[], object], timeout: float = 5.0) -> None:
@@ -190,3 +191,66 @@ def test_source_credentials_never_reach_reasons() -> None:
     assert redact_source("rtsp://admin:s3cret@10.0.0.9:554/live") == "rtsp://***@10.0.0.9:554/live"
     assert redact_source("http://cam.local/mjpg") == "http://cam.local/mjpg"
     assert redact_source("/videos/a.avi") == "/videos/a.avi"
+
+
+def _recorded(tmp_path: Path, frames: int) -> tuple[CameraConfig, FakeSource]:
+    cfg = CameraConfig.model_validate({"id": "c1", "source": str(tmp_path / "clip.avi"), "realtime": False})
+    return cfg, FakeSource(fail_after=frames)
+
+
+SPEC = InputSpec(name="x", layout="NHWC", dtype="uint8", color="RGB", width=2, height=2)
+
+
+def _take(cam: CameraWorker, n: int) -> list[Frame]:
+    taken: list[Frame] = []
+    deadline = time.monotonic() + 5
+    while len(taken) < n and time.monotonic() < deadline:
+        frame = cam.slot.take()
+        if frame is not None:
+            taken.append(frame)
+        else:
+            time.sleep(0.001)
+    assert len(taken) == n
+    return taken
+
+
+def test_frames_carry_the_input_made_for_the_model_set_and_none_after_it_is_cleared(
+    stop: threading.Event, tmp_path: Path
+) -> None:
+    cfg, src = _recorded(tmp_path, 1000)
+    cam = CameraWorker(cfg, stop=stop, opener=lambda c: src)
+    made: list[InputSpec] = []
+
+    def make(spec: InputSpec) -> Callable[[np.ndarray], tuple[np.ndarray, Any]]:
+        made.append(spec)
+        return lambda img: (img[:2, :2] * 2, ("meta", int(img[0, 0, 0])))
+
+    cam.use_preprocessor(SPEC, make)
+    cam.use_preprocessor(SPEC.model_copy(), make)  # an equal input keeps the one it has
+    assert len(made) == 1
+    cam.start()
+    for frame in _take(cam, 5):
+        assert frame.prepared is not None and frame.prepared.spec == SPEC
+        assert frame.prepared.meta == ("meta", int(frame.image[0, 0, 0]))
+        assert int(frame.prepared.tensor[0, 0, 0]) == (2 * int(frame.image[0, 0, 0])) % 256
+    cam.use_preprocessor(None)
+    # The frame in the slot and the one read ahead may have been made before the call.
+    later = _take(cam, 5)[2:]
+    assert all(f.prepared is None for f in later)
+
+
+def test_a_preprocessing_failure_in_the_capture_thread_leaves_the_frame_unprepared_and_flowing(
+    stop: threading.Event, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg, src = _recorded(tmp_path, 1000)
+    cam = CameraWorker(cfg, stop=stop, opener=lambda c: src)
+
+    def broken(img: np.ndarray) -> tuple[np.ndarray, Any]:
+        raise ValueError("bad frame shape")
+
+    cam.use_preprocessor(SPEC, lambda spec: broken)
+    cam.start()
+    assert all(f.prepared is None for f in _take(cam, 10))
+    assert cam.state == CameraState.UP
+    # Said once, not once per frame.
+    assert sum("preprocessing in the capture thread failed" in r.message for r in caplog.records) == 1

@@ -2,14 +2,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from edge_agent.capture import CameraWorker
-from edge_agent.pipeline import CameraParams, ModelLoadError, Pipeline
+from edge_agent.pipeline import CameraParams, ModelLoadError, Pipeline, PreprocessorFactory
+from edge_agent.preprocess import Preprocessor
 from edge_agent.settings import CameraConfig
 from edge_agent.watchdog import WatchdogAction, WatchdogNote
 from fleet_protocol.messages import FrameDetections, InputSpec, ModelManifest
@@ -86,12 +88,24 @@ def stop() -> Iterator[threading.Event]:
 
 
 def make_pipeline(
-    stop: threading.Event, backends: dict[str, FakeBackend], cameras: int = 1, workers: int = 1
+    stop: threading.Event,
+    backends: dict[str, FakeBackend],
+    cameras: int = 1,
+    workers: int = 1,
+    *,
+    recorded: bool = False,
+    preprocessor_factory: PreprocessorFactory | None = None,
 ) -> Pipeline:
+    """``recorded``: the cameras play files at the pipeline's pace (realtime: false), so no frame is
+    dropped; otherwise they are live cameras far faster than the model."""
     wake = threading.Event()
     cams = [
         CameraWorker(
-            CameraConfig(id=f"c{i}", source=f"rtsp://fake/{i}"),
+            CameraConfig.model_validate(
+                {"id": f"c{i}", "source": f"/footage/{i}.avi", "realtime": False}
+                if recorded
+                else {"id": f"c{i}", "source": f"rtsp://fake/{i}"}
+            ),
             stop=stop,
             opener=lambda c: Frames(),
             wake=wake,
@@ -105,6 +119,7 @@ def make_pipeline(
         backend_factory=lambda path, m: backends[m.name],
         max_batch=4,
         workers=workers,
+        preprocessor_factory=preprocessor_factory,
     )
     p.start()
     return p
@@ -329,3 +344,97 @@ def test_a_backend_that_cannot_run_concurrently_gets_one_run_at_a_time(stop: thr
     assert {r.camera for r in got} == {"c0", "c1"}
     assert backend.threads - {"MainThread"} == {"inference.0", "inference.1"} and backend.max_inside == 1
     p.join(5)
+
+
+class ThreadNoting(Preprocessor):
+    """The real Preprocessor, noting which threads ran it."""
+
+    def __init__(self, spec: InputSpec, calls: list[str]) -> None:
+        super().__init__(spec)
+        self.calls = calls
+
+    def __call__(self, frame_bgr: np.ndarray) -> tuple[np.ndarray, Any]:
+        self.calls.append(threading.current_thread().name)
+        return super().__call__(frame_bgr)
+
+    def batch(self, frames: Sequence[np.ndarray]) -> tuple[np.ndarray, list[Any]]:
+        self.calls.extend(threading.current_thread().name for _ in frames)
+        return super().batch(frames)
+
+
+class ShapeNoting(FakeBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        self.shapes.append(tuple(batch.shape[1:]))
+        return super().run(batch)
+
+
+def test_recorded_footage_is_preprocessed_by_the_capture_threads_and_gives_the_same_detections(
+    stop: threading.Event,
+) -> None:
+    calls: list[str] = []
+    backend = ShapeNoting()
+    p = make_pipeline(
+        stop,
+        {"a": backend},
+        cameras=2,
+        recorded=True,
+        preprocessor_factory=lambda spec: ThreadNoting(spec, calls),
+    )
+    model = p.load(Path("a.onnx"), manifest("a", SHA_A))
+    for cam in ("c0", "c1"):
+        p.activate(cam, model, CameraParams(threshold=0.5))
+    got = results(p, 20)
+    # The warm-up ran in this thread; every frame after it in its own camera's capture thread, but
+    # for the ones each camera had read before its model was set (in its slot, and the one read ahead).
+    assert calls[0] == "MainThread"
+    assert set(calls[1:]) <= {"capture-c0", "capture-c1", "prepare"}
+    assert calls.count("prepare") <= 4 and calls.count("capture-c0") + calls.count("capture-c1") >= 16
+    assert {r.camera for r in got} == {"c0", "c1"}
+    for r in got:
+        (d,) = r.detections
+        assert (r.width, r.height) == (64, 48) and d.box.x0 == pytest.approx(0.2 * 64)
+    assert set(backend.shapes) == {(32, 32, 3)}
+
+
+def test_a_swap_to_a_model_with_another_input_never_runs_it_on_frames_made_for_the_old_one(
+    stop: threading.Event,
+) -> None:
+    calls: list[str] = []
+    old, new = ShapeNoting(), ShapeNoting()
+    p = make_pipeline(
+        stop,
+        {"a": old, "b": new},
+        recorded=True,
+        preprocessor_factory=lambda spec: ThreadNoting(spec, calls),
+    )
+    p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
+    results(p, 3)
+    wide = manifest("b", SHA_B)
+    wide = wide.model_copy(update={"input": wide.input.model_copy(update={"width": 48})})
+    p.activate("c0", p.load(Path("b.onnx"), wide), CameraParams(threshold=0.5))
+    after = results(p, 5, lambda r: r.model == "b:1")
+    assert all(r.detections and r.width == 64 for r in after)
+    assert set(old.shapes) == {(32, 32, 3)}
+    assert set(new.shapes) == {(32, 48, 3)}  # the warm-up and every frame: none made for 32x32
+
+
+def test_a_live_camera_faster_than_its_model_leaves_preprocessing_to_the_prepare_thread(
+    stop: threading.Event,
+) -> None:
+    """Frames dropped unused would waste preprocessing: it is done only for the frames taken."""
+    calls: list[str] = []
+    p = make_pipeline(
+        stop,
+        {"a": FakeBackend(delay=0.05)},  # 200 frames/s against 20 runs/s
+        preprocessor_factory=lambda spec: ThreadNoting(spec, calls),
+    )
+    p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
+    results(p, 10)
+    camera = p.cameras["c0"]
+    assert camera.dropped > 50
+    assert calls.count("capture-c0") <= 2, "at most the frames before the first drop"
+    assert calls.count("prepare") >= 8
