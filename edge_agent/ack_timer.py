@@ -2,8 +2,9 @@
 
 A fixed timeout turns an overloaded controller into a collapsing one: once storing takes longer than
 the timeout, every unacked message is sent a second time, the controller has twice the work, acks
-come later still, and the fleet ends up sending everything twice (measured with ``bench/fleet.py``
-at 2,000 simulated devices on one replica: 136,080 resends in a 20 s run, p99 61 s). TCP solved this
+come later still, and the fleet ends up sending everything twice (``bench/fleet.py`` at 1,000
+simulated devices on one replica, with the simulator's fixed 10 s timeout: p99 publish->ack 48-58 s;
+BENCHMARKS.md, "Controller replicas"). TCP solved this
 in 1988: time the acks, and wait for the smoothed round trip plus four deviations.
 
 The configured timeout is the floor, so a healthy link behaves exactly as before (a lost message is

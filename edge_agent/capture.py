@@ -525,10 +525,10 @@ class CameraWorker:
         """Preprocess every frame for ``spec`` right after decoding it, in this camera's thread (None:
         stop). Preprocessing is then spread over one thread per camera (OpenCV releases the GIL)
         instead of the one prepare thread for all cameras, which at GPU speeds would cap the frame
-        rate of a device with many cameras; and the frame is still in this core's cache (a one-off
-        timing on the 2-vCPU bench VM: resizing a 768x576 frame to 300x300 took 0.14 ms just after
-        its decode, 0.28 ms on a frame read later from memory). A frame dropped unused would waste
-        it (on that footage about a third of the frame's decode), so it is done only while the
+        rate of a device with many cameras; and the frame is still in this core's cache (resizing a
+        768x576 frame to 300x300 took 0.14 ms just after its decode and 0.28-0.31 ms on a frame read
+        back from memory: BENCHMARKS.md, "Several cameras"). A frame dropped unused would waste it
+        (on that footage about a third of the frame's decode), so it is done only while the
         camera's frames are all taken: a camera faster than its inference leaves preprocessing to
         the prepare thread, for the frames that it takes."""
         if spec is None or make is None:
