@@ -4,11 +4,11 @@ One run, designed to finish within ``--budget-s`` (default 420 s, under 8 minute
 JSON file (``--out``, default ``gpu_check.json``, rewritten after every step so a run cut short still
 leaves its results):
 
-0. stack: what is installed and loaded (``edge_agent.gpu_stack``: onnxruntime or onnxruntime-gpu and
+0. stack: what is installed and loaded (``edge_agent.inference.gpu_stack``: onnxruntime or onnxruntime-gpu and
    its providers, TensorRT, cuda-python, NVML, the driver's CUDA version) and whether it fits together;
    the GPU itself (``cuInit``, NVML name, driver, memory, power limit).
 1. per bundled model (``models/*/manifest.json``): an FP16 TensorRT engine built with the agent's own
-   builder and engine cache (``edge_agent.trt``: ``load_tensorrt_runtime``, ``EngineCache``,
+   builder and engine cache (``edge_agent.inference.trt``: ``load_tensorrt_runtime``, ``EngineCache``,
    ``obtain_engine``), build progress printed, then reloaded from the cache (must be a cache hit).
 2. fidelity: the engine and onnxruntime's CPU provider on the same frames of the bundled footage, scored
    with the controller's own matcher (``controller.registry.fidelity``: preprocess, decode, match);
@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from edge_agent import gpu_stack  # noqa: E402
+from edge_agent.inference import gpu_stack  # noqa: E402
 
 FOOTAGE = REPO / "models" / "footage" / "vtest.avi"
 PASS_BAR = 0.95  # F1 and mean IoU against onnxruntime CPU
@@ -253,7 +253,7 @@ def bundled_models(names: list[str] | None) -> list[Model]:
 
 
 def engine_key(trt_mod: Any, rt: Any, model: Model, options: Any) -> Any:
-    """The agent's cache key for this build (with the build fingerprint where edge_agent.trt has one)."""
+    """The agent's cache key for this build (with the build fingerprint where edge_agent.inference.trt has one)."""
     for_build = getattr(trt_mod.EngineKey, "for_build", None)
     if for_build is not None:
         return for_build(rt, model.manifest.sha256, PRECISION, options)
@@ -270,7 +270,7 @@ def build_and_reload(
     run: Run, rt: Any, cache: Any, model: Model, res: dict[str, Any], args: Any
 ) -> tuple[Any, Any]:
     """Build (or find) the FP16 engine with the agent's code, then reload it from the cache: (engine, key)."""
-    from edge_agent import trt as trt_mod
+    from edge_agent.inference import trt as trt_mod
 
     build_timeout = max(30.0, min(args.build_timeout_s, run.left() - 90))
     cancel = threading.Event()
@@ -372,8 +372,8 @@ def agent_path_fps(
     model: Model, frames: list[Any], infer: Callable[[Any], Any], seconds: float
 ) -> dict[str, Any]:
     """Frames per second through the agent's own preprocessing, ``infer`` and decoding (frames in memory)."""
-    from edge_agent import decoders
-    from edge_agent.preprocess import Preprocessor
+    from fleet_protocol.vision import decoders
+    from fleet_protocol.vision.preprocess import Preprocessor
 
     pre = Preprocessor(model.manifest.input)
     threshold = model.manifest.default_threshold
@@ -689,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
             "energy counter", "nvmlDeviceGetTotalEnergyConsumption unsupported here (needs Volta or newer)"
         )
 
-    from edge_agent import trt as trt_mod
+    from edge_agent.inference import trt as trt_mod
 
     rt = None
     if report.tensorrt_version:

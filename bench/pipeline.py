@@ -66,10 +66,10 @@ import onnxruntime as ort  # noqa: E402
 import paho.mqtt.client as mqtt  # noqa: E402
 import psutil  # noqa: E402
 
-from edge_agent.backends import session_options  # noqa: E402
-from edge_agent.preprocess import Preprocessor  # noqa: E402
+from edge_agent.inference.backends import session_options  # noqa: E402
 from fleet_protocol import TopicKind, Topics, decode  # noqa: E402
 from fleet_protocol.messages import DetectionBatch, ModelManifest  # noqa: E402
+from fleet_protocol.vision.preprocess import Preprocessor  # noqa: E402
 from tests.mqtt_broker import MosquittoBroker  # noqa: E402
 from tests.processes import AgentProcess, ControllerProcess  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402

@@ -1,4 +1,4 @@
-"""Preprocessing benchmark: what edge_agent/preprocess.py costs per frame at 720p, 1080p and 4K.
+"""Preprocessing benchmark: what fleet_protocol/vision/preprocess.py costs per frame at 720p, 1080p and 4K.
 
 For each bundled model's input (ped_ssdlite: 300x300 RGB uint8 NHWC; nanodet_coco: 416x416 BGR float32
 NCHW, mean/std normalised) and each source size, it times one ``Preprocessor`` call per frame (resize +
@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO))
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 
-from edge_agent.preprocess import Preprocessor  # noqa: E402
 from fleet_protocol.messages import InputSpec, ModelManifest  # noqa: E402
+from fleet_protocol.vision.preprocess import Preprocessor  # noqa: E402
 
 MODELS = ("ped_ssdlite", "nanodet_coco")
 FOOTAGE = REPO / "models" / "footage" / "vtest.avi"
@@ -128,7 +128,7 @@ def main() -> None:
     cpu_ratios: list[float] = []
     if not args.json:
         print(
-            "preprocessing per frame (edge_agent/preprocess.py) against a bare cv2.resize of the same frame; "
+            "preprocessing per frame (fleet_protocol/vision/preprocess.py) against a bare cv2.resize of the same frame; "
             f"footage frames upscaled to each size; OpenCV threads: {cv2.getNumThreads()}"
         )
         print(

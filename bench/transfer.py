@@ -63,9 +63,9 @@ sys.path.insert(0, str(REPO))
 import paho.mqtt.client as mqtt  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
-from edge_agent.artifacts import ArtifactFetcher, FetchCancelled, FetchError  # noqa: E402
-from edge_agent.link import MqttLink  # noqa: E402
-from edge_agent.settings import ArtifactConfig, MqttEndpoint  # noqa: E402
+from edge_agent.core.settings import ArtifactConfig, MqttEndpoint  # noqa: E402
+from edge_agent.uplink.artifacts import ArtifactFetcher, FetchCancelled, FetchError  # noqa: E402
+from edge_agent.uplink.link import MqttLink  # noqa: E402
 from fleet_protocol import TopicKind, Topics, encode  # noqa: E402
 from fleet_protocol.messages import (  # noqa: E402
     ArtifactRef,

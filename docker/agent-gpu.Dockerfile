@@ -1,9 +1,9 @@
 # edgefleet edge agent, x86_64 NVIDIA GPU build, CUDA 12: onnxruntime-gpu (TensorRT + CUDA execution
-# providers), TensorRT 10 (the native engine, edge_agent/trt.py), cuda-python and NVML, pinned to one
+# providers), TensorRT 10 (the native engine, edge_agent/inference/trt.py), cuda-python and NVML, pinned to one
 # coherent stack by docker/constraints-gpu-cu12.txt. Build from the repository root
 # (docker build -f docker/agent-gpu.Dockerfile .); run with `--gpus all` (NVIDIA Container Toolkit) on
 # a host whose driver supports CUDA 12 (r525 or newer). The agent checks the stack at start and refuses
-# a mismatched one (edge_agent/gpu_stack.py). Never built or run on a GPU in this project's CI: see
+# a mismatched one (edge_agent/inference/gpu_stack.py). Never built or run on a GPU in this project's CI: see
 # README "What has run on a GPU".
 #
 # Base: CUDA 12.8 runtime + cuDNN 9 (what onnxruntime-gpu 1.26's CUDA provider links) on Ubuntu 24.04,
@@ -27,7 +27,7 @@ ENV LD_LIBRARY_PATH=/opt/venv/lib/python3.12/site-packages/tensorrt_libs:${LD_LI
 # Packaging smoke test (no GPU during a build): a GPU build of onnxruntime, TensorRT 10 importable, and
 # the agent's own stack check finds nothing fatal.
 RUN python -c "import onnxruntime as o, tensorrt as t; assert o.get_device() == 'GPU', o.get_device(); print('onnxruntime', o.__version__, 'tensorrt', t.__version__)" \
-    && python -c "from edge_agent.gpu_stack import probe_stack, check_stack; r = probe_stack(); print(r.summary()); bad = [str(p) for p in check_stack(r) if p.fatal]; assert not bad, bad"
+    && python -c "from edge_agent.inference.gpu_stack import probe_stack, check_stack; r = probe_stack(); print(r.summary()); bad = [str(p) for p in check_stack(r) if p.fatal]; assert not bad, bad"
 VOLUME /data
 # The supervisor runs the agent from its A/B slot (/data/agent/slots), so an agent update deployed from the
 # controller installs, restarts into the new version and rolls back on its own; the container's restart

@@ -2,7 +2,7 @@
 # TensorRT 10.3 with bindings for the system Python 3.10 only). The agent needs Python >= 3.11, so, as
 # jetson-containers does for JetPack 6: TensorRT and its Python bindings come from NVIDIA's L4T TensorRT
 # tar (its python/ folder has a wheel per CPython) and cuda-python is built from source against the
-# JetPack's CUDA. The GPU engine is native TensorRT (edge_agent/trt.py); onnxruntime on the CPU is the
+# JetPack's CUDA. The GPU engine is native TensorRT (edge_agent/inference/trt.py); onnxruntime on the CPU is the
 # fallback, since PyPI has no CUDA 12 onnxruntime-gpu for aarch64. Pins: docker/constraints-jetson-jp6.txt.
 #
 # Build on the Jetson (or an arm64 builder) from the repository root, with the nvidia runtime as Docker's
@@ -28,7 +28,7 @@ RUN wget -q -O /tmp/tensorrt.tar.gz "${TENSORRT_TAR}" \
     && pip install --no-cache-dir /opt/tensorrt/python/tensorrt-*-cp311-none-linux_aarch64.whl \
     && rm -rf /opt/tensorrt/data /opt/tensorrt/doc /opt/tensorrt/samples
 # cuda-python for the JetPack's CUDA 12.6, built here against /usr/local/cuda (minutes on an Orin);
-# 12.6.0 has `cuda.cudart`, which edge_agent/trt.py falls back to when `cuda.bindings` is absent.
+# 12.6.0 has `cuda.cudart`, which edge_agent/inference/trt.py falls back to when `cuda.bindings` is absent.
 RUN git clone --depth 1 --branch "v${CUDA_PYTHON}" https://github.com/NVIDIA/cuda-python /tmp/cuda-python \
     && CUDA_HOME=/usr/local/cuda PARALLEL_LEVEL="$(nproc)" \
         pip wheel --no-cache-dir --no-deps -w /tmp/wheels /tmp/cuda-python \
@@ -44,7 +44,7 @@ RUN pip install --no-cache-dir -c /etc/edgefleet/constraints.txt '.[agent]'
 # Packaging smoke test: TensorRT 10 and cuda-python import for this Python, and the agent's own stack
 # check finds nothing fatal.
 RUN python -c "import tensorrt as t, onnxruntime as o; from cuda import cudart; print('tensorrt', t.__version__, 'onnxruntime', o.__version__)" \
-    && python -c "from edge_agent.gpu_stack import probe_stack, check_stack; r = probe_stack(); print(r.summary()); bad = [str(p) for p in check_stack(r) if p.fatal]; assert not bad, bad"
+    && python -c "from edge_agent.inference.gpu_stack import probe_stack, check_stack; r = probe_stack(); print(r.summary()); bad = [str(p) for p in check_stack(r) if p.fatal]; assert not bad, bad"
 VOLUME /data
 # The supervisor runs the agent from its A/B slot (/data/agent/slots), so an agent update deployed from the
 # controller installs, restarts into the new version and rolls back on its own; the container's restart

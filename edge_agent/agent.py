@@ -11,14 +11,14 @@ Threads (all named, all stopped by ONE event, joined with timeouts):
   watchdog          abandons an inference that hangs, restarts it (rate-limited), reports each step
   + paho's network thread inside MqttLink.
 
-Desired state lives in :mod:`edge_agent.twin`, commands in :mod:`edge_agent.commands`, the heartbeat
-in :mod:`edge_agent.heartbeat`. What stays here ties the parts to the link and to each other: the
+Desired state lives in :mod:`edge_agent.control.twin`, commands in :mod:`edge_agent.control.commands`, the heartbeat
+in :mod:`edge_agent.control.heartbeat`. What stays here ties the parts to the link and to each other: the
 birth message, the stop on a link that failed for good, and the events of camera and watchdog steps.
 
-Backend faults: a sticky CUDA error (:class:`~edge_agent.backends.CudaFatalError`) anywhere on the
+Backend faults: a sticky CUDA error (:class:`~edge_agent.inference.backends.CudaFatalError`) anywhere on the
 inference path publishes a final ERROR event, sets the stop event and makes :meth:`Agent.run` return
 ``exc.exit_code`` (4), so systemd/Docker restart the process (the GPU context cannot be recovered in
-it). A provider that ORT silently left at run time (:class:`~edge_agent.backends.ProviderFallback`)
+it). A provider that ORT silently left at run time (:class:`~edge_agent.inference.backends.ProviderFallback`)
 is a MODEL_BUILD event of phase ``fallback`` (like the fallback of a load), and inference goes on.
 """
 
@@ -32,23 +32,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from edge_agent import __version__
-from edge_agent.artifacts import ArtifactFetcher
-from edge_agent.backends import AutoBackendFactory, BackendFactory, CudaFatalError, ProviderFallback
-from edge_agent.capture import CameraWorker, SourceOpener
-from edge_agent.commands import CommandRunner
-from edge_agent.health import Health
-from edge_agent.heartbeat import HeartbeatSender
-from edge_agent.link import MqttLink, Transport
-from edge_agent.outbox import Outbox
-from edge_agent.pipeline import OUT_QUEUE_SIZE, DecodeFn, LoadedModel, Pipeline, PreprocessorFactory
-from edge_agent.publisher import Publisher
-from edge_agent.queues import DropOldestQueue
-from edge_agent.self_update import EXIT_UPDATE, AgentUpdater, PackageFetcher
-from edge_agent.settings import AgentSettings
-from edge_agent.storage import Reserve
-from edge_agent.trt import TrtRuntime
-from edge_agent.twin import EngineBuilds, Twin
-from edge_agent.watchdog import RestartLimiter, WatchdogAction, WatchdogNote
+from edge_agent.control.commands import CommandRunner
+from edge_agent.control.heartbeat import HeartbeatSender
+from edge_agent.control.twin import EngineBuilds, Twin
+from edge_agent.core.disk_guard import Reserve
+from edge_agent.core.queues import DropOldestQueue
+from edge_agent.core.restart_policy import RestartLimiter, WatchdogAction, WatchdogNote
+from edge_agent.core.settings import AgentSettings
+from edge_agent.device.health import Health
+from edge_agent.inference.backends import AutoBackendFactory, BackendFactory, CudaFatalError, ProviderFallback
+from edge_agent.inference.trt import TrtRuntime
+from edge_agent.update.install import PackageFetcher
+from edge_agent.update.slots import EXIT_UPDATE
+from edge_agent.update.updater import AgentUpdater
+from edge_agent.uplink.artifacts import ArtifactFetcher
+from edge_agent.uplink.link import MqttLink, Transport
+from edge_agent.uplink.outbox import Outbox
+from edge_agent.uplink.publisher import Publisher
+from edge_agent.vision.capture import CameraWorker, SourceOpener
+from edge_agent.vision.pipeline import OUT_QUEUE_SIZE, DecodeFn, LoadedModel, Pipeline, PreprocessorFactory
 from fleet_protocol.codec import encode
 from fleet_protocol.messages import (
     Ack,

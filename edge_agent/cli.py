@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from edge_agent.settings import SettingsError, load_settings
+from edge_agent.core.settings import SettingsError, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def run(
 
     With ``validate_config`` only check the file: print ``OK`` (exit 0) or the field errors (exit 2).
     Exit 2 too when the installed GPU inference stack does not fit together: ``stack_check`` (default
-    :func:`edge_agent.gpu_stack.startup_check`) logs the versions and returns the refusal, if any.
+    :func:`edge_agent.inference.gpu_stack.startup_check`) logs the versions and returns the refusal, if any.
     Exit 3 when the link failed for good; exit 4 (``EXIT_CUDA_FATAL``) after a sticky CUDA error: the
     GPU context of this process is unusable, so the service manager must start a fresh one.
     """
@@ -66,7 +66,7 @@ def run(
         format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
     )
     if stack_check is None:
-        from edge_agent.gpu_stack import startup_check
+        from edge_agent.inference.gpu_stack import startup_check
 
         stack_check = startup_check
     refusal = stack_check(log)  # logs the versions; on a mismatched GPU stack, says what to install
@@ -74,7 +74,7 @@ def run(
         print(refusal, file=sys.stderr)
         return EXIT_CONFIG
     from edge_agent.agent import Agent, describe
-    from edge_agent.backends import CudaFatalError
+    from edge_agent.inference.backends import CudaFatalError
 
     os.umask(PRIVATE_UMASK)
     make_data_dir_private(settings.data_dir)

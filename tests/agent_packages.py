@@ -1,9 +1,9 @@
-"""Agent packages for tests, made in memory in a second: the tarball format of ``edge_agent.package``
+"""Agent packages for tests, made in memory in a second: the tarball format of ``edge_agent.update.package``
 (``agent-package.json`` + ``wheels/edgefleet-<version>-py3-none-any.whl``) around a tiny but valid
 wheel (a zip with ``*.dist-info/METADATA``, ``WHEEL`` and ``RECORD``).
 
 For the controller's checks and the artifact channel this is all that matters; tests that install and
-run the agent build a real one with ``edge_agent.package.build_package`` (seconds per version).
+run the agent build a real one with ``edge_agent.update.package.build_package`` (seconds per version).
 Every keyword lets a test break one thing: a manifest field, the wheel's name or metadata, an extra
 member.
 """

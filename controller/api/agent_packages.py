@@ -44,7 +44,7 @@ def _package_or_404(session: Session, version: str) -> AgentPackage:
     response_model=AgentPackagePublic,
     status_code=status.HTTP_201_CREATED,
     summary="Upload an agent package (multipart: file = edgefleet-agent-VERSION.tar.gz, made by "
-    "`python -m edge_agent.package build`); checked, then stored by sha256",
+    "`python -m edge_agent.update.package build`); checked, then stored by sha256",
     openapi_extra={
         "requestBody": {
             "required": True,

@@ -28,7 +28,7 @@ def agent_upload(
             exists=True,
             dir_okay=False,
             readable=True,
-            help="edgefleet-agent-VERSION.tar.gz (edge_agent.package)",
+            help="edgefleet-agent-VERSION.tar.gz (edge_agent.update.package)",
         ),
     ],
     notes: Annotated[str | None, typer.Option(help="a note kept with the package")] = None,

@@ -158,7 +158,7 @@ def simulate(
     from controller.cli.client import cli_token
 
     _setup_logging(log_level)
-    sim = importlib.import_module("edge_agent.simulator")
+    sim = importlib.import_module("edge_agent.sim.simulator")
     raise typer.Exit(
         sim.run_from_cli(
             devices=devices,

@@ -18,7 +18,7 @@ from controller.db.states import LIVE_ROLLOUT_STATES, MemberState, RolloutState
 
 DEFAULT_WAVES: list[int | str] = [1, "10%", "50%", "100%"]
 CRASH_LOOP_RESTARTS = 3  # more restarts than this since admission is a crash loop
-# The agent's watchdog actions (edge_agent/watchdog.py WatchdogAction) the gate counts; "retry",
+# The agent's watchdog actions (edge_agent/core/restart_policy.py WatchdogAction) the gate counts; "retry",
 # "recovered" and "command" (an operator's restart) are not signs of a bad model.
 WATCHDOG_RESTARTED, WATCHDOG_FAILED = "restarted", "failed"
 

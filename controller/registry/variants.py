@@ -306,7 +306,7 @@ def isa_of(flags: Sequence[str] | None) -> Int8Isa | None:
 
 
 def is_jetson(capabilities: Capabilities) -> bool:
-    """A Jetson reports its integrated GPU as ``Jetson …`` (edge_agent/jetson.py), NVML or not."""
+    """A Jetson reports its integrated GPU as ``Jetson …`` (edge_agent/device/jetson.py), NVML or not."""
     return any(g.name.startswith("Jetson") for g in capabilities.gpus)
 
 

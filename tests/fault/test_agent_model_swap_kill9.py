@@ -35,7 +35,7 @@ import pytest
 import sqlalchemy as sa
 from paho.mqtt.enums import CallbackAPIVersion
 
-from edge_agent.artifacts import file_sha256
+from edge_agent.uplink.artifacts import file_sha256
 from fleet_protocol.codec import ProtocolError, decode
 from fleet_protocol.messages import ArtifactRef, ArtifactRequest, ModelManifest, ReportedState
 from fleet_protocol.topics import TopicKind, Topics

@@ -12,10 +12,10 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from edge_agent.outbox import Outbox
-from edge_agent.publisher import Publisher
-from edge_agent.queues import DropOldestQueue
-from edge_agent.settings import OutboxConfig
+from edge_agent.core.queues import DropOldestQueue
+from edge_agent.core.settings import OutboxConfig
+from edge_agent.uplink.outbox import Outbox
+from edge_agent.uplink.publisher import Publisher
 from fleet_protocol.codec import decode
 from fleet_protocol.messages import Event, EventKind, FrameDetections
 from fleet_protocol.topics import TopicKind

@@ -2,11 +2,11 @@
 CPU provider computes.
 
 tests/unit/edge_agent/test_edge_trt.py checks the TensorRT path through a fake runtime. Here the real
-one runs (``edge_agent.trt.TensorRtRuntime``: the TensorRT 10 builder, ``deserialize_cuda_engine``,
+one runs (``edge_agent.inference.trt.TensorRtRuntime``: the TensorRT 10 builder, ``deserialize_cuda_engine``,
 cuda-python device and pinned host buffers, one stream, ``execute_async_v3``), on a tiny ONNX model:
 
 * through the agent's own path, ``AutoBackendFactory`` with ``inference.engine: tensorrt``: the engine
-  is built in a build process (``edge_agent.engine_build``), cached, loaded and run at several batch
+  is built in a build process (``edge_agent.inference.engine_build``), cached, loaded and run at several batch
   sizes of its dynamic profile, then loaded again from the cache;
 * ``TensorRtRuntime.build_engine`` / ``load_engine`` called directly, in this process, on a model with
   a fixed batch;
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.backends import (
+from edge_agent.inference.backends import (
     CPU_EP,
     CUDA_EP,
     AutoBackendFactory,
@@ -36,8 +36,8 @@ from edge_agent.backends import (
     LoadRequest,
     OnnxRuntimeBackend,
 )
-from edge_agent.engine_build import BuildSupervisor
-from edge_agent.trt import (
+from edge_agent.inference.engine_build import BuildSupervisor
+from edge_agent.inference.trt import (
     NATIVE_PROVIDER,
     BuildOptions,
     Precision,

@@ -9,6 +9,8 @@ cycle is still two modules that cannot be read apart.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,52 @@ CONTROLLER_LAYERS: tuple[tuple[str, ...], ...] = (
 # The one place the controller side may reach the agent: the `edgefleet agent` command, dispatched
 # lazily so that the controller installs without the agent's extras.
 AGENT_DISPATCH_FROM = "controller.cli.serve"
+
+# The agent's layers, top first, read the same way: the composition root, then the wings from the
+# one that answers the controller down to what every wing leans on. The shared
+# ``fleet_protocol`` (the contract and ``fleet_protocol.vision``) sits below them all.
+AGENT_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("edge_agent.__main__", "edge_agent.cli", "edge_agent.agent", "edge_agent.supervisor"),
+    ("edge_agent.control",),
+    ("edge_agent.vision", "edge_agent.update"),
+    ("edge_agent.device",),
+    ("edge_agent.inference",),
+    ("edge_agent.uplink",),
+    ("edge_agent.core",),
+    ("edge_agent",),  # the package's own __init__: the version
+)
+# The fleet simulator is a client of the contract that ships beside the agent: it may import the
+# contract and the agent's version, and nothing of the daemon imports it.
+SIMULATOR = "edge_agent.sim"
+# The supervisor is the base install's code: a new agent version never replaces it, so what it runs
+# must stay small. Everything it reaches, transitively, is listed here.
+SUPERVISOR = "edge_agent.update.supervisor"
+SUPERVISOR_MAY_REACH = frozenset(
+    {
+        "edge_agent",
+        "edge_agent.core",
+        "edge_agent.core.files",
+        "edge_agent.core.settings",
+        "edge_agent.update",
+        "edge_agent.update.slots",
+    }
+)
+# Heavy optional modules: where in the first-party packages each may be imported.
+OPTIONAL_IMPORTS: dict[str, tuple[str, ...]] = {
+    "onnxruntime": ("edge_agent.inference", "edge_agent.device", "controller.registry"),
+    "tensorrt": ("edge_agent.inference", "edge_agent.device"),
+    "cuda": ("edge_agent.inference",),
+    "pynvml": ("edge_agent.device",),
+    "cv2": (
+        "edge_agent.vision",
+        "edge_agent.control.commands",
+        "fleet_protocol.vision",
+        "controller.registry",
+    ),
+}
+# Wings a device imports with none of the optional extras installed (no onnxruntime, OpenCV,
+# TensorRT, CUDA or NVML): what answers the controller and what carries data to it.
+WINGS_WITHOUT_EXTRAS = ("edge_agent.control", "edge_agent.uplink", "edge_agent.core", "edge_agent.update")
 
 
 @dataclass(frozen=True)
@@ -202,13 +250,13 @@ def test_the_wire_contract_imports_neither_side(graph: list[Import]) -> None:
     assert not bad, "\n".join(f"{e.source}:{e.line} imports {e.target}" for e in bad)
 
 
-def _layer(mod: str) -> int:
+def _layer(mod: str, layers: tuple[tuple[str, ...], ...] = CONTROLLER_LAYERS) -> int:
     best: tuple[int, int] | None = None  # (prefix length, layer): the longest matching prefix wins
-    for i, layer in enumerate(CONTROLLER_LAYERS):
+    for i, layer in enumerate(layers):
         for prefix in layer:
             if (mod == prefix or mod.startswith(prefix + ".")) and (best is None or len(prefix) > best[0]):
                 best = (len(prefix), i)
-    assert best is not None, f"{mod} is in no declared layer: add it to CONTROLLER_LAYERS"
+    assert best is not None, f"{mod} is in no declared layer: add it to the layer table"
     return best[1]
 
 
@@ -241,3 +289,128 @@ def test_the_checker_sees_a_cycle_and_an_upward_import() -> None:
     ]
     assert _cycles(edges) == [["controller.api.routes", "controller.db.crud"]]
     assert _layer("controller.api.routes") < _layer("controller.db.crud")
+
+
+def _agent_daemon(mod: str) -> bool:
+    return mod.startswith("edge_agent") and not (mod == SIMULATOR or mod.startswith(SIMULATOR + "."))
+
+
+def test_every_agent_module_is_in_a_layer() -> None:
+    for mod in first_party_modules():
+        if _agent_daemon(mod):
+            _layer(mod, AGENT_LAYERS)
+
+
+def test_agent_imports_point_down(graph: list[Import]) -> None:
+    bad = [
+        e
+        for e in graph
+        if _agent_daemon(e.source)
+        and _agent_daemon(e.target)
+        and not _is_package_init_edge(e)
+        and _layer(e.target, AGENT_LAYERS) < _layer(e.source, AGENT_LAYERS)
+    ]
+    assert not bad, "imports against the agent's layer order:\n" + "\n".join(
+        f"{e.source}:{e.line} (layer {_layer(e.source, AGENT_LAYERS)}) imports {e.target} "
+        f"(layer {_layer(e.target, AGENT_LAYERS)})"
+        for e in bad
+    )
+
+
+def test_the_agents_wings_import_no_wing_above_through_the_root(graph: list[Import]) -> None:
+    """No wing reaches back to the composition root (the agent, its CLI)."""
+    root = AGENT_LAYERS[0]
+    bad = [
+        e
+        for e in graph
+        if _agent_daemon(e.source)
+        and _layer(e.source, AGENT_LAYERS) > 0
+        and any(e.target == r or e.target.startswith(r + ".") for r in root)
+    ]
+    assert not bad, "\n".join(f"{e.source}:{e.line} imports {e.target}" for e in bad)
+
+
+def test_the_simulator_is_a_client_of_the_contract_only(graph: list[Import]) -> None:
+    sim = [e for e in graph if e.source == SIMULATOR or e.source.startswith(SIMULATOR + ".")]
+    assert sim, "the simulator's imports were not read"
+    bad = [
+        e
+        for e in sim
+        if not (
+            e.target.startswith("fleet_protocol")
+            or e.target == "edge_agent"
+            or e.target == SIMULATOR
+            or e.target.startswith(SIMULATOR + ".")
+        )
+    ]
+    assert not bad, "\n".join(f"{e.source}:{e.line} imports {e.target}" for e in bad)
+    users = [e for e in graph if e.target.startswith(SIMULATOR) and not e.source.startswith(SIMULATOR)]
+    bad_users = [e for e in users if not (e.source == AGENT_DISPATCH_FROM and e.local)]
+    assert not bad_users, "\n".join(f"{e.source}:{e.line} imports {e.target}" for e in bad_users)
+
+
+def test_the_contract_never_needs_its_vision_half(graph: list[Import]) -> None:
+    """``fleet_protocol.vision`` needs numpy and OpenCV; the rest of the contract must not."""
+    bad = [
+        e
+        for e in graph
+        if e.source.startswith("fleet_protocol")
+        and not e.source.startswith("fleet_protocol.vision")
+        and e.target.startswith("fleet_protocol.vision")
+    ]
+    assert not bad, "\n".join(f"{e.source}:{e.line} imports {e.target}" for e in bad)
+
+
+def test_the_supervisor_reaches_only_the_slot_state_and_the_settings(graph: list[Import]) -> None:
+    adj: dict[str, set[str]] = {}
+    for e in graph:
+        adj.setdefault(e.source, set()).add(e.target)
+    reached: set[str] = set()
+    todo = [SUPERVISOR]
+    while todo:
+        mod = todo.pop()
+        for target in adj.get(mod, ()):
+            if target.startswith("edge_agent") and target not in reached:
+                reached.add(target)
+                todo.append(target)
+    assert reached <= SUPERVISOR_MAY_REACH, f"the supervisor reaches {sorted(reached - SUPERVISOR_MAY_REACH)}"
+
+
+def _third_party_imports(mod: str, path: Path) -> Iterator[tuple[str, int]]:
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name.split(".")[0], node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module.split(".")[0], node.lineno
+
+
+def test_optional_runtimes_are_imported_only_in_the_wings_that_use_them() -> None:
+    bad = []
+    for mod, path in first_party_modules().items():
+        for top, line in _third_party_imports(mod, path):
+            allowed = OPTIONAL_IMPORTS.get(top)
+            if allowed is not None and not any(mod == a or mod.startswith(a + ".") for a in allowed):
+                bad.append(f"{mod}:{line} imports {top}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_control_and_uplink_wings_import_without_the_optional_extras() -> None:
+    """A fresh interpreter that cannot import any optional runtime still imports these wings."""
+    modules = [m for m in first_party_modules() if m.startswith(WINGS_WITHOUT_EXTRAS)]
+    code = (
+        "import importlib, importlib.abc, sys\n"
+        f"BLOCKED = {sorted(OPTIONAL_IMPORTS)!r}\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in BLOCKED:\n"
+        "            raise ModuleNotFoundError(f'blocked: {name}')\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "print('ok', len(BLOCKED))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok")

@@ -94,12 +94,12 @@ class FakeRuntime:
 def test_each_model_is_built_reloaded_from_the_cache_and_scored_with_the_agents_and_controllers_code(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Through the seams (a fake TensorRT runtime): guards the script against drift in edge_agent.trt,
+    """Through the seams (a fake TensorRT runtime): guards the script against drift in edge_agent.inference.trt,
     the agent's preprocessing/decoders and the controller's fidelity module, which no CI GPU runs."""
     import cv2
     import onnxruntime as ort
 
-    from edge_agent.trt import EngineCache
+    from edge_agent.inference.trt import EngineCache
 
     gc = load_script()
     from controller.registry import fidelity

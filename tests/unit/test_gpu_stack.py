@@ -1,8 +1,8 @@
 """One coherent GPU stack per target: the constraints files, the ``gpu`` extra, the pins in
-``edge_agent/gpu_stack.py`` and the Dockerfiles agree, and PyPI really serves what is pinned.
+``edge_agent/inference/gpu_stack.py`` and the Dockerfiles agree, and PyPI really serves what is pinned.
 
 Offline: parses the pins themselves. Within each stack every package is built for the same CUDA major;
-TensorRT is the major ``edge_agent/trt.py`` is written for; ``onnxruntime`` and ``onnxruntime-gpu`` never
+TensorRT is the major ``edge_agent/inference/trt.py`` is written for; ``onnxruntime`` and ``onnxruntime-gpu`` never
 share a constraints file or the extra; the extra admits the tested CUDA 12 pins and nothing of another
 CUDA or TensorRT major; the Dockerfiles install the stack they claim.
 
@@ -34,7 +34,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from edge_agent import gpu_stack
+from edge_agent.inference import gpu_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -44,7 +44,7 @@ JETSON = DOCKER / "constraints-jetson-jp6.txt"
 X86_STACKS = {12: CU12, 13: CU13}
 ORT = {canonicalize_name(n) for n in gpu_stack.ORT_DISTRIBUTIONS}
 
-# TensorRT Python names edge_agent/trt.py may call; the test checks those it does call.
+# TensorRT Python names edge_agent/inference/trt.py may call; the test checks those it does call.
 TRT_API = (
     "Logger",
     "Runtime",
@@ -150,7 +150,7 @@ def test_every_package_of_a_stack_is_built_for_its_cuda_major(cuda: int) -> None
 
 def test_tensorrt_is_the_major_trt_py_is_written_for() -> None:
     assert gpu_stack.TENSORRT_MAJOR == 10
-    m = re.search(r"^TRT_MAJOR_SUPPORTED\s*=\s*(\d+)", (ROOT / "edge_agent" / "trt.py").read_text(), re.M)
+    m = re.search(r"^TRT_MAJOR_SUPPORTED\s*=\s*(\d+)", (ROOT / "edge_agent" / "inference" / "trt.py").read_text(), re.M)
     if m:  # trt.py states its own major: the stack check must use the same one
         assert int(m.group(1)) == gpu_stack.TENSORRT_MAJOR
     for path in (CU12, CU13, JETSON):
@@ -357,7 +357,7 @@ def ort_wheel_cuda_major(metadata: dict[str, Any]) -> int:
 
 
 def trt_calls_in_trt_py() -> list[str]:
-    source = (ROOT / "edge_agent" / "trt.py").read_text()
+    source = (ROOT / "edge_agent" / "inference" / "trt.py").read_text()
     called = [n for n in TRT_API if re.search(rf"\b{n}\b", source)]
     assert len(called) >= 20, f"trt.py no longer looks like the TensorRT backend: {called}"
     return called
@@ -388,7 +388,7 @@ def test_pypi_serves_the_x86_stack_and_it_is_what_it_claims(cuda: int, pypi: dic
         for n in trt_calls_in_trt_py()
         if not re.search(rb"(?<![A-Za-z0-9_])" + n.encode() + rb"(?![A-Za-z0-9_])", binary)
     ]
-    assert not missing, f"TensorRT {c.pins[trt]} lacks what edge_agent/trt.py calls: {missing}"
+    assert not missing, f"TensorRT {c.pins[trt]} lacks what edge_agent/inference/trt.py calls: {missing}"
 
 
 def test_pypi_serves_the_jetson_pins_for_linux_aarch64(pypi: dict[str, PipJob]) -> None:

@@ -1,6 +1,6 @@
 """Agent self-update on real processes: the supervisor (``python -m edge_agent.supervisor``) runs the real
 agent from the base install (this repository, version 0.1.0); packages are built from a temporary copy
-of this repository by ``edge_agent.package`` (once per session); a stand-in controller on a real
+of this repository by ``edge_agent.update.package`` (once per session); a stand-in controller on a real
 mosquitto publishes signed desired states naming an agent version and serves the package's chunks
 over the artifact channel, as the controller does (PROTOCOL.md "Agent updates").
 
@@ -31,7 +31,7 @@ import psutil
 import pytest
 
 from edge_agent import __version__ as BASE_VERSION
-from edge_agent.package import BuiltPackage, build_package
+from edge_agent.update.package import BuiltPackage, build_package
 from fleet_protocol.codec import encode_chunk
 from fleet_protocol.messages import AgentPackageRef, AgentUpdateState, EventKind, ReportedState
 from fleet_protocol.signing import sign_agent_package

@@ -30,8 +30,8 @@ from controller.link.commands import CommandError
 from controller.runtime import ControllerRuntime
 from controller.settings import ControllerSettings
 from edge_agent.agent import Agent
-from edge_agent.link import MessageHandler, MqttLink
-from edge_agent.settings import parse_settings
+from edge_agent.core.settings import parse_settings
+from edge_agent.uplink.link import MessageHandler, MqttLink
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import CommandName, CommandResult, Message
 from tests.fault.tcp_proxy import TcpProxy

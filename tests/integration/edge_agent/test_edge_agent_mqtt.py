@@ -16,7 +16,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from edge_agent.agent import Agent
-from edge_agent.settings import AgentSettings, parse_settings
+from edge_agent.core.settings import AgentSettings, parse_settings
 from fleet_protocol.codec import decode
 from fleet_protocol.messages import Availability
 from fleet_protocol.topics import TopicKind, Topics

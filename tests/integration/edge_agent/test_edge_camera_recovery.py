@@ -5,7 +5,7 @@ sources really disappear (a file renamed away, an HTTP MJPEG server stopped).
 No RTSP server is installed on the test machines (Debian packages one, ``gir1.2-gst-rtsp-server-1.0``
 or ``rtsp-server-perl``, but neither is there), so the RTSP test covers a server that is gone (down,
 retried, credentials kept out of the reason) but not its return. ``rtsp://`` sources take the same
-code path as ``http://`` ones (:class:`edge_agent.capture.CvVideoSource`, FFmpeg backend, open/read
+code path as ``http://`` ones (:class:`edge_agent.vision.capture.CvVideoSource`, FFmpeg backend, open/read
 timeouts), whose return the HTTP test covers.
 """
 
@@ -23,8 +23,8 @@ import cv2
 import pytest
 
 from edge_agent.agent import Agent
-from edge_agent.capture import CameraWorker
-from edge_agent.settings import AgentSettings, parse_settings
+from edge_agent.core.settings import AgentSettings, parse_settings
+from edge_agent.vision.capture import CameraWorker
 from fleet_protocol.messages import CameraState, Event, EventKind, FrameDetections
 from tests.conftest import FOOTAGE, MODELS
 from tests.integration.edge_agent.edge_standin import (

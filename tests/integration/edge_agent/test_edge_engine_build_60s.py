@@ -1,6 +1,6 @@
 """A minute-long engine build never stalls the agent (issue 11, point 3), at full length.
 
-A real build process (``python -m edge_agent.engine_build``) runs a fake builder that holds its own
+A real build process (``python -m edge_agent.inference.engine_build``) runs a fake builder that holds its own
 GIL for 60 s in long stretches, as onnxruntime's TensorRT EP session creation does on a Jetson. The
 agent's process meanwhile works (matrix products on the main thread), reads progress (a thread) and
 ticks a heartbeat every 0.5 s (a thread, standing for MQTT keepalive, heartbeats and the watchdog).
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.engine_build import BuildProgress, BuildRequest, BuildSupervisor
-from edge_agent.trt import BuildCancelled, EngineCache, EngineKey
+from edge_agent.inference.engine_build import BuildProgress, BuildRequest, BuildSupervisor
+from edge_agent.inference.trt import BuildCancelled, EngineCache, EngineKey
 
 pytestmark = pytest.mark.integration
 

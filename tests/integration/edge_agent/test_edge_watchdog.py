@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from edge_agent.agent import Agent
-from edge_agent.settings import parse_settings
+from edge_agent.core.settings import parse_settings
 from fleet_protocol.messages import CameraReported, CameraState, Event, EventKind, InputSpec, ModelManifest
 from tests.conftest import FOOTAGE
 from tests.integration.edge_agent.edge_standin import (

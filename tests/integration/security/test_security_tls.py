@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from edge_agent.link import MqttLink
-from edge_agent.settings import MqttEndpoint, SettingsError, parse_settings
+from edge_agent.core.settings import MqttEndpoint, SettingsError, parse_settings
+from edge_agent.uplink.link import MqttLink
 from fleet_protocol import Topics
 from fleet_protocol.messages import Availability
 from tests.conftest import FOOTAGE

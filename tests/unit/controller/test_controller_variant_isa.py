@@ -130,7 +130,7 @@ def test_gpu_devices_are_not_affected_by_cpu_flags() -> None:
     ids=["cpu-onnxruntime", "gpu-providers"],
 )
 def test_a_jetson_never_gets_the_cpu_only_int8_variant(providers: list[str]) -> None:
-    # As edge_agent/jetson.py reports an Orin without NVML: its integrated GPU by name, portable int8 too.
+    # As edge_agent/device/jetson.py reports an Orin without NVML: its integrated GPU by name, portable int8 too.
     jetson = Capabilities(
         arch="aarch64",
         gpus=[GpuInfo(index=0, name="Jetson AGX Orin (integrated GPU)", compute_capability="8.7")],

@@ -1,4 +1,4 @@
-"""Fake builders for :mod:`edge_agent.engine_build`, run inside the real build process.
+"""Fake builders for :mod:`edge_agent.inference.engine_build`, run inside the real build process.
 
 The build process imports them by ``module:function`` (``BuildRequest.builder``), the seam that puts
 a stand-in for TensorRT into the child. ``gil_builder`` behaves like the builds it stands for: it
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edge_agent.engine_build import BuildContext, BuildOutput, BuildRequest
+from edge_agent.inference.engine_build import BuildContext, BuildOutput, BuildRequest
 
 _PATHOLOGICAL = re.compile(r"(a+)+b")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge_agent.ack_timer import AckTimer
+from fleet_protocol.ack_timer import AckTimer
 
 
 def test_fast_acks_keep_the_configured_timeout() -> None:

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_agent.commands import RESEND_S, CommandRunner
-from edge_agent.outbox import Outbox
+from edge_agent.control.commands import RESEND_S, CommandRunner
+from edge_agent.uplink.outbox import Outbox
 from fleet_protocol.codec import decode, encode
 from fleet_protocol.messages import Command, CommandResult, EventKind
 from fleet_protocol.topics import TopicKind

@@ -11,9 +11,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edge_agent.decoders import RawDetection, batched_nms, decode
-from edge_agent.preprocess import FrameMeta, Preprocessor
 from fleet_protocol.messages import ModelManifest
+from fleet_protocol.vision.decoders import RawDetection, batched_nms, decode
+from fleet_protocol.vision.preprocess import FrameMeta, Preprocessor
 from tests.conftest import FOOTAGE, MODELS
 
 LABELS = ["person", "car", "dog"]

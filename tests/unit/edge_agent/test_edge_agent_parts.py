@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from edge_agent.backends import LoadRequest
-from edge_agent.commands import QUEUE_SIZE, CommandRunner
-from edge_agent.twin import EngineBuilds
+from edge_agent.control.commands import QUEUE_SIZE, CommandRunner
+from edge_agent.control.twin import EngineBuilds
+from edge_agent.inference.backends import LoadRequest
 from fleet_protocol.codec import decode
 from fleet_protocol.messages import Command, CommandResult, ModelManifest
 from fleet_protocol.topics import TopicKind

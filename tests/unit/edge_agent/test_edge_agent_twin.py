@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from edge_agent.agent import Agent
-from edge_agent.link import ChunkHandler, MessageHandler
-from edge_agent.settings import AgentSettings, CameraConfig, parse_settings
+from edge_agent.core.settings import AgentSettings, CameraConfig, parse_settings
+from edge_agent.uplink.link import ChunkHandler, MessageHandler
 from fleet_protocol.codec import decode, encode
 from fleet_protocol.messages import (
     Ack,

@@ -1,4 +1,4 @@
-"""The fetcher's window and timeout follow the link (edge_agent/artifacts.py ``_Pace``): on a far link
+"""The fetcher's window and timeout follow the link (edge_agent/uplink/artifacts.py ``_Pace``): on a far link
 the window grows until the link, not the window, sets the pace; on a slow one it shrinks to what the
 link delivers in half a second; and chunks queued behind others on a slow link are not taken for lost
 and asked again (which doubled the bytes on the link and, past the retries, failed the fetch)."""
@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from edge_agent.artifacts import DRAIN_S, ArtifactFetcher, _Pace
+from edge_agent.uplink.artifacts import DRAIN_S, ArtifactFetcher, _Pace
 from fleet_protocol.codec import encode_chunk
 from fleet_protocol.messages import ArtifactRequest
 from tests.unit.edge_agent.test_edge_artifacts import CHUNK, ref_for

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.artifacts import ArtifactFetcher, FetchError, TransferError
+from edge_agent.uplink.artifacts import ArtifactFetcher, FetchError, TransferError
 from fleet_protocol.codec import encode_chunk
 from fleet_protocol.messages import (
     FETCH_TRANSPORT_ERROR,

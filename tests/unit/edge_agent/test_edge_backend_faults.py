@@ -18,9 +18,9 @@ import pytest
 
 from edge_agent import cli
 from edge_agent.agent import Agent
-from edge_agent.backends import EXIT_CUDA_FATAL, CudaFatalError, ProviderFallback
-from edge_agent.pipeline import CameraParams, LoadedModel, ModelLoadError, Pipeline
-from edge_agent.watchdog import WatchdogNote
+from edge_agent.core.restart_policy import WatchdogNote
+from edge_agent.inference.backends import EXIT_CUDA_FATAL, CudaFatalError, ProviderFallback
+from edge_agent.vision.pipeline import CameraParams, LoadedModel, ModelLoadError, Pipeline
 from fleet_protocol.messages import Event, EventKind, ModelManifest, Severity
 from fleet_protocol.topics import TopicKind
 from tests.unit.edge_agent.test_edge_agent_twin import (

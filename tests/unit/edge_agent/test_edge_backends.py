@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from edge_agent.backends import BackendError, OnnxRuntimeBackend, choose_providers
+from edge_agent.inference.backends import BackendError, OnnxRuntimeBackend, choose_providers
 
 
 def tiny_model(path: Path, batch: int | str) -> Path:

@@ -19,7 +19,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from edge_agent.backends import (
+from edge_agent.core.settings import parse_settings
+from edge_agent.inference.backends import (
     AutoBackendFactory,
     BackendError,
     BuildNote,
@@ -28,7 +29,7 @@ from edge_agent.backends import (
     LoadRequest,
     OnnxRuntimeBackend,
 )
-from edge_agent.engine_build import (
+from edge_agent.inference.engine_build import (
     BuildFailed,
     BuildProgress,
     BuildRequest,
@@ -37,8 +38,7 @@ from edge_agent.engine_build import (
     BuildTimedOut,
     ort_engines_ready,
 )
-from edge_agent.settings import parse_settings
-from edge_agent.trt import BuildCancelled, BuildOptions, Calibration, Precision
+from edge_agent.inference.trt import BuildCancelled, BuildOptions, Calibration, Precision
 from fleet_protocol.messages import InputSpec, ModelManifest
 
 TRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"

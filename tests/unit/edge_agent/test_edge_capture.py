@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_agent.capture import CameraWorker, Frame, SourceError, VideoSource, redact_source
-from edge_agent.settings import CameraConfig
+from edge_agent.core.settings import CameraConfig
+from edge_agent.vision.capture import CameraWorker, Frame, SourceError, VideoSource, redact_source
 from fleet_protocol.messages import CameraState, InputSpec
 
 

@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from edge_agent import capture
-from edge_agent.capture import (
+from edge_agent.vision import capture
+from edge_agent.core.settings import CameraConfig
+from edge_agent.vision.capture import (
     CameraWorker,
     CvVideoSource,
     DecodeProbe,
@@ -35,7 +36,6 @@ from edge_agent.capture import (
     opencv_has_gstreamer,
     plan_decode,
 )
-from edge_agent.settings import CameraConfig
 from fleet_protocol.messages import CameraState
 from tests.conftest import FOOTAGE
 
@@ -426,7 +426,7 @@ def test_the_fallback_reason_is_reported_once_in_the_camera_up_event(
         opener=opener,
         on_state=lambda _c, s, why: events.append((s, why)),
     )
-    with caplog.at_level(logging.INFO, logger="edge_agent.capture"):
+    with caplog.at_level(logging.INFO, logger="edge_agent.vision.capture"):
         worker.start()
         wait_for(lambda: [s for s, _ in events].count(CameraState.UP) >= 3)
     ups = [why for s, why in events if s == CameraState.UP]

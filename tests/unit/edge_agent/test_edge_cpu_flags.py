@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.health import Health, cpu_flags
+from edge_agent.device.health import Health, cpu_flags
 from fleet_protocol.codec import decode_as, encode
 from fleet_protocol.messages import Availability, Capabilities, cpu_flags_from_cpuinfo
 

@@ -1,7 +1,7 @@
 """Engine builds run in a child process: the agent keeps its GIL, cancel and the time bound hold, and a
 killed build leaves nothing in the cache.
 
-The build process is real (``python -m edge_agent.engine_build``); only the builder inside it is a
+The build process is real (``python -m edge_agent.inference.engine_build``); only the builder inside it is a
 fake (``tests/unit/edge_agent/engine_build_fakes.py``), selected by ``BuildRequest.builder``. The
 fake holds its own process's GIL for long stretches, like onnxruntime's session creation does.
 The 60 s version of the first test is tests/integration/edge_agent/test_edge_engine_build_60s.py.
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_agent.engine_build import (
+from edge_agent.inference.engine_build import (
     PROGRESS_QUEUE_MAX,
     BuildBusy,
     BuildFailed,
@@ -35,7 +35,7 @@ from edge_agent.engine_build import (
     BuildTimedOut,
     ort_engines_ready,
 )
-from edge_agent.trt import BuildCancelled, BuildOptions, EngineCache, EngineKey, obtain_engine
+from edge_agent.inference.trt import BuildCancelled, BuildOptions, EngineCache, EngineKey, obtain_engine
 from tests.unit.edge_agent.engine_build_fakes import hold_gil
 
 FAKES = "tests.unit.edge_agent.engine_build_fakes"
@@ -257,7 +257,7 @@ def test_the_build_dies_with_the_agent(tmp_path: Path) -> None:
     script = f"""
 import os, sys, time
 from pathlib import Path
-from edge_agent.engine_build import BuildRequest, BuildSupervisor
+from edge_agent.inference.engine_build import BuildRequest, BuildSupervisor
 sup = BuildSupervisor()
 req = BuildRequest(build_id="b", builder="{FAKES}:gil_builder", onnx_path=Path("m.onnx"),
                    target_dir=Path({str(tmp_path / "engines")!r}), engine_file="b.engine",

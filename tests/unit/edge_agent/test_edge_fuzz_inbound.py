@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edge_agent.agent import Agent
-from edge_agent.link import MqttLink
+from edge_agent.uplink.link import MqttLink
 from fleet_protocol.codec import (
     CHUNK_MAGIC,
     MAX_JSON_BYTES,

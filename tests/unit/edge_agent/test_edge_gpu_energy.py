@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from edge_agent.backends import ProviderProbe
-from edge_agent.health import EnergyMeter, Health, Nvml, visible_devices
+from edge_agent.device.health import EnergyMeter, Health, Nvml, visible_devices
+from edge_agent.inference.backends import ProviderProbe
 
 
 class NVMLError(Exception):

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from edge_agent import gpu_stack
+from edge_agent.inference import gpu_stack
 from edge_agent.cli import run
-from edge_agent.gpu_stack import (
+from edge_agent.inference.gpu_stack import (
     ALLOW_ENV,
     STACKS,
     StackProblem,
@@ -270,7 +270,7 @@ def test_warnings_that_do_not_stop_the_agent() -> None:
 
 def test_startup_logs_the_stack_and_returns_the_refusal(caplog: pytest.LogCaptureFixture) -> None:
     bad = report({**CU12, "onnxruntime": "1.32.0"})
-    with caplog.at_level(logging.INFO, logger="edge_agent.gpu_stack"):
+    with caplog.at_level(logging.INFO, logger="edge_agent.inference.gpu_stack"):
         message = startup_check(report=bad, env={})
     assert message is not None and message.startswith("the GPU inference stack does not fit together:")
     assert "fix: pip uninstall -y onnxruntime onnxruntime-gpu" in message and ALLOW_ENV in message
@@ -280,7 +280,7 @@ def test_startup_logs_the_stack_and_returns_the_refusal(caplog: pytest.LogCaptur
 
 def test_the_override_starts_anyway_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     bad = report({**CU12, "onnxruntime": "1.32.0"})
-    with caplog.at_level(logging.WARNING, logger="edge_agent.gpu_stack"):
+    with caplog.at_level(logging.WARNING, logger="edge_agent.inference.gpu_stack"):
         assert startup_check(report=bad, env={ALLOW_ENV: "1"}) is None
     assert f"{ALLOW_ENV} is set" in caplog.text and "shadows" in caplog.text
 

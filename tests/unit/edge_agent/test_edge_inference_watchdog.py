@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from edge_agent.backends import InferenceBackend
-from edge_agent.inference_watchdog import InferenceWatchdog
-from edge_agent.watchdog import RestartLimiter, WatchdogAction, WatchdogNote
+from edge_agent.core.restart_policy import RestartLimiter, WatchdogAction, WatchdogNote
+from edge_agent.inference.backends import InferenceBackend
+from edge_agent.vision.inference_watchdog import InferenceWatchdog
 from tests.unit.edge_agent.test_edge_pipeline import FakeBackend
 
 

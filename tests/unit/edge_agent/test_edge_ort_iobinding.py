@@ -14,9 +14,9 @@ import cv2
 import numpy as np
 import pytest
 
-from edge_agent.backends import CudaFatalError, OnnxRuntimeBackend, ProviderFallback
-from edge_agent.preprocess import Preprocessor
+from edge_agent.inference.backends import CudaFatalError, OnnxRuntimeBackend, ProviderFallback
 from fleet_protocol.messages import ModelManifest
+from fleet_protocol.vision.preprocess import Preprocessor
 from tests.conftest import FOOTAGE, MODELS
 
 TRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
@@ -210,7 +210,7 @@ def test_no_device_input_buffer_binds_the_input_from_host_memory_with_the_reason
     session = FakeSession([CUDA, CPU])
     values = Values(fail=RuntimeError("cuda OrtValue not supported by this build"))
     backend = make(tmp_path, session, values)
-    with caplog.at_level(logging.WARNING, logger="edge_agent.backends"):
+    with caplog.at_level(logging.WARNING, logger="edge_agent.inference.backends"):
         for n in (1, 2, 1):
             assert np.array_equal(backend.run(batch(n))["y"], batch(n) + 1)
     assert backend.io_binding

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.outbox import Outbox
+from edge_agent.uplink.outbox import Outbox
 from fleet_protocol.messages import Ack
 
 

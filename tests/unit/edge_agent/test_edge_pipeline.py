@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_agent.capture import CameraWorker
-from edge_agent.pipeline import CameraParams, ModelLoadError, Pipeline, PreprocessorFactory
-from edge_agent.preprocess import Preprocessor
-from edge_agent.settings import CameraConfig
-from edge_agent.watchdog import WatchdogAction, WatchdogNote
+from edge_agent.core.restart_policy import WatchdogAction, WatchdogNote
+from edge_agent.core.settings import CameraConfig
+from edge_agent.vision.capture import CameraWorker
+from edge_agent.vision.pipeline import CameraParams, ModelLoadError, Pipeline, PreprocessorFactory
 from fleet_protocol.messages import FrameDetections, InputSpec, ModelManifest
+from fleet_protocol.vision.preprocess import Preprocessor
 
 SHA_A = "a" * 64
 SHA_B = "b" * 64

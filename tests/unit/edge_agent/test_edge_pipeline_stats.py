@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_agent.heartbeat import build_heartbeat
-from edge_agent.pipeline import LATENCY_WINDOW, MEDIAN_WINDOW, CameraParams, Pipeline, latency_summary
+from edge_agent.control.heartbeat import build_heartbeat
+from edge_agent.vision.pipeline import LATENCY_WINDOW, MEDIAN_WINDOW, CameraParams, Pipeline, latency_summary
 from fleet_protocol import decode, encode
 from fleet_protocol.messages import CameraStats, Heartbeat
 from fleet_protocol.topics import TopicKind
@@ -150,7 +150,7 @@ def test_set_params_and_restart_keep_measuring_the_same_model(stop: threading.Ev
 
 
 def test_window_is_bounded() -> None:
-    from edge_agent.pipeline import _ModelWindow
+    from edge_agent.vision.pipeline import _ModelWindow
 
     w = _ModelWindow()
     w.inference_ms.extend(float(i) for i in range(LATENCY_WINDOW * 3))

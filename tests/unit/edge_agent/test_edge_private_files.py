@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from edge_agent import cli as agent_cli
-from edge_agent.settings import SettingsError, parse_settings
+from edge_agent.core.settings import SettingsError, parse_settings
 
 
 def _config(tmp_path: Path, password_file: Path) -> dict[str, object]:

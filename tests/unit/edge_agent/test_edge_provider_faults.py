@@ -13,7 +13,8 @@ import onnxruntime as ort
 import pytest
 from onnxruntime.capi import onnxruntime_pybind11_state as C
 
-from edge_agent.backends import (
+from edge_agent.device.health import Health
+from edge_agent.inference.backends import (
     EXIT_CUDA_FATAL,
     AutoBackendFactory,
     BackendError,
@@ -31,8 +32,7 @@ from edge_agent.backends import (
     provider_list,
     trt_ep_options,
 )
-from edge_agent.health import Health
-from edge_agent.trt import TrtError
+from edge_agent.inference.trt import TrtError
 from fleet_protocol.messages import InputSpec, ModelManifest
 
 TRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
@@ -340,7 +340,7 @@ def test_real_onnxruntime_accepts_the_cpu_session_with_these_options_lists(tmp_p
 
 
 def _tiny() -> bytes:
-    from edge_agent.backends import _probe_model
+    from edge_agent.inference.backends import _probe_model
 
     return _probe_model()
 

@@ -1,15 +1,15 @@
 """The agent's publisher times its acks: while the controller acks slower than ``ack_timeout_s`` it
-does not send everything again, and a lost message is still sent again (edge_agent/ack_timer.py)."""
+does not send everything again, and a lost message is still sent again (fleet_protocol/ack_timer.py)."""
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 
-from edge_agent.outbox import Outbox
-from edge_agent.publisher import Publisher
-from edge_agent.queues import DropOldestQueue
-from edge_agent.settings import OutboxConfig
+from edge_agent.core.queues import DropOldestQueue
+from edge_agent.core.settings import OutboxConfig
+from edge_agent.uplink.outbox import Outbox
+from edge_agent.uplink.publisher import Publisher
 from fleet_protocol.messages import Ack, FrameDetections
 
 

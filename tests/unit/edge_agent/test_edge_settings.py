@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from edge_agent.cli import run
-from edge_agent.settings import SettingsError, load_settings, parse_settings
+from edge_agent.core.settings import SettingsError, load_settings, parse_settings
 
 GOOD = """
 device_id: site-1

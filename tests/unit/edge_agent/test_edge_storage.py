@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from edge_agent.outbox import Outbox, StorageError
-from edge_agent.publisher import Publisher
-from edge_agent.queues import DropOldestQueue
-from edge_agent.settings import OutboxConfig
-from edge_agent.storage import Reserve, StorageGuard
+from edge_agent.core.disk_guard import Reserve, StorageGuard
+from edge_agent.core.queues import DropOldestQueue
+from edge_agent.core.settings import OutboxConfig
+from edge_agent.uplink.outbox import Outbox, StorageError
+from edge_agent.uplink.publisher import Publisher
 from fleet_protocol.codec import decode
 from fleet_protocol.messages import Ack, DetectionBatch, Event, EventKind, FrameDetections, Severity
 from fleet_protocol.topics import TopicKind

@@ -21,15 +21,14 @@ import pytest
 from onnx import TensorProto, helper
 
 from edge_agent.agent import Agent
-from edge_agent.backends import (
+from edge_agent.core.settings import AgentSettings, CameraConfig, parse_settings
+from edge_agent.inference.backends import (
     AutoBackendFactory,
     BuildNote,
     LoadRequest,
     OnnxRuntimeBackend,
 )
-from edge_agent.preprocess import Preprocessor
-from edge_agent.settings import AgentSettings, CameraConfig, parse_settings
-from edge_agent.trt import (
+from edge_agent.inference.trt import (
     BuildOptions,
     Calibration,
     EngineCache,
@@ -53,6 +52,7 @@ from fleet_protocol.messages import (
 )
 from fleet_protocol.signing import generate_private_key, public_key_b64, signed, signed_desired
 from fleet_protocol.topics import TopicKind
+from fleet_protocol.vision.preprocess import Preprocessor
 
 KEY = EngineKey("a" * 64, "NVIDIA GeForce RTX 4090", "8.9", "10.3.0", "fp16")
 TF_OD = ("num_detections:0", "detection_boxes:0", "detection_scores:0", "detection_classes:0")
@@ -821,7 +821,7 @@ NHWC_DYNAMIC = [FakeTensor("x", (-1, 16, 16, 3))]
 
 
 def fake_runtime(inputs: list[FakeTensor] = NHWC_DYNAMIC, version: str = "10.3.0") -> tuple[Any, FakeTrt]:
-    from edge_agent.trt import TensorRtRuntime
+    from edge_agent.inference.trt import TensorRtRuntime
 
     cudart = FakeCudart()
     trt = FakeTrt(cudart, inputs, version)
@@ -880,7 +880,7 @@ def qdq_model(tmp_path: Path, name: str, **quant: Any) -> Path:
 
 
 def test_g8_the_precision_the_controller_chose_is_the_precision_built(tmp_path: Path) -> None:
-    from edge_agent.trt import builder_flags, resolve_precision
+    from edge_agent.inference.trt import builder_flags, resolve_precision
 
     # fp32 is what the controller sends when FP16 was judged unfit: it must not turn into FP16.
     assert [resolve_precision(v) for v in ("fp32", "fp16", "int8", "something-new")] == [
@@ -971,7 +971,7 @@ class FakeCudaEngine:
 
 
 def test_g10_data_dependent_outputs_are_refused_at_load_and_not_rebuilt(tmp_path: Path) -> None:
-    from edge_agent.trt import UnsupportedEngine, obtain_engine
+    from edge_agent.inference.trt import UnsupportedEngine, obtain_engine
 
     rt, trt = fake_runtime()
     trt.engine = FakeCudaEngine((-1, 4))
@@ -1042,7 +1042,7 @@ def test_g11_the_key_covers_profile_batch_and_builder_flags() -> None:
 def test_g11_a_max_batch_change_builds_a_new_engine_instead_of_reusing_one_that_rejects_batches(
     tmp_path: Path,
 ) -> None:
-    from edge_agent.trt import obtain_engine
+    from edge_agent.inference.trt import obtain_engine
 
     rt = FakeRuntime()
     cache = EngineCache(tmp_path / "engines")
@@ -1054,7 +1054,7 @@ def test_g11_a_max_batch_change_builds_a_new_engine_instead_of_reusing_one_that_
 
 
 def test_g4_g20_explicit_profiles_for_both_engines_from_the_manifest(tmp_path: Path) -> None:
-    from edge_agent.trt import (
+    from edge_agent.inference.trt import (
         InputProfile,
         ProfileNotExpressible,
         onnx_input_shapes,
@@ -1107,7 +1107,7 @@ def test_g4_g20_explicit_profiles_for_both_engines_from_the_manifest(tmp_path: P
 def test_g12_gpu_int8_only_as_symmetric_qdq_tensorrt_accepts(tmp_path: Path) -> None:
     from onnxruntime.quantization import QuantFormat, QuantType
 
-    from edge_agent.trt import int8_qdq_problem
+    from edge_agent.inference.trt import int8_qdq_problem
 
     s8 = {"activation_type": QuantType.QInt8, "weight_type": QuantType.QInt8}
     ok = qdq_model(
@@ -1165,7 +1165,7 @@ def test_g12_gpu_int8_only_as_symmetric_qdq_tensorrt_accepts(tmp_path: Path) -> 
 
 
 def test_g21_the_timing_cache_carries_over_between_builds(tmp_path: Path) -> None:
-    from edge_agent.trt import timing_cache_path
+    from edge_agent.inference.trt import timing_cache_path
 
     rt, trt = fake_runtime()
     model = tf_od_onnx(tmp_path / "m.onnx")
@@ -1186,7 +1186,7 @@ def test_g21_the_timing_cache_carries_over_between_builds(tmp_path: Path) -> Non
 
 
 def test_g21_build_progress_reaches_the_caller_and_cancel_stops_the_build(tmp_path: Path) -> None:
-    from edge_agent.trt import BuildCancelled
+    from edge_agent.inference.trt import BuildCancelled
 
     rt, _ = fake_runtime()
     model = tf_od_onnx(tmp_path / "m.onnx")

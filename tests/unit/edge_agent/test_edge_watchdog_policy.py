@@ -1,11 +1,11 @@
-"""The retry/restart policy (edge_agent.watchdog) on a fake clock: no waiting."""
+"""The retry/restart policy (edge_agent.core.restart_policy) on a fake clock: no waiting."""
 
 from __future__ import annotations
 
 import pytest
 
-from edge_agent.settings import SettingsError, parse_settings
-from edge_agent.watchdog import RestartLimiter, WatchdogAction, capped_backoff
+from edge_agent.core.restart_policy import RestartLimiter, WatchdogAction, capped_backoff
+from edge_agent.core.settings import SettingsError, parse_settings
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""The agent package builder (edge_agent/package.py)."""
+"""The agent package builder (edge_agent/update/package.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from edge_agent.package import PackageError, build_package, main, pins, set_version, wheel_requirements
-from edge_agent.self_update import SlotStore, install_package, missing_requirements
+from edge_agent.update.install import install_package, missing_requirements
+from edge_agent.update.package import PackageError, build_package, main, pins, set_version, wheel_requirements
+from edge_agent.update.slots import SlotStore
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -73,4 +74,4 @@ def test_a_built_package_holds_the_versioned_wheel_and_pins_and_installs(
     store = SlotStore(tmp_path / "data")
     assert install_package(path, store, "1.1") == "1.1"
     site = store.site("1.1")
-    assert site is not None and (site / "edge_agent" / "self_update.py").is_file()
+    assert site is not None and (site / "edge_agent" / "update" / "updater.py").is_file()

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_agent.preprocess import LETTERBOX_FILL, FrameMeta, Preprocessor
 from fleet_protocol.messages import InputSpec
+from fleet_protocol.vision.preprocess import LETTERBOX_FILL, FrameMeta, Preprocessor
 
 
 def _spec(**kw: object) -> InputSpec:

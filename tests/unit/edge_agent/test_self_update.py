@@ -1,4 +1,4 @@
-"""The agent's half of self-update (edge_agent/self_update.py): slot state, install, the update steps."""
+"""The agent's half of self-update (edge_agent/update/self_update.py): slot state, install, the update steps."""
 
 from __future__ import annotations
 
@@ -15,19 +15,9 @@ from typing import Any
 
 import pytest
 
-from edge_agent.self_update import (
-    BASE,
-    EXIT_UPDATE,
-    AgentUpdater,
-    InstallError,
-    LastOutcome,
-    Pending,
-    SlotRef,
-    SlotState,
-    SlotStore,
-    install_package,
-    missing_requirements,
-)
+from edge_agent.update.install import InstallError, install_package, missing_requirements
+from edge_agent.update.slots import BASE, EXIT_UPDATE, LastOutcome, PendingSlot, SlotRef, SlotState, SlotStore
+from edge_agent.update.updater import AgentUpdater
 from fleet_protocol.codec import encode_chunk
 from fleet_protocol.messages import AgentPackageRef, AgentUpdateState, ArtifactRequest, EventKind, Severity
 from fleet_protocol.signing import generate_private_key, sign_agent_package
@@ -176,7 +166,7 @@ def test_slot_state_round_trips_and_a_missing_or_broken_file_means_the_base_inst
     state = SlotState(
         current=SlotRef("1.1", "1.1", "a" * 64),
         previous=SlotRef("1.0", BASE),
-        pending=Pending("1.2", "1.2", "b" * 64, 5.0, 120.0),
+        pending=PendingSlot("1.2", "1.2", "b" * 64, 5.0, 120.0),
         last_outcome=LastOutcome("1.1", "updated", "healthy", 4.0, False, "a" * 64, "1.0"),
     )
     store.save(state)
@@ -410,7 +400,9 @@ def test_a_rolled_back_update_is_announced_once_and_not_retried_until_a_new_sha(
 
 def test_a_version_on_trial_writes_the_healthy_marker_and_announces_its_promotion(tmp_path: Path) -> None:
     store = SlotStore(tmp_path, base_version="1.0")
-    store.save(SlotState(current=SlotRef("1.0", BASE), pending=Pending("1.1", "1.1", "c" * 64, 1.0, 60.0)))
+    store.save(
+        SlotState(current=SlotRef("1.0", BASE), pending=PendingSlot("1.1", "1.1", "c" * 64, 1.0, 60.0))
+    )
     server, events = ChunkServer(), Events()
     upd, _ = make_updater(tmp_path, server, events, slot="1.1", version="1.1")
     upd.start()

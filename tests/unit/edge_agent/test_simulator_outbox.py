@@ -1,5 +1,5 @@
 """The fleet simulator's device logic without a broker: one seq space, the outbox and its acks, seqs
-kept across restarts, and desired states taken as the agent takes them (edge_agent/simulator.py)."""
+kept across restarts, and desired states taken as the agent takes them (edge_agent/sim/simulator.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from edge_agent.simulator import APPLIED, IGNORED, SeqStore, SimDevice, SimOutbox, percentile
+from edge_agent.sim.simulator import APPLIED, IGNORED, SeqStore, SimDevice, SimOutbox, percentile
 from fleet_protocol.codec import decode, encode
 from fleet_protocol.desired import REFUSED_CONFLICT, REFUSED_DEVICE, REFUSED_SIGNATURE, REFUSED_STALE
 from fleet_protocol.messages import (

@@ -1,4 +1,4 @@
-"""The supervisor (edge_agent/supervisor.py): which slot runs, promotion, roll-back, backoff, stop.
+"""The supervisor (edge_agent/update/supervisor.py): which slot runs, promotion, roll-back, backoff, stop.
 
 Scripted children on a fake clock (every decision, no waiting), and one real process for the stderr
 tail that roll-back reasons quote.
@@ -12,8 +12,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_agent.self_update import BASE, EXIT_UPDATE, Pending, SlotRef, SlotState, SlotStore
-from edge_agent.supervisor import ProcessChild, Supervisor, SupervisorConfig
+from edge_agent.update.slots import BASE, EXIT_UPDATE, PendingSlot, SlotRef, SlotState, SlotStore
+from edge_agent.update.supervisor import ProcessChild, Supervisor, SupervisorConfig
 
 
 @dataclass
@@ -123,7 +123,7 @@ def store_with(tmp_path: Path, state: SlotState | None = None, slots: tuple[str,
 
 
 BASE_REF = SlotRef("1.0", BASE)
-PENDING = Pending("1.1", "1.1", "a" * 64, 0.0, 120.0)
+PENDING = PendingSlot("1.1", "1.1", "a" * 64, 0.0, 120.0)
 
 
 def test_a_pending_version_that_becomes_healthy_is_promoted_and_keeps_running(tmp_path: Path) -> None:
@@ -163,7 +163,7 @@ def test_a_pending_version_that_crashes_at_start_is_rolled_back_with_its_exit_co
 
 
 def test_a_pending_version_never_healthy_is_stopped_and_rolled_back_after_its_bound(tmp_path: Path) -> None:
-    pending = Pending("1.1", "1.1", "a" * 64, 0.0, 30.0)
+    pending = PendingSlot("1.1", "1.1", "a" * 64, 0.0, 30.0)
     store = store_with(tmp_path, SlotState(current=BASE_REF, pending=pending), slots=("1.1",))
     sim = Sim(store, [Script(ignores_term=True), Script()])
     sim.run()

@@ -238,7 +238,7 @@ def test_no_delay_leaves_other_sockets_alone() -> None:
 def test_all_three_clients_are_built_by_make_client() -> None:
     from controller.link.bridge import PahoTransport
     from controller.link.broker_auth import DynsecAdmin
-    from edge_agent.link import MqttLink
+    from edge_agent.uplink.link import MqttLink
 
     ep = MqttEndpoint.parse("mqtt://ctl:pw@127.0.0.1:1")
     bridge = PahoTransport(ep, client_id="ctl-1")

@@ -173,7 +173,7 @@ class ArtifactConfig(_Strict):
     """The most chunks asked for and not yet arrived: ``window``, or more when chunks are small, up to
     ``window_bytes`` (and 64). Within it the fetcher keeps what the link delivers in half a second, or
     twice its bandwidth-delay product on a far link, as measured during the transfer
-    (edge_agent/artifacts.py ``_Pace``); it asks for the whole of it before the first chunk arrives."""
+    (edge_agent/uplink/artifacts.py ``_Pace``); it asks for the whole of it before the first chunk arrives."""
     window_bytes: int = Field(default=8 * 2**20, ge=64 * 1024, le=256 * 2**20)
     request_timeout_s: float = Field(default=5.0, gt=0.0)
     """Chunks asked for are asked again when nothing at all has arrived for this long (or for four
@@ -183,7 +183,7 @@ class ArtifactConfig(_Strict):
 
 
 class UpdateConfig(_Strict):
-    """Agent self-update (edge_agent/self_update.py; the package comes over the artifact channel with
+    """Agent self-update (edge_agent/update/self_update.py; the package comes over the artifact channel with
     the ``artifacts`` settings)."""
 
     install_timeout_s: float = Field(default=600.0, gt=0.0, le=7200.0)

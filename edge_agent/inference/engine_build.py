@@ -4,7 +4,7 @@ A build (native TensorRT, or onnxruntime's TensorRT EP creating its engines) tak
 Jetson. In the agent's process it would sit on the inference or twin thread, and onnxruntime's
 session creation even holds the GIL the whole time (microsoft/onnxruntime#27063): MQTT keepalive,
 heartbeats, capture and the watchdog would all stop (G4, G5). So every build runs in a child process
-(``python -m edge_agent.engine_build``), supervised from a thread of the agent:
+(``python -m edge_agent.inference.engine_build``), supervised from a thread of the agent:
 
     supervisor = BuildSupervisor(timeout_s=20 * 60)
     handle = supervisor.start(BuildRequest.native(...), on_progress=..., cancel=stop_event)
@@ -52,7 +52,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from edge_agent.trt import (
+from edge_agent.core.files import fsync_dir
+from edge_agent.inference.trt import (
     BuildCancelled,
     BuildOptions,
     Calibration,
@@ -60,7 +61,6 @@ from edge_agent.trt import (
     EngineKey,
     Precision,
     TrtError,
-    fsync_dir,
     timing_cache_path,
 )
 
@@ -71,8 +71,8 @@ DEFAULT_BUILD_TIMEOUT_S = 20 * 60.0
 DEFAULT_KILL_GRACE_S = 5.0
 PROGRESS_QUEUE_MAX = 256
 WORKDIR_PREFIX = ".build-"
-NATIVE_BUILDER = "edge_agent.engine_build:native_builder"
-ORT_TRT_EP_BUILDER = "edge_agent.engine_build:ort_trt_ep_builder"
+NATIVE_BUILDER = "edge_agent.inference.engine_build:native_builder"
+ORT_TRT_EP_BUILDER = "edge_agent.inference.engine_build:ort_trt_ep_builder"
 _REQUEST_FILE = "request.pkl"
 _LOG_FILE = "child.log"
 _CONTROL_FILES = frozenset({_REQUEST_FILE, _LOG_FILE})
@@ -374,7 +374,7 @@ class BuildHandle:
                     [
                         python,
                         "-m",
-                        "edge_agent.engine_build",
+                        "edge_agent.inference.engine_build",
                         "--request",
                         str(workdir / _REQUEST_FILE),
                         "--events-fd",
@@ -594,7 +594,7 @@ class BuildSupervisor:
 
     def _child_env(self) -> dict[str, str]:
         env = dict(self._env) if self._env is not None else dict(os.environ)
-        root = str(Path(__file__).resolve().parents[1])  # where the edge_agent package is
+        root = str(Path(__file__).resolve().parents[2])  # where the edge_agent package is
         paths = [root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         return env
@@ -722,8 +722,8 @@ def _guard(parent_pid: int, deadline: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The build process: ``python -m edge_agent.engine_build --request FILE --events-fd N``."""
-    ap = argparse.ArgumentParser(prog="python -m edge_agent.engine_build")
+    """The build process: ``python -m edge_agent.inference.engine_build --request FILE --events-fd N``."""
+    ap = argparse.ArgumentParser(prog="python -m edge_agent.inference.engine_build")
     ap.add_argument("--request", required=True, type=Path)
     ap.add_argument("--events-fd", required=True, type=int)
     args = ap.parse_args(argv)
@@ -773,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def native_builder(request: BuildRequest, ctx: BuildContext) -> BuildOutput:
     """A native TensorRT engine (``TensorRtRuntime.build_engine``), written as ``engine_file``."""
-    from edge_agent.trt import TensorRtRuntime
+    from edge_agent.inference.trt import TensorRtRuntime
 
     rt = TensorRtRuntime(request.device)
     if request.expect_runtime is not None and request.expect_runtime != (
@@ -853,7 +853,7 @@ def ort_trt_ep_builder(request: BuildRequest, ctx: BuildContext) -> BuildOutput:
 
 if __name__ == "__main__":
     # Run the imported module's main, not this __main__ copy: the request was pickled with
-    # edge_agent.engine_build's classes, and builders return edge_agent.engine_build.BuildOutput.
-    from edge_agent.engine_build import main as _main
+    # edge_agent.inference.engine_build's classes, and builders return edge_agent.inference.engine_build.BuildOutput.
+    from edge_agent.inference.engine_build import main as _main
 
     sys.exit(_main())

@@ -3,11 +3,11 @@
 A run that takes longer than ``hang_timeout_s`` is a hang. A hung thread cannot be killed in Python,
 so it is abandoned: the generation moves on, the stuck (daemon) thread exits when its run ever
 returns and its late result is dropped, and its backend is never closed under it. A fresh backend is
-made for the model and a new inference thread started. :class:`~edge_agent.watchdog.RestartLimiter`
+made for the model and a new inference thread started. :class:`~edge_agent.core.restart_policy.RestartLimiter`
 bounds the restarts; past the bound the pipeline is marked failed and retried with capped backoff.
 Every step goes to ``on_note`` for the agent to report.
 
-A :class:`~edge_agent.backends.CudaFatalError` (a sticky CUDA error: the GPU context of this process
+A :class:`~edge_agent.inference.backends.CudaFatalError` (a sticky CUDA error: the GPU context of this process
 is dead) is the exception to all of this: nothing is retried or reloaded after it. :meth:`fatal`
 marks the watchdog fatal (no restart, retry or reload from then on), hands the error to ``on_fatal``
 once (the agent publishes a final event and exits with ``exc.exit_code`` so the service manager
@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from edge_agent.backends import CudaFatalError, InferenceBackend
-from edge_agent.watchdog import RestartLimiter, WatchdogAction, WatchdogNote
+from edge_agent.core.restart_policy import RestartLimiter, WatchdogAction, WatchdogNote
+from edge_agent.inference.backends import CudaFatalError, InferenceBackend
 
 log = logging.getLogger(__name__)
 

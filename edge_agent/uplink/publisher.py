@@ -6,7 +6,7 @@ so a message is never lost between the pipeline and the controller's ack.
 A disk that refuses the outbox's writes (full, read-only) stops nothing and loses nothing silently:
 detection batches and events wait in memory (bounded by ``outbox.held_max``, drop oldest, counted)
 and are written, oldest first, once the disk takes writes again. The failure and the recovery, with
-what was held and dropped meanwhile, are each reported by an event (:mod:`edge_agent.storage`). A
+what was held and dropped meanwhile, are each reported by an event (:mod:`edge_agent.core.disk_guard`). A
 message held in memory has no seq yet: one dropped there was never published, and is declared in the
 recovered event instead of by an OUTBOX_DROPPED span.
 """
@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_agent.ack_timer import AckTimer
-from edge_agent.outbox import DroppedRange, Outbox, OutboxRow, StorageError
-from edge_agent.queues import DropOldestQueue
-from edge_agent.settings import OutboxConfig
-from edge_agent.storage import Reserve, StorageGuard
+from edge_agent.core.disk_guard import Reserve, StorageGuard
+from edge_agent.core.queues import DropOldestQueue
+from edge_agent.core.settings import OutboxConfig
+from edge_agent.uplink.outbox import DroppedRange, Outbox, OutboxRow, StorageError
+from fleet_protocol.ack_timer import AckTimer
 from fleet_protocol.codec import ProtocolError, encode
 from fleet_protocol.messages import Ack, DetectionBatch, Event, EventKind, FrameDetections, Severity
 from fleet_protocol.topics import TopicKind

@@ -14,10 +14,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from edge_agent.health import Health
-from edge_agent.outbox import Outbox
-from edge_agent.pipeline import Pipeline
-from edge_agent.publisher import PublishFn
+from edge_agent.device.health import Health
+from edge_agent.uplink.outbox import Outbox
+from edge_agent.uplink.publisher import PublishFn
+from edge_agent.vision.pipeline import Pipeline
 from fleet_protocol.codec import encode
 from fleet_protocol.messages import CameraStats, Heartbeat
 from fleet_protocol.topics import TopicKind

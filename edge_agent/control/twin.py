@@ -22,10 +22,8 @@ The reported state names, per camera, the model and its state, and the desired v
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -38,17 +36,18 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from edge_agent import __version__
-from edge_agent.artifacts import ArtifactFetcher, FetchCancelled, FetchError, file_sha256
-from edge_agent.backends import (
+from edge_agent.core.files import atomic_write
+from edge_agent.core.queues import LatestSlot
+from edge_agent.inference.backends import (
     AutoBackendFactory,
     BuildNote,
     CudaFatalError,
     InferenceBackend,
     LoadRequest,
 )
-from edge_agent.pipeline import CameraParams, LoadedModel, ModelLoadError, Pipeline
-from edge_agent.publisher import Publisher, PublishFn
-from edge_agent.queues import LatestSlot
+from edge_agent.uplink.artifacts import ArtifactFetcher, FetchCancelled, FetchError, file_sha256
+from edge_agent.uplink.publisher import Publisher, PublishFn
+from edge_agent.vision.pipeline import CameraParams, LoadedModel, ModelLoadError, Pipeline
 from fleet_protocol.codec import ProtocolError, decode_as, encode
 from fleet_protocol.desired import (
     REFUSED_DEVICE,
@@ -84,7 +83,7 @@ _REFUSAL_REPEAT_S = 60.0
 _REFUSAL_EVENTS_MAX = 20
 
 # Why a desired state is refused as a whole (Event data["reason"]; PROTOCOL.md "What is signed").
-# The part name in storage events (edge_agent.storage) when desired.json cannot be written.
+# The part name in storage events (edge_agent.core.disk_guard) when desired.json cannot be written.
 DESIRED_STATE = "desired_state"
 
 
@@ -100,7 +99,7 @@ class _BuildCtx:
 
 
 class AgentUpdateHooks(Protocol):
-    """The twin's view of :class:`edge_agent.self_update.AgentUpdater`."""
+    """The twin's view of :class:`edge_agent.update.updater.AgentUpdater`."""
 
     def want(self, ref: AgentPackageRef | None) -> None: ...
 
@@ -169,7 +168,7 @@ class Twin:
     ) -> None:
         """``builds`` None: the pipeline's backends come from elsewhere and report no build steps.
         ``agent_update``: where a taken state's agent version goes, and what the reported state says of
-        the agent (edge_agent/self_update.py); None: agent updates are not handled."""
+        the agent (edge_agent/update/self_update.py); None: agent updates are not handled."""
         self.pipeline = pipeline
         self.publisher = publisher
         self.fetcher = fetcher
@@ -313,17 +312,7 @@ class Twin:
                 self._write_state(self._path, desired)
 
     def _write_state(self, path: Path, desired: DesiredState) -> None:
-        tmp = path.with_suffix(".json.tmp")
-        try:
-            with tmp.open("wb") as f:
-                f.write(encode(desired))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError:
-            with contextlib.suppress(OSError):  # a partial file would hold room on a full disk
-                tmp.unlink(missing_ok=True)
-            raise
+        atomic_write(path, encode(desired))
 
     def load_persisted(self) -> DesiredState | None:
         """The desired state saved on disk, if it still checks out (signature and device, as when it

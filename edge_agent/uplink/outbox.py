@@ -12,7 +12,7 @@ keeps none (the legacy space) until its database is created again: its seqs cont
 and a seq is never in two spaces.
 
 Command results are kept in the same database, outside the seq numbering (a result has no seq), until
-the broker acknowledges them: see :mod:`edge_agent.commands`.
+the broker acknowledges them: see :mod:`edge_agent.control.commands`.
 
 A disk that refuses a write (full, read-only, failing) raises :class:`StorageError` from the write
 methods, with the whole transaction rolled back: nothing is half-written and no seq is consumed. Sent

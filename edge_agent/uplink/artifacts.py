@@ -38,6 +38,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edge_agent.core.files import atomic_write
 from fleet_protocol.codec import ChunkHeader, ProtocolError, check_chunk, split_chunk
 from fleet_protocol.messages import FETCH_TRANSPORT_ERROR, ArtifactRef, ArtifactRequest
 
@@ -332,17 +333,13 @@ class ArtifactFetcher:
         return max(1, min(64, max(self.window, self.window_bytes // chunk_size)))
 
     def _save_bitmap(self, tr: _Transfer) -> None:
-        tmp = tr.bitmap.with_suffix(".bitmap.tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "chunk_size": tr.ref.chunk_size,
-                    "total": tr.total,
-                    "have": "".join("1" if h else "0" for h in tr.durable),
-                }
-            )
-        )
-        os.replace(tmp, tr.bitmap)
+        # Not durable: a bitmap lost to a power loss only makes the chunks it named be fetched again.
+        bitmap = {
+            "chunk_size": tr.ref.chunk_size,
+            "total": tr.total,
+            "have": "".join("1" if h else "0" for h in tr.durable),
+        }
+        atomic_write(tr.bitmap, json.dumps(bitmap).encode(), durable=False)
 
     def _sync_threshold(self, tr: _Transfer) -> int:
         if self.sync_bytes is not None:

@@ -1,4 +1,4 @@
-"""``python -m edge_agent.package build --version 1.1 --out DIR [--source REPO]``: an agent package.
+"""``python -m edge_agent.update.package build --version 1.1 --out DIR [--source REPO]``: an agent package.
 
 The package (PROTOCOL.md "Agent updates", README "Upgrading the fleet") is a gzip tarball
 ``edgefleet-agent-<version>.tar.gz`` holding ``agent-package.json`` and ``wheels/``: the edgefleet wheel
@@ -33,7 +33,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from edge_agent.self_update import PACKAGE_FORMAT, PACKAGE_INFO, PackageInfo
+from edge_agent.update.install import PACKAGE_FORMAT, PACKAGE_INFO, PackageInfo
 
 # What of the repository goes into the wheel's build (the rest, tests and models, is not shipped).
 SOURCE_PARTS = ("pyproject.toml", "README.md", "fleet_protocol", "controller", "edge_agent")
@@ -178,7 +178,7 @@ def _write_tarball(path: Path, info: PackageInfo, wheel: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m edge_agent.package", description="edgefleet agent packages"
+        prog="python -m edge_agent.update.package", description="edgefleet agent packages"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build edgefleet-agent-<version>.tar.gz")

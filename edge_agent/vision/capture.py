@@ -33,9 +33,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from edge_agent.queues import LatestSlot
-from edge_agent.settings import CameraConfig
-from edge_agent.watchdog import capped_backoff
+from edge_agent.core.queues import LatestSlot
+from edge_agent.core.restart_policy import capped_backoff
+from edge_agent.core.settings import CameraConfig
 from fleet_protocol.messages import CameraState, InputSpec
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ def _cv_build_information() -> str:
 
 
 def _on_jetson() -> bool:
-    from edge_agent.jetson import detect_jetson
+    from edge_agent.device.jetson import detect_jetson
 
     return detect_jetson() is not None
 

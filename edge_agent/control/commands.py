@@ -25,12 +25,12 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from edge_agent import __version__
-from edge_agent.artifacts import ArtifactFetcher
-from edge_agent.health import Health
-from edge_agent.link import Delivery, Handed, Transport
-from edge_agent.outbox import Outbox, ResultsDropped
-from edge_agent.pipeline import Pipeline
-from edge_agent.publisher import Publisher
+from edge_agent.device.health import Health
+from edge_agent.uplink.artifacts import ArtifactFetcher
+from edge_agent.uplink.link import Delivery, Handed, Transport
+from edge_agent.uplink.outbox import Outbox, ResultsDropped
+from edge_agent.uplink.publisher import Publisher
+from edge_agent.vision.pipeline import Pipeline
 from fleet_protocol.codec import ProtocolError, encode
 from fleet_protocol.messages import Command, CommandName, CommandResult, EventKind, Message, Severity
 from fleet_protocol.topics import TopicKind

@@ -1,5 +1,5 @@
 """Inference behind a tiny interface: ONNX Runtime with the best execution provider available, or a
-native TensorRT engine built on the device (see :mod:`edge_agent.trt`), chosen by
+native TensorRT engine built on the device (see :mod:`edge_agent.inference.trt`), chosen by
 :class:`AutoBackendFactory`.
 
 What the pipeline and the agent must handle (GPU audit G14/G15/G22):
@@ -30,7 +30,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from edge_agent.engine_build import (
+from edge_agent.core.files import atomic_write
+from edge_agent.inference.engine_build import (
     DEFAULT_BUILD_TIMEOUT_S,
     BuildBusy,
     BuildFailed,
@@ -41,7 +42,7 @@ from edge_agent.engine_build import (
     BuildTimedOut,
     ort_engines_ready,
 )
-from edge_agent.trt import (
+from edge_agent.inference.trt import (
     ENGINE_SUFFIX,
     BuildCancelled,
     BuildOptions,
@@ -53,7 +54,6 @@ from edge_agent.trt import (
     TensorRtBackend,
     TrtError,
     TrtRuntime,
-    atomic_write,
     calibration_from_frames,
     int8_qdq_problem,
     load_tensorrt_runtime,
@@ -822,7 +822,7 @@ class BuildWaiter(Protocol):
 
 
 class BuildStarter(Protocol):
-    """What the factory needs of :class:`~edge_agent.engine_build.BuildSupervisor` (the seam for tests)."""
+    """What the factory needs of :class:`~edge_agent.inference.engine_build.BuildSupervisor` (the seam for tests)."""
 
     def start(
         self,
@@ -920,7 +920,7 @@ class AutoBackendFactory:
     """Picks the engine per ``inference.engine`` and builds it; falls back to onnxruntime on failure.
 
     ``tensorrt`` (or ``auto`` where TensorRT loads): a native engine from the cache, or built in a
-    build process (``builds``, a :class:`~edge_agent.engine_build.BuildSupervisor` bounded by
+    build process (``builds``, a :class:`~edge_agent.inference.engine_build.BuildSupervisor` bounded by
     ``build_timeout_s``) while the caller waits (the old model keeps serving meanwhile: the pipeline
     swaps only after this returns and warm-up passes). Any failure falls back to onnxruntime with the
     configured provider order (TensorRT EP -> CUDA EP -> CPU EP, as this onnxruntime offers them) and
@@ -1102,7 +1102,7 @@ class AutoBackendFactory:
             raise TrtError("INT8 needs calibration frames and none were available from the camera")
         factory = self._preprocessor_factory
         if factory is None:
-            from edge_agent.preprocess import Preprocessor
+            from fleet_protocol.vision.preprocess import Preprocessor
 
             factory = Preprocessor
         return calibration_from_frames(frames, factory(manifest.input), batch_size=1)

@@ -6,7 +6,7 @@ version, its subscriptions, then its reported state; a heartbeat every ``heartbe
 ``DetectionBatch`` every ``batch_s`` (a few plausible boxes per frame, deterministic from the seq);
 an outbox that numbers detection batches and events from ONE per-device sequence and sends every
 unacked seq again after the ack timeout (``ack_timeout_s``, longer while acks are slower:
-``edge_agent/ack_timer.py``) until an ``Ack`` covers it; desired states taken as the
+``fleet_protocol/ack_timer.py``) until an ``Ack`` covers it; desired states taken as the
 agent takes them (signature and device checked when a key is given, then version and issue time) and
 reported as applied, each camera ``running`` the desired model with the settings in effect. No
 artifact is fetched and nothing is inferred.
@@ -67,7 +67,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import SecretStr
 
 from edge_agent import __version__
-from edge_agent.ack_timer import AckTimer
+from fleet_protocol.ack_timer import AckTimer
 from fleet_protocol.codec import ProtocolError, decode, encode
 from fleet_protocol.desired import (
     REFUSED_DEVICE,

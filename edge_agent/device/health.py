@@ -8,7 +8,7 @@ GPU sources, in order (GPU audit G13/G16/G17):
   Volta and newer); where that is not supported, power samples x time. ``power_w`` is the average over
   the last ``power_window_s`` from that energy (one heartbeat interval), not a 1 s sample that aliases
   with bursty inference.
-- **Jetson** (NVML absent or partial): the integrated GPU from sysfs (:mod:`edge_agent.jetson`): GPU
+- **Jetson** (NVML absent or partial): the integrated GPU from sysfs (:mod:`edge_agent.device.jetson`): GPU
   load, GPU thermal zone, and the INA3221 power rails, sampled in a small thread and integrated into
   joules. ``power_w`` of the Jetson GPU entry is the *module* input power (``VDD_IN``, or the sum of
   the rails where the module has no such rail): the GPU shares its rails with the CPU and SoC on
@@ -40,8 +40,8 @@ from typing import Any
 
 import psutil
 
-from edge_agent.backends import ProviderProbe, cached_provider_probe
-from edge_agent.jetson import JetsonInfo, TegraReading, TegraSensors, detect_jetson
+from edge_agent.device.jetson import JetsonInfo, TegraReading, TegraSensors, detect_jetson
+from edge_agent.inference.backends import ProviderProbe, cached_provider_probe
 from fleet_protocol.messages import Capabilities, GpuInfo, GpuStats, cpu_flags_from_cpuinfo
 
 log = logging.getLogger(__name__)

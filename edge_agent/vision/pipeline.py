@@ -15,14 +15,14 @@ only thread that runs them, after it has run what was prepared for them. The cam
 windows start afresh at the swap and count only the new model's results, so the stats (and the
 rollout gate judging them) describe the model that runs now.
 
-Hang detection is handed to :class:`~edge_agent.inference_watchdog.InferenceWatchdog`, which owns
+Hang detection is handed to :class:`~edge_agent.vision.inference_watchdog.InferenceWatchdog`, which owns
 the inference thread: the pipeline tells it when each run starts and ends, and it abandons a run that
 hangs and starts a fresh thread (with a fresh backend) within the bounds of a ``RestartLimiter``.
 
-Two backend errors are not ordinary run errors. A :class:`~edge_agent.backends.CudaFatalError` from
+Two backend errors are not ordinary run errors. A :class:`~edge_agent.inference.backends.CudaFatalError` from
 ``run()``, from the backend factory or from the warm-up is never retried or reloaded: it goes to
 ``watchdog.fatal`` (the agent publishes a final event, sets the stop event and exits with
-``exc.exit_code``). A :class:`~edge_agent.backends.ProviderFallback` from ``run()`` loses that batch
+``exc.exit_code``). A :class:`~edge_agent.inference.backends.ProviderFallback` from ``run()`` loses that batch
 only: it goes to :attr:`Pipeline.on_provider_fallback` (an event) and the next batch runs on the
 provider the backend moved to; it is neither a hang nor a restart.
 """
@@ -41,11 +41,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edge_agent.backends import BackendFactory, CudaFatalError, InferenceBackend, ProviderFallback
-from edge_agent.capture import CameraWorker, Frame
-from edge_agent.inference_watchdog import FatalCallback, InferenceWatchdog, WatchdogCallback
-from edge_agent.queues import DropOldestQueue, HandoffQueue
-from edge_agent.watchdog import RestartLimiter
+from edge_agent.core.queues import DropOldestQueue, HandoffQueue
+from edge_agent.core.restart_policy import RestartLimiter
+from edge_agent.inference.backends import BackendFactory, CudaFatalError, InferenceBackend, ProviderFallback
+from edge_agent.vision.capture import CameraWorker, Frame
+from edge_agent.vision.inference_watchdog import FatalCallback, InferenceWatchdog, WatchdogCallback
 from fleet_protocol.messages import (
     Box,
     CameraState,
@@ -201,11 +201,11 @@ class Pipeline:
         restarts in 10 min, then retries 10 s doubling to 10 min. ``on_fatal`` (also settable later as
         ``watchdog.on_fatal``) gets a CudaFatalError once; ``on_provider_fallback`` a ProviderFallback."""
         if preprocessor_factory is None:
-            from edge_agent.preprocess import Preprocessor
+            from fleet_protocol.vision.preprocess import Preprocessor
 
             preprocessor_factory = Preprocessor
         if decode_fn is None:
-            from edge_agent.decoders import decode
+            from fleet_protocol.vision.decoders import decode
 
             decode_fn = decode
         self._preprocessor_factory = preprocessor_factory

@@ -7,7 +7,7 @@ instead of producing garbage boxes. NaN in an output is an error too: NaN compar
 threshold, so it would silently turn into "nothing detected".
 
 Box coordinates from the model are in model-input pixels (or normalized to the model input); the
-``FrameMeta`` of each frame (from ``edge_agent.preprocess``) undoes the resize and letterbox.
+``FrameMeta`` of each frame (from ``fleet_protocol.vision.preprocess``) undoes the resize and letterbox.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent.preprocess import FrameMeta
 from fleet_protocol.messages import DecoderKind, ModelManifest
+from fleet_protocol.vision.preprocess import FrameMeta
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ is the real one (``tensorrt`` + ``cuda-python``, both from the ``gpu`` extra, im
 pass a fake. Nothing here imports ``tensorrt`` at module import time: on a CPU device the module
 loads and :func:`load_tensorrt_runtime` says why TensorRT cannot be used.
 
-Builds themselves run out of process (:mod:`edge_agent.engine_build`); the pure functions here
+Builds themselves run out of process (:mod:`edge_agent.inference.engine_build`); the pure functions here
 (:func:`optimization_profile`, :func:`ort_trt_profile_options`, :func:`resolve_precision`,
 :func:`int8_qdq_problem`, :func:`build_fingerprint`) are what the native path and onnxruntime's
 TensorRT execution provider share, so both build the same thing for the same request.
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
+
+from edge_agent.core.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -170,32 +172,6 @@ class EngineKey:
 class Eviction:
     file_name: str
     reason: str
-
-
-def atomic_write(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` so that a crash or kill leaves the old file or the new one, never a
-    part: a temporary file in the same folder, fsync, rename, fsync of the folder."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-    return path
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (best effort: not every filesystem allows it)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class EngineCache:
@@ -436,7 +412,7 @@ def ort_trt_profile_options(profiles: Sequence[InputProfile]) -> dict[str, str]:
     splits each entry at the first ``:`` and the list at ``,``, so an input whose name contains either
     cannot be named at all (TF models: ``image_tensor:0``): :class:`ProfileNotExpressible` then, and
     the build process instead widens onnxruntime's implicit profile by warm-up runs at batch 1 and
-    ``max_batch`` (see :mod:`edge_agent.engine_build`).
+    ``max_batch`` (see :mod:`edge_agent.inference.engine_build`).
     """
     if not profiles:
         return {}
@@ -633,7 +609,7 @@ class EngineOutcome:
 
 OutOfProcessBuild = Callable[[Calibration | None], None]
 """Builds ``key``'s engine into the cache in another process and returns when it is there; raises
-:class:`BuildCancelled` or another :class:`TrtError` (see :mod:`edge_agent.engine_build`)."""
+:class:`BuildCancelled` or another :class:`TrtError` (see :mod:`edge_agent.inference.engine_build`)."""
 
 
 def obtain_engine(
@@ -702,7 +678,7 @@ def obtain_engine(
 
 
 class TensorRtBackend:
-    """An :class:`~edge_agent.backends.InferenceBackend` over a native TensorRT engine."""
+    """An :class:`~edge_agent.inference.backends.InferenceBackend` over a native TensorRT engine."""
 
     def __init__(self, engine: TrtEngine, *, precision: Precision, engine_file: str) -> None:
         self._engine = engine

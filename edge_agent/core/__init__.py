@@ -1,0 +1,7 @@
+"""Core: what every wing leans on and that leans on nothing of the agent.
+
+Validated settings (:mod:`.settings`), bounded hand-offs with named drop policies (:mod:`.queues`),
+the restart policy (:mod:`.restart_policy`: backoff, crash-loop limits), the disk guard that refuses
+writes on a full disk (:mod:`.disk_guard`) and atomic file writes (:mod:`.files`). May import
+``fleet_protocol`` and the standard library.
+"""
