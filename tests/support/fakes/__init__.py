@@ -1,0 +1,1 @@
+"""Hand-written fakes for the seams where the real thing is not the point of a test."""
