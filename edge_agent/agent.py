@@ -15,10 +15,10 @@ Desired state lives in :mod:`edge_agent.control.twin`, commands in :mod:`edge_ag
 in :mod:`edge_agent.control.heartbeat`. What stays here ties the parts to the link and to each other: the
 birth message, the stop on a link that failed for good, and the events of camera and watchdog steps.
 
-Backend faults: a sticky CUDA error (:class:`~edge_agent.inference.backends.CudaFatalError`) anywhere on the
+Backend faults: a sticky CUDA error (:class:`~edge_agent.inference.backend.CudaFatalError`) anywhere on the
 inference path publishes a final ERROR event, sets the stop event and makes :meth:`Agent.run` return
 ``exc.exit_code`` (4), so systemd/Docker restart the process (the GPU context cannot be recovered in
-it). A provider that ORT silently left at run time (:class:`~edge_agent.inference.backends.ProviderFallback`)
+it). A provider that ORT silently left at run time (:class:`~edge_agent.inference.backend.ProviderFallback`)
 is a MODEL_BUILD event of phase ``fallback`` (like the fallback of a load), and inference goes on.
 """
 
@@ -40,8 +40,9 @@ from edge_agent.core.queues import DropOldestQueue
 from edge_agent.core.restart_policy import RestartLimiter, WatchdogAction, WatchdogNote
 from edge_agent.core.settings import AgentSettings
 from edge_agent.device.health import Health
-from edge_agent.inference.backends import AutoBackendFactory, BackendFactory, CudaFatalError, ProviderFallback
-from edge_agent.inference.trt import TrtRuntime
+from edge_agent.inference.backend import BackendFactory, CudaFatalError, ProviderFallback
+from edge_agent.inference.factory import AutoBackendFactory
+from edge_agent.inference.tensorrt.runtime import TrtRuntime
 from edge_agent.update.install import PackageFetcher
 from edge_agent.update.slots import EXIT_UPDATE
 from edge_agent.update.updater import AgentUpdater
@@ -193,6 +194,8 @@ class Agent:
             settings.outbox,
             stop=stop,
             reserve=Reserve(data_dir / "storage.reserve"),
+            # The transport calls on_connected after each CONNACK (Transport.set_callbacks).
+            link_up=False,
         )
         wake = threading.Event()
         workers: dict[str, CameraWorker] = {}

@@ -110,9 +110,12 @@ class Publisher:
         resend_interval_s: float = 0.25,
         reserve: Reserve | None = None,
         clock: Callable[[], float] = time.time,
+        link_up: bool = True,
     ) -> None:
         """``reserve``: room kept on the outbox's disk for the events that say it is full (None: none);
-        ``clock``: the time sends, resends and acks are timed by."""
+        ``clock``: the time sends, resends and acks are timed by; ``link_up``: False when the link is
+        not connected yet and calls :meth:`on_connected` once it is (the agent's transport): nothing is
+        sent before that call."""
         self._clock = clock
         self.outbox = outbox
         self._frames = frames
@@ -121,6 +124,13 @@ class Publisher:
         self._stop = stop
         self._resend_interval = resend_interval_s
         self._resend_now = threading.Event()
+        # Set once sends may start: at once, or (link_up False) after on_connected has reset the sent
+        # marks. The transport calls on_connected on its own thread after the CONNACK, when publishes
+        # already go through: a row sent before that reset would be made due again by it, and reach
+        # the controller twice.
+        self._link_up = threading.Event()
+        if link_up:
+            self._link_up.set()
         self._emit_lock = threading.Lock()
         self.published = 0
         self.publish_failures = 0
@@ -229,6 +239,8 @@ class Publisher:
             self.outbox.reset_sent()
         except StorageError as exc:  # due again in memory; on disk after the ack timeout
             self._outbox_refused(exc)
+        finally:
+            self._link_up.set()  # sends from now on come after the reset
         self._resend_now.set()
 
     # ------------------------------------------------------------------ a disk refusing writes
@@ -397,6 +409,8 @@ class Publisher:
 
     def resend_due(self) -> None:
         """One resend round: what is due, oldest first (the publisher thread runs it)."""
+        if not self._link_up.is_set():
+            return  # the rows wait for on_connected, which makes them all due at once
         rows = self.outbox.due(self._clock(), self.ack_timer.timeout_s, self._cfg.resend_batch)
         sent: list[int] = []
         for row in rows:
@@ -430,9 +444,9 @@ class Publisher:
     def _report_drops(self) -> None:
         """Report what the bound dropped as one OUTBOX_DROPPED event (itself through the outbox).
 
-        The outbox appends the report in the transaction that takes the pending span: appending it to
-        a full outbox used to drop another row and report that from inside the report, recursing
-        without end; now such a drop simply waits for the next report.
+        The outbox appends the report in the transaction that takes the pending span, so a report
+        appended to a full outbox cannot drop another row and report that from inside the report
+        (which would recurse without end): such a drop waits for the next report.
         """
         if self._holding or not self.outbox.drop_pending():
             return  # holding: the span stays pending on disk, reported after the messages held
