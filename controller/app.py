@@ -43,7 +43,8 @@ def create_app(
         except BaseException:
             rt.stop()
             raise
-        # A revoked token's open live WebSockets are closed at once (security review F9).
+        # A revoked token's open live WebSockets are closed at once: a revoked viewer must stop seeing live detections now,
+        # not when the socket happens to close.
         rt.auth.on_revoke(rt.hub.close_token)
         app.state.runtime = rt
         try:

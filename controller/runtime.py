@@ -16,8 +16,9 @@ from sqlalchemy.engine import Engine
 
 from controller.db.engine import make_engine, migrate
 from controller.db.leader import ALWAYS_LEADER, Leadership, PgLeadership, ReplicaRegistry
+from controller.fleet.converger import ResendPolicy, TwinConverger
 from controller.fleet.rollouts import RolloutService
-from controller.fleet.twin import ResendPolicy, TwinConverger, TwinService
+from controller.fleet.twin import TwinService
 from controller.link.artifacts import ArtifactServer, DeviceCaps
 from controller.link.bridge import MqttBridge, PahoTransport, Transport
 from controller.link.broker_auth import DynsecAdmin

@@ -60,7 +60,7 @@ class ControllerSettings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=0, le=65535)
     heartbeat_timeout_s: float = Field(default=15.0, gt=0)
-    # Twin convergence (controller/fleet/twin.py ResendPolicy): a drifted device gets its desired state
+    # Twin convergence (controller/fleet/converger.py ResendPolicy): a drifted device gets its desired state
     # again at once, one still on an older version after twin_pending_resend_s; then backoff doubling
     # from twin_resend_backoff_s up to twin_resend_backoff_max_s per device.
     twin_pending_resend_s: float = Field(default=60.0, gt=0)

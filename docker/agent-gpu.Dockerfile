@@ -1,5 +1,5 @@
 # edgefleet edge agent, x86_64 NVIDIA GPU build, CUDA 12: onnxruntime-gpu (TensorRT + CUDA execution
-# providers), TensorRT 10 (the native engine, edge_agent/inference/trt.py), cuda-python and NVML, pinned to one
+# providers), TensorRT 10 (the native engine, edge_agent/inference/tensorrt/runtime.py), cuda-python and NVML, pinned to one
 # coherent stack by docker/constraints-gpu-cu12.txt. Build from the repository root
 # (docker build -f docker/agent-gpu.Dockerfile .); run with `--gpus all` (NVIDIA Container Toolkit) on
 # a host whose driver supports CUDA 12 (r525 or newer). The agent checks the stack at start and refuses

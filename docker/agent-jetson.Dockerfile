@@ -2,7 +2,7 @@
 # TensorRT 10.3 with bindings for the system Python 3.10 only). The agent needs Python >= 3.11, so, as
 # jetson-containers does for JetPack 6: TensorRT and its Python bindings come from NVIDIA's L4T TensorRT
 # tar (its python/ folder has a wheel per CPython) and cuda-python is built from source against the
-# JetPack's CUDA. The GPU engine is native TensorRT (edge_agent/inference/trt.py); onnxruntime on the CPU is the
+# JetPack's CUDA. The GPU engine is native TensorRT (edge_agent/inference/tensorrt/runtime.py); onnxruntime on the CPU is the
 # fallback, since PyPI has no CUDA 12 onnxruntime-gpu for aarch64. Pins: docker/constraints-jetson-jp6.txt.
 #
 # Build on the Jetson (or an arm64 builder) from the repository root, with the nvidia runtime as Docker's
@@ -28,7 +28,7 @@ RUN wget -q -O /tmp/tensorrt.tar.gz "${TENSORRT_TAR}" \
     && pip install --no-cache-dir /opt/tensorrt/python/tensorrt-*-cp311-none-linux_aarch64.whl \
     && rm -rf /opt/tensorrt/data /opt/tensorrt/doc /opt/tensorrt/samples
 # cuda-python for the JetPack's CUDA 12.6, built here against /usr/local/cuda (minutes on an Orin);
-# 12.6.0 has `cuda.cudart`, which edge_agent/inference/trt.py falls back to when `cuda.bindings` is absent.
+# 12.6.0 has `cuda.cudart`, which edge_agent/inference/tensorrt/runtime.py falls back to when `cuda.bindings` is absent.
 RUN git clone --depth 1 --branch "v${CUDA_PYTHON}" https://github.com/NVIDIA/cuda-python /tmp/cuda-python \
     && CUDA_HOME=/usr/local/cuda PARALLEL_LEVEL="$(nproc)" \
         pip wheel --no-cache-dir --no-deps -w /tmp/wheels /tmp/cuda-python \

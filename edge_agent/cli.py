@@ -1,4 +1,4 @@
-"""Entry point shared by ``edgefleet agent`` (the lead's typer CLI) and ``python -m edge_agent``."""
+"""Entry point shared by ``edgefleet agent`` (:mod:`controller.cli.serve`) and ``python -m edge_agent``."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def run(
         print(refusal, file=sys.stderr)
         return EXIT_CONFIG
     from edge_agent.agent import Agent, describe
-    from edge_agent.inference.backends import CudaFatalError
+    from edge_agent.inference.backend import CudaFatalError
 
     os.umask(PRIVATE_UMASK)
     make_data_dir_private(settings.data_dir)

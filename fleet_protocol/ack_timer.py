@@ -2,13 +2,12 @@
 
 A fixed timeout turns an overloaded controller into a collapsing one: once storing takes longer than
 the timeout, every unacked message is sent a second time, the controller has twice the work, acks
-come later still, and the fleet ends up sending everything twice (``bench/fleet.py`` at 1,000
-simulated devices on one replica, with the simulator's fixed 10 s timeout: p99 publish->ack 48-58 s;
-BENCHMARKS.md, "Controller replicas"). TCP solved this
-in 1988: time the acks, and wait for the smoothed round trip plus four deviations.
+come later still, and the fleet ends up sending everything twice (BENCHMARKS.md, "Controller
+replicas", has the fleet runs that show it). TCP's answer holds here: time the acks, and wait for the
+smoothed round trip plus four deviations.
 
-The configured timeout is the floor, so a healthy link behaves exactly as before (a lost message is
-sent again after ``ack_timeout_s``); only while acks are slower than that does the wait grow with
+The configured timeout is the floor, so on a healthy link a lost message is sent again after
+``ack_timeout_s``; only while acks are slower than that does the wait grow with
 them, up to ``cap_s``. Samples come only from messages sent once (Karn's rule: the ack of a resent
 message cannot say which send it answers). The agent's publisher and the fleet simulator use it.
 """

@@ -476,7 +476,7 @@ class ReportedState(Msg):
 
 # How an agent's reported fetch failure (``CameraReported.error``) starts when the transfer failed (no
 # valid answer in time, or the whole file did not match after its retries), not the model: the controller
-# then sends the desired state again, with its usual backoff (review F7); other failures it does not.
+# then sends the desired state again, with its usual backoff; other failures it does not.
 FETCH_TRANSPORT_ERROR = "transfer failed: "
 
 

@@ -3,8 +3,8 @@
 The controller's bridge, its broker-admin client and the agent's link each take a client from
 :func:`make_client` (protocol, credentials, TLS, Last Will, reconnect backoff, TCP_NODELAY) and add only
 what is theirs: callbacks, session kind, in-flight limits. The helpers below read paho's callbacks the
-same way on every side: :func:`classify_connack` for a CONNACK, :func:`connect_failure` inside
-``on_connect_fail``.
+same way on every side: :func:`classify_connack` for a CONNACK and :func:`handle_connack`, which acts on
+it, inside ``on_connect``; :func:`connect_failure` inside ``on_connect_fail``.
 
 Imported on its own (``from fleet_protocol.paho_client import make_client``), like ``signing.py``, so the
 package's top level stays paho-free.
@@ -12,6 +12,7 @@ package's top level stays paho-free.
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 from dataclasses import dataclass
@@ -100,6 +101,47 @@ def classify_connack(reason_code: object) -> Connack:
     if not failed:
         return Connack.ACCEPTED
     return Connack.REFUSED if refused_for_good(value) else Connack.RETRY
+
+
+@dataclass(frozen=True)
+class ConnackRefusal:
+    """A CONNACK that refused the client, as :func:`handle_connack` dealt with it."""
+
+    reason: str  # the broker's reason, as paho words it
+    for_good: bool  # credentials or permission: the client was disconnected and does not try again
+
+
+def handle_connack(
+    client: mqtt.Client,
+    reason_code: object,
+    *,
+    log: logging.Logger,
+    broker: str,
+    hint: str,
+    refused: str = "the connection",
+    log_retry: bool = True,
+) -> ConnackRefusal | None:
+    """Act on ``on_connect``'s reason code: None when the broker accepted the client (go on).
+
+    Refused for good (:attr:`Connack.REFUSED`): logged as an error ("``broker`` refused ``refused``
+    (reason); not retrying: ``hint``", the hint saying what to check), and ``client.disconnect()``:
+    called from the callback, it ends paho's loop instead of reconnecting (paho reports the disconnect
+    later, on its loop, not from inside this call). Refused for now (:attr:`Connack.RETRY`): a warning unless ``log_retry`` is off (a caller
+    that counts these itself), and paho's reconnect loop tries again. Either way the caller returns
+    from ``on_connect`` and keeps what it needs from the :class:`ConnackRefusal`.
+    """
+    verdict = classify_connack(reason_code)
+    if verdict is Connack.ACCEPTED:
+        return None
+    reason = str(reason_code)
+    if verdict is Connack.REFUSED:
+        # stacklevel: the record points at the caller's on_connect, whose logger this is.
+        log.error("%s refused %s (%s); not retrying: %s", broker, refused, reason, hint, stacklevel=2)
+        client.disconnect()
+        return ConnackRefusal(reason, for_good=True)
+    if log_retry:
+        log.warning("%s refused %s (%s); retrying", broker, refused, reason, stacklevel=2)
+    return ConnackRefusal(reason, for_good=False)
 
 
 def connect_failure(where: str) -> str:

@@ -1,5 +1,5 @@
 """``/api/v1/agent-packages``, ``/api/v1/agent-deployments`` and ``/api/v1/devices/{id}/agent``: the
-edge agent's own software (issue 14.3): packages uploaded and checked, rolled out to the devices a
+edge agent's own software: packages uploaded and checked, rolled out to the devices a
 selector matches in waves with health gates (an agent deployment: rollback, pause, cancel and delete
 are the deployments' own routes), or set for one device directly."""
 

@@ -15,7 +15,7 @@ from controller.db import crud
 from controller.db.tables import ModelVersion, ModelVersionPublic
 from controller.errors import ConflictError, NotFoundError, TooLargeError
 from controller.fleet.deployments import APPLIED_STATES, list_deployments
-from controller.fleet.twin import uses
+from controller.fleet.twin import models_in_desired
 from controller.registry.uploads import parse_multipart, register_upload
 from controller.types import ID_MAX, ID_PATTERN
 
@@ -130,7 +130,7 @@ def get_model(name: IdPath, version: IdPath, session: SessionDep) -> ModelVersio
 )
 def delete_model(name: IdPath, version: IdPath, session: SessionDep, rt: RuntimeDep) -> Response:
     mv = _version_or_404(session, name, version)
-    users = [d.id for d in crud.devices_with_desired(session) if (name, version) in uses(d)]
+    users = [d.id for d in crud.devices_with_desired(session) if (name, version) in models_in_desired(d)]
     deps = [
         d.name
         for d in list_deployments(session)

@@ -108,78 +108,16 @@ def demo(
     raise typer.Exit(run_demo(mqtt_url=mqtt_url, port=port, seconds=seconds, data_dir=data_dir))
 
 
-def simulate(
-    devices: Annotated[int, typer.Option(min=1, help="how many simulated devices (one process)")],
-    mqtt_url: Annotated[
-        str, typer.Option(envvar="EDGEFLEET_MQTT_URL", help="broker: mqtt[s]://[user:pass@]host:port")
-    ] = "mqtt://127.0.0.1:1883",
-    prefix: Annotated[str, typer.Option(help="topic prefix (the controller's EDGEFLEET_TOPIC_PREFIX)")] = (
-        "edgefleet/v1"
-    ),
-    seconds: Annotated[
-        float | None, typer.Option(help="stop after this long (default: until Ctrl-C / SIGTERM)")
-    ] = None,
-    heartbeat_s: Annotated[float, typer.Option(help="heartbeat period per device")] = 5.0,
-    batch_s: Annotated[float, typer.Option(help="one detection batch per device this often")] = 1.0,
-    ack_timeout_s: Annotated[float, typer.Option(help="send an unacked seq again after this long")] = 10.0,
-    drain_s: Annotated[
-        float, typer.Option(help="at stop, wait up to this long for every outbox to be acked")
-    ] = 30.0,
-    device_prefix: Annotated[str, typer.Option(help="device ids are PREFIX0001, PREFIX0002, ...")] = "sim-",
-    cameras: Annotated[int, typer.Option(min=1, max=16, help="cameras per device (cam1, cam2, ...)")] = 1,
-    credentials: Annotated[
-        Path | None, typer.Option(help="JSON {device_id: password} for a broker with per-device users")
-    ] = None,
-    enroll_url: Annotated[
-        str | None,
-        typer.Option(help="enroll every device at this controller first (uses its broker passwords and key)"),
-    ] = None,
-    token: Annotated[
-        str | None, typer.Option(envvar="EDGEFLEET_TOKEN", help="API token for --enroll-url")
-    ] = None,
-    key: Annotated[
-        str | None,
-        typer.Option(help="the controller's artifact public key (base64): desired states are checked"),
-    ] = None,
-    data_dir: Annotated[Path, typer.Option(help="where each device's next seq is kept between runs")] = Path(
-        "edgefleet-sim"
-    ),
-    report: Annotated[Path | None, typer.Option(help="also write the figures as JSON here")] = None,
-    connect_rate: Annotated[float, typer.Option(help="new connections per second at most")] = 200.0,
-    ca_file: Annotated[
-        Path | None, typer.Option(help="TLS: the broker's CA (PEM) instead of the system's")
-    ] = None,
-    cert_file: Annotated[Path | None, typer.Option(help="TLS: a client certificate (PEM)")] = None,
-    key_file: Annotated[Path | None, typer.Option(help="TLS: the client certificate's key (PEM)")] = None,
-    log_level: Annotated[str, typer.Option(help="log level")] = "warning",
-) -> None:
+# `edgefleet simulate` takes no options of its own: every argument, --help too, goes to the simulator's
+# command line (edge_agent/sim/cli.py), where its options are declared.
+SIMULATE_SETTINGS: dict[str, Any] = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def simulate(ctx: typer.Context) -> None:
     """Simulate a fleet against a deployment: N devices on the real contract, in one process; prints
     sent/acked/resends and publish->ack latency; exit 0 only when every seq was acked."""
     from controller.cli.client import cli_token
 
-    _setup_logging(log_level)
-    sim = importlib.import_module("edge_agent.sim.simulator")
-    raise typer.Exit(
-        sim.run_from_cli(
-            devices=devices,
-            mqtt_url=mqtt_url,
-            prefix=prefix,
-            seconds=seconds,
-            heartbeat_s=heartbeat_s,
-            batch_s=batch_s,
-            ack_timeout_s=ack_timeout_s,
-            drain_s=drain_s,
-            device_prefix=device_prefix,
-            cameras=cameras,
-            credentials=credentials,
-            enroll_url=enroll_url,
-            token=token or cli_token.get(),  # `edgefleet --token T simulate ...` too
-            key=key,
-            data_dir=data_dir,
-            report=report,
-            connect_rate=connect_rate,
-            ca_file=ca_file,
-            cert_file=cert_file,
-            key_file=key_file,
-        )
-    )
+    sim_cli = importlib.import_module("edge_agent.sim.cli")
+    # `edgefleet --token T simulate ...`: the root option's token, when the command gives none.
+    raise typer.Exit(sim_cli.main(ctx.args, token=cli_token.get()))

@@ -4,7 +4,8 @@ Work that must run once across replicas (rollout ticks, twin convergence and des
 publishing, the offline sweep, retention and compaction, store GC, republish after a broker
 reconnect) asks ``leadership.is_leader()`` before each round and calls ``leadership.fence(session)``
 inside every transaction it commits, so a replica that lost the lock cannot commit after another
-replica took over (the fencing epoch moved).
+replica took over (the fencing epoch moved). :class:`LeaderGuard` is that round, written once, and
+:class:`LeaderLoop` the thread that repeats it.
 
 One process (SQLite, or PostgreSQL without replicas) is always the leader: ``ALWAYS_LEADER``.
 Replicas on one PostgreSQL elect theirs with :class:`PgLeadership`; each also keeps a row in
@@ -18,7 +19,7 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -29,6 +30,8 @@ from controller.db.tables import ControllerReplica, utcnow
 from controller.errors import ConflictError, UnavailableError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 LEADERSHIP_NAME = "controller"
 # The advisory lock's key is derived on the server from the database and schema, so replicas of one
@@ -88,6 +91,122 @@ class AlwaysLeader:
 ALWAYS_LEADER = AlwaysLeader()
 
 LeadershipListener = Callable[[bool], None]
+
+
+class LeaderGuard:
+    """One round of leader-only work: run only while this replica leads, and ended quietly when a
+    fenced transaction finds that another replica took over meanwhile.
+
+    ``FencedOut`` is logged once per loss of the lead (at its first round, again only after a round
+    that succeeded), not once per round: a follower keeps meeting it until the leadership settles.
+    ``on_lost`` runs whenever a round is skipped or fenced out, for a worker to drop what it knows only
+    as the leader (the converger's backoff).
+    """
+
+    def __init__(
+        self,
+        what: str,
+        leadership: Leadership,
+        *,
+        on_lost: Callable[[], object] | None = None,
+        logger: logging.Logger = log,
+    ) -> None:
+        self.what = what
+        self.leadership = leadership
+        self._on_lost = on_lost
+        self._log = logger  # the worker's own, so its lines carry its module's name
+        self._fenced = False
+
+    def run(self, work: Callable[[], T], *, otherwise: T) -> T:
+        """``work()`` when this replica leads; ``otherwise`` when it does not, or when fenced out."""
+        if not self.leadership.is_leader():
+            self._lost()
+            return otherwise
+        try:
+            result = work()
+        except FencedOut as exc:
+            if not self._fenced:
+                self._log.warning("%s stopped: %s", self.what, exc)
+            self._fenced = True
+            self._lost()
+            return otherwise
+        self._fenced = False
+        return result
+
+    def _lost(self) -> None:
+        if self._on_lost is not None:
+            self._on_lost()
+
+
+class LeaderLoop:
+    """A leader-only periodic worker: one named daemon thread runs ``tick`` through a
+    :class:`LeaderGuard` every ``interval_s`` until the runtime's stop event.
+
+    The first round comes ``first_after_s`` after :meth:`start` (default: one interval). A round that
+    raises is logged with its traceback once; the rounds that fail after it only at debug level, and
+    the first that succeeds again says so, so a database outage is two lines in the log, not one per
+    round. Every wait is on the stop event, so stopping never waits out an interval.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        tick: Callable[[], object],
+        *,
+        interval_s: float,
+        leadership: Leadership,
+        stop: threading.Event,
+        what: str,
+        first_after_s: float | None = None,
+        on_lost: Callable[[], object] | None = None,
+        logger: logging.Logger = log,
+    ) -> None:
+        self.name = name
+        self.guard = LeaderGuard(what, leadership, on_lost=on_lost, logger=logger)
+        self._tick = tick
+        self._interval_s = interval_s
+        self._first_after_s = interval_s if first_after_s is None else first_after_s
+        self._stop = stop
+        self._log = logger
+        self._failing = 0  # rounds failed in a row
+        self._thread: threading.Thread | None = None
+
+    def lead(self, work: Callable[[], T], *, otherwise: T) -> T:
+        """One round of ``work`` outside the loop (a caller's own pass), through the same guard."""
+        return self.guard.run(work, otherwise=otherwise)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self._log.error("%s did not stop within %ss", self.name, timeout)
+
+    def _run(self) -> None:
+        if self._stop.wait(self._first_after_s):
+            return
+        while True:
+            self._round()
+            if self._stop.wait(self._interval_s):
+                return
+
+    def _round(self) -> None:
+        what = self.guard.what
+        try:
+            self.guard.run(self._tick, otherwise=None)
+        except Exception:
+            if not self._failing:
+                self._log.exception("%s failed", what)
+            else:
+                self._log.debug("%s failed again", what, exc_info=True)
+            self._failing += 1
+            return
+        if self._failing:
+            self._log.info("%s recovered after %d failed round(s)", what, self._failing)
+        self._failing = 0
 
 
 class LeaderState(StrEnum):

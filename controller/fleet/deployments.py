@@ -9,7 +9,7 @@ A deployment applies to a device when its selector matches the device's labels a
 - it is ``cancelled``: only devices on which its rollout had already become ``active``;
 - ``rolled_back`` / ``deleted``: none.
 
-A deployment of kind ``agent`` (issue 14.3) carries an agent version instead of a model: the same
+A deployment of kind ``agent`` carries an agent version instead of a model: the same
 selector, states and rollout, but it makes the device's agent layer (:func:`agent_layer`), not a
 camera's.
 """

@@ -151,7 +151,7 @@ class RolloutView:
     members: Mapping[str, MemberView]
     gated_waves: frozenset[int] = frozenset()
     admit_all_in_last: bool = True
-    # An agent rollout (issue 14.3): the agent version each member must come to run, and how long the
+    # An agent rollout: the agent version each member must come to run, and how long the
     # agent has to report healthy after its switch (on top of step_timeout_s for fetch and install).
     agent_version: str | None = None
     agent_health_timeout_s: float = 120.0

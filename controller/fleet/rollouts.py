@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from controller.db import crud
-from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
+from controller.db.leader import ALWAYS_LEADER, LeaderLoop, Leadership
 from controller.db.states import LIVE_ROLLOUT_STATES, DeploymentState, DeviceStatus, MemberState, RolloutState
 from controller.db.tables import Deployment, Device, Event, HealthSample, Rollout, RolloutDevice, utcnow
 from controller.errors import ConflictError, ControllerError, InvalidError, NotFoundError
@@ -49,8 +49,9 @@ from controller.fleet.gate import (
     step,
 )
 from controller.fleet.selectors import SelectorError, parse_selector
-from controller.fleet.twin import AUTO, TwinService, choose
+from controller.fleet.twin import TwinService
 from controller.registry.agent_packages import get_package
+from controller.registry.choice import AUTO, choose
 from fleet_protocol.messages import EventKind
 
 log = logging.getLogger(__name__)
@@ -274,53 +275,43 @@ class RolloutService:
     ):
         self._engine = engine
         self._twin = twin
-        self._stop = stop
-        self._tick_s = tick_s
         self._leadership = leadership
-        self._fenced = False  # logged once per loss of the lead, not once per tick
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._loop = LeaderLoop(
+            "controller-rollouts",
+            self._tick_live,
+            interval_s=tick_s,
+            first_after_s=0.0,
+            leadership=leadership,
+            stop=stop,
+            what="rollout tick",
+            logger=log,
+        )
         self.clock: Callable[[], float] = time.time
 
     # ------------------------------------------------------------------ runner
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="edgefleet-rollouts", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def join(self, timeout: float = 10.0) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:
-                log.exception("rollout tick failed")
-            self._stop.wait(self._tick_s)
+        self._loop.join(timeout)
 
     def tick(self) -> None:
-        """One round over the live rollouts; nothing unless this replica leads."""
-        if not self._leadership.is_leader():
-            return
+        """One round over the live rollouts; nothing unless this replica leads. A round fenced out
+        ends where it is: another replica leads, and this one's next rounds are skipped."""
+        self._loop.lead(self._tick_live, otherwise=None)
+
+    def _tick_live(self) -> None:
         with Session(self._engine) as s:
             ids = [
                 int(i)
                 for i in s.exec(select(Rollout.id).where(col(Rollout.state).in_(LIVE_ROLLOUT_STATES))).all()
                 if i is not None
             ]
-        try:
-            for rid in ids:
-                with self._lock:
-                    self._tick_one(rid)
-        except FencedOut as exc:
-            # The round ends here: another replica leads, and this one's next rounds are skipped.
-            if not self._fenced:
-                log.warning("rollout tick stopped: %s", exc)
-            self._fenced = True
-            return
-        self._fenced = False
+        for rid in ids:
+            with self._lock:
+                self._tick_one(rid)
 
     def _tick_one(self, rollout_id: int) -> None:
         self._fill_targets(rollout_id)

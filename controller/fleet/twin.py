@@ -1,25 +1,28 @@
-"""Desired state: computed, stored and published (retained) per device."""
+"""Desired state: computed, stored and published (retained) per device.
+
+Each device's state is derived from its layers (deployments over the direct assignment) and each
+camera's variant choice (``controller.registry.choice``), signed, committed, and published under the
+device's row lock. Bringing devices that do not take it up back in line is the converger's
+(``controller.fleet.converger``), which re-sends through :meth:`TwinService.resend`.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from controller.db import crud
 from controller.db.engine import session_scope
-from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
-from controller.db.states import DeviceStatus, ModelVersionStatus, SyncState
-from controller.db.tables import Device, Event, ModelVariant, ModelVersion, utcnow
+from controller.db.leader import ALWAYS_LEADER, Leadership
+from controller.db.states import DeviceStatus, SyncState
+from controller.db.tables import Device, Event, ModelVersion, utcnow
 from controller.errors import ConflictError, NotFoundError
 from controller.fleet.deployments import (
     AGENT_HEALTH_TIMEOUT_S,
@@ -33,15 +36,13 @@ from controller.fleet.sync import device_sync
 from controller.link.artifacts import artifact_file, ref_chunk_size, with_chunk_hashes
 from controller.link.bridge import MqttBridge
 from controller.registry.agent_packages import get_package
-from controller.registry.variants import VariantReport, choose_variant
+from controller.registry.choice import AUTO, Choice, choose
 from controller.security.keys import ArtifactSigner
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import (
-    FETCH_TRANSPORT_ERROR,
     AgentPackageRef,
     ArtifactRef,
     CameraDesired,
-    Capabilities,
     DesiredState,
     ModelManifest,
 )
@@ -49,83 +50,8 @@ from fleet_protocol.signing import sign_agent_package, signed_desired
 
 log = logging.getLogger(__name__)
 
-
-AUTO = "auto"
-
-
-@dataclass(frozen=True)
-class Choice:
-    variant: str
-    reason: str
-    sha256: str
-    size: int
-
-
-def _reports(rows: list[ModelVariant]) -> list[Any]:
-    out = []
-    for r in rows:
-        if r.variant not in ("fp32", "fp16", "int8"):
-            continue
-        out.append(
-            VariantReport(
-                variant=r.variant,  # type: ignore[arg-type]
-                path=Path(r.path) if r.path else None,
-                sha256=r.sha256,
-                size=r.size,
-                latency_ms_1t=r.latency_ms_1t,
-                latency_ms_2t=r.latency_ms_2t,
-                f1=r.f1,
-                mean_iou=r.mean_iou,
-                detections=r.detections,
-                fit=r.fit,
-                reason=r.reason,
-                target=r.target if r.target in ("cpu", "gpu", "any") else "any",  # type: ignore[arg-type]
-                build_s=r.build_s,
-                int8_isa=r.int8_isa if r.int8_isa in ("vnni", "no-vnni") else None,  # type: ignore[arg-type]
-                reduce_range=r.reduce_range,
-            )
-        )
-    return out
-
-
-def choose(s: Session, *, mv: ModelVersion, capabilities: dict[str, Any] | None, pin: str = AUTO) -> Choice:
-    """The variant of ``mv`` a device with ``capabilities`` runs, and why; ConflictError for a bad pin."""
-    assert mv.id is not None
-    rows = list(crud.list_variants(s, model_version_id=mv.id))
-    by_name = {r.variant: r for r in rows}
-    fp32 = Choice("fp32", "", mv.sha256, mv.size)
-    if pin != AUTO:
-        if pin == "fp32":
-            return Choice("fp32", "fp32 pinned by the assignment", mv.sha256, mv.size)
-        row = by_name.get(pin)
-        if row is None:
-            state = f"variant builds {mv.status}" if mv.status != ModelVersionStatus.READY else "not built"
-            raise ConflictError(f"variant {pin} of {mv.name}:{mv.version} is not available ({state})")
-        if not row.fit or not row.path or not row.sha256 or not row.size:
-            raise ConflictError(
-                f"variant {pin} of {mv.name}:{mv.version} is unfit: {row.reason or 'no file to ship'}"
-            )
-        return Choice(pin, f"{pin} pinned by the assignment", row.sha256, row.size)
-    if not rows:
-        if mv.status == ModelVersionStatus.BUILDING:
-            why = f"variants of {mv.name}:{mv.version} are still building ({mv.build_stage or 'queued'})"
-        else:
-            why = f"{mv.name}:{mv.version} has no optimized variants"
-        return Choice("fp32", f"{why}; fp32 runs everywhere", mv.sha256, mv.size)
-    try:
-        caps = Capabilities.model_validate(capabilities or {})
-    except ValueError:
-        caps = Capabilities()
-    name, reason = choose_variant(_reports(rows), caps)
-    row = by_name.get(name)
-    if name == "fp32" or row is None or not row.fit or not row.path or not row.sha256 or not row.size:
-        return Choice(
-            "fp32",
-            reason if name == "fp32" else f"{reason}; its file is missing, so fp32",
-            fp32.sha256,
-            fp32.size,
-        )
-    return Choice(name, reason, row.sha256, row.size)
+# The event a re-send records (TwinService.resend); the converger records the return to in-sync.
+EVENT_RESEND = "twin_resend"
 
 
 def artifact_ref(mv: ModelVersion, choice: Choice, chunk_size: int, path: Path | None = None) -> ArtifactRef:
@@ -366,7 +292,7 @@ class TwinService:
             if mv is None:
                 return 0
             key = (mv.name, mv.version)
-            devices = [d.id for d in crud.devices_with_desired(s) if key in uses(d)]
+            devices = [d.id for d in crud.devices_with_desired(s) if key in models_in_desired(d)]
         return sum(self.recompute(d) is not None for d in devices)
 
     def _commit(
@@ -587,7 +513,7 @@ def _assignment(mv: ModelVersion, pin: str, choice: Choice) -> dict[str, Any]:
     }
 
 
-def uses(dev: Device) -> set[tuple[str, str]]:
+def models_in_desired(dev: Device) -> set[tuple[str, str]]:
     """The (model, version) pairs a device's desired state runs."""
     out: set[tuple[str, str]] = set()
     for cd in ((dev.desired or {}).get("cameras") or {}).values():
@@ -595,305 +521,3 @@ def uses(dev: Device) -> set[tuple[str, str]]:
         if m.get("name") and m.get("version"):
             out.add((str(m["name"]), str(m["version"])))
     return out
-
-
-# --------------------------------------------------------------------------- convergence
-
-EVENT_RESEND = "twin_resend"
-EVENT_CONVERGED = "twin_converged"
-
-
-@dataclass(frozen=True)
-class ResendPolicy:
-    """When the controller sends a device its desired state again.
-
-    ``pending_after_s``: how long an online device may report an older desired version than the
-    current one (counted from the publish, or from the device coming online, whichever is later)
-    before it is treated as having missed it. A device busy applying (fetching, verifying, loading)
-    is never hurried. ``backoff_s`` doubles after each re-send up to ``backoff_max_s``, so a device
-    that keeps drifting gets at most one re-send (and one event) per ``backoff_max_s``.
-    """
-
-    pending_after_s: float = 60.0
-    backoff_s: float = 10.0
-    backoff_max_s: float = 600.0
-
-    def delay(self, resends: int) -> float:
-        """Seconds to wait after the ``resends``-th re-send (0 before the first)."""
-        if resends <= 0:
-            return 0.0
-        return min(self.backoff_max_s, self.backoff_s * 2.0 ** min(resends - 1, 60))
-
-    @property
-    def check_every_s(self) -> float:
-        return max(0.1, min(5.0, self.backoff_s / 2, self.pending_after_s / 4))
-
-
-def resend_reason(
-    sync: str,
-    reason: str | None,
-    *,
-    online: bool,
-    published_at: float,
-    online_since: float | None,
-    now: float,
-    policy: ResendPolicy,
-    transport_failed: bool = False,
-) -> str | None:
-    """Why a device must get its desired state again, or None. Pure.
-
-    Drifted (it applied the current version but runs something else): at once. Pending (it reports an
-    older version) only after ``policy.pending_after_s``. Failed only when ``transport_failed`` (a
-    camera's fetch failed in transit, :func:`transport_failure`: another try may well succeed); never
-    for any other failure (sending the same state again fails the same way; the failure and its reason
-    are shown and a rollout acts on them), applying, or an offline device (the retained message is
-    waiting for it on the broker).
-    """
-    if not online:
-        return None
-    if sync == SyncState.FAILED and transport_failed:
-        return f"model transfer failed: {reason or 'failed'}"
-    if sync == SyncState.DRIFTED:
-        return f"drifted: {reason or 'runs something else'}"
-    if sync == SyncState.PENDING:
-        waited = now - max(published_at, online_since or 0.0)
-        if waited >= policy.pending_after_s:
-            return f"still on an older version {waited:.0f}s after the publish ({reason or 'pending'})"
-    return None
-
-
-def transport_failure(dev: Device) -> bool:
-    """Whether a camera of ``dev`` reports a failed model fetch whose reason is a transport error
-    (:data:`FETCH_TRANSPORT_ERROR`): one worth re-sending the desired state for."""
-    for rep in ((dev.reported or {}).get("cameras") or {}).values():
-        if not isinstance(rep, dict) or rep.get("state") != "failed":
-            continue
-        error = rep.get("error")
-        if isinstance(error, str) and error.startswith(FETCH_TRANSPORT_ERROR):
-            return True
-    return False
-
-
-@dataclass
-class _Resends:
-    count: int
-    last_at: float
-
-
-def _epoch(dt: datetime | None) -> float | None:
-    return dt.timestamp() if dt is not None else None
-
-
-# Same version applied, yet maybe not running it: a cheap superset in SQL of ``twin_sync``'s drifted and
-# failed verdicts at ``reported_version == desired_version`` (a desired camera the device does not
-# report running with the desired sha256 and, where it reports them, the same settings; or a camera that
-# runs a model no desired camera assigns). Python (``device_sync``) decides on the few rows it yields;
-# a row it yields in excess only costs its load.
-_MAYBE_DRIFT_PG = """
-EXISTS (
-  SELECT 1 FROM json_each(CASE WHEN json_typeof(device.desired -> 'cameras') = 'object'
-                               THEN device.desired -> 'cameras' END) AS d(cam, want)
-  WHERE json_typeof(d.want -> 'model') = 'object'
-    AND NOT EXISTS (
-      SELECT 1 FROM json_each(CASE WHEN json_typeof(device.reported -> 'cameras') = 'object'
-                                   THEN device.reported -> 'cameras' END) AS r(cam, got)
-      WHERE r.cam = d.cam
-        AND r.got ->> 'state' = 'running'
-        AND r.got ->> 'sha256' = d.want -> 'model' -> 'manifest' ->> 'sha256'
-        AND (json_typeof(r.got -> 'threshold') IS DISTINCT FROM 'number' OR (
-          (CASE WHEN json_typeof(r.got -> 'threshold') = 'number' THEN (r.got ->> 'threshold')::float8 END)
-            = COALESCE((d.want ->> 'threshold')::float8,
-                       (d.want -> 'model' -> 'manifest' ->> 'default_threshold')::float8, 0.5)
-          AND (CASE WHEN json_typeof(r.got -> 'max_fps') = 'number' THEN (r.got ->> 'max_fps')::float8 END)
-            IS NOT DISTINCT FROM (d.want ->> 'max_fps')::float8
-          AND COALESCE(r.got -> 'labels', 'null'::json)::text = COALESCE(d.want -> 'labels', 'null'::json)::text))))
-OR EXISTS (
-  SELECT 1 FROM json_each(CASE WHEN json_typeof(device.reported -> 'cameras') = 'object'
-                               THEN device.reported -> 'cameras' END) AS r(cam, got)
-  WHERE r.got ->> 'state' = 'running' AND COALESCE(r.got ->> 'model', '') <> ''
-    AND json_typeof(device.desired -> 'cameras' -> r.cam -> 'model') IS DISTINCT FROM 'object')
-"""
-_MAYBE_DRIFT_SQLITE = """
-EXISTS (
-  SELECT 1 FROM json_each(device.desired, '$.cameras') AS d
-  WHERE json_type(d.value, '$.model') = 'object'
-    AND NOT EXISTS (
-      SELECT 1 FROM json_each(device.reported, '$.cameras') AS r
-      WHERE r.key = d.key
-        AND json_extract(r.value, '$.state') = 'running'
-        AND json_extract(r.value, '$.sha256') = json_extract(d.value, '$.model.manifest.sha256')
-        AND (COALESCE(json_type(r.value, '$.threshold'), 'null') NOT IN ('real', 'integer') OR (
-          json_extract(r.value, '$.threshold') = COALESCE(json_extract(d.value, '$.threshold'),
-            json_extract(d.value, '$.model.manifest.default_threshold'), 0.5)
-          AND json_extract(r.value, '$.max_fps') IS json_extract(d.value, '$.max_fps')
-          AND COALESCE(json_extract(r.value, '$.labels'), 'null')
-              = COALESCE(json_extract(d.value, '$.labels'), 'null')))))
-OR EXISTS (
-  SELECT 1 FROM json_each(device.reported, '$.cameras') AS r
-  WHERE json_extract(r.value, '$.state') = 'running' AND COALESCE(json_extract(r.value, '$.model'), '') <> ''
-    AND COALESCE(json_type(device.desired, '$.cameras."' || r.key || '".model'), '') <> 'object')
-"""
-
-
-def resend_candidates(s: Session, *, now: float, pending_after_s: float) -> sa.ColumnElement[bool]:
-    """Online devices with a desired state that may be due a re-send at ``now``, as a SQL predicate:
-    one that reports a version above the desired one, one that has not taken up the desired version
-    ``pending_after_s`` after its publish and its coming online, or one that applied it but may run
-    something else (a superset; ``device_sync`` decides). In sync and merely pending devices, most of
-    the fleet, stay in the database."""
-    drift = _MAYBE_DRIFT_PG if s.get_bind().dialect.name == "postgresql" else _MAYBE_DRIFT_SQLITE
-    reported, desired = col(Device.reported_version), col(Device.desired_version)
-    cutoff = now - pending_after_s
-    issued_at = sa.func.coalesce(col(Device.desired)["issued_at"].as_float(), 0.0)
-    return sa.and_(
-        col(Device.desired).is_not(None),
-        col(Device.status) == DeviceStatus.ONLINE,
-        sa.or_(
-            reported > desired,
-            sa.and_(
-                sa.or_(reported.is_(None), reported < desired),
-                issued_at <= cutoff,
-                sa.or_(
-                    col(Device.online_since).is_(None),
-                    col(Device.online_since) <= datetime.fromtimestamp(cutoff, UTC),
-                ),
-            ),
-            sa.and_(reported == desired, sa.text(f"({drift})")),
-        ),
-    )
-
-
-class TwinConverger:
-    """Re-sends the desired state to online devices that do not converge on it (``resend_reason``),
-    with a capped exponential backoff per device. Each re-send, and the return to in-sync after
-    re-sends, is recorded as an event.
-
-    Leader work: a pass runs only while ``leadership.is_leader()``, and its writes are fenced. A pass
-    loads only the candidates SQL finds (``resend_candidates``) and the devices it re-sent to before,
-    never the whole fleet.
-
-    The backoff lives in memory: after a controller restart (or a change of leader) a still-drifting
-    device gets one re-send at once and the doubling starts again, at most one extra message per device.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        twin: TwinService,
-        *,
-        policy: ResendPolicy,
-        stop: threading.Event,
-        clock: Callable[[], float] = time.time,
-        leadership: Leadership = ALWAYS_LEADER,
-    ) -> None:
-        self._engine = engine
-        self._twin = twin
-        self.policy = policy
-        self._stop = stop
-        self._clock = clock
-        self._leadership = leadership
-        self._resends: dict[str, _Resends] = {}
-        self._fenced = False  # logged once per loss of the lead, not once per pass
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="edgefleet-twin-converge", daemon=True)
-        self._thread.start()
-
-    def join(self, timeout: float = 10.0) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.policy.check_every_s):
-            try:
-                self.check()
-            except Exception:
-                log.exception("twin convergence check failed")
-
-    def check(self, now: float | None = None) -> list[str]:
-        """One pass; returns the devices whose desired state was re-sent (none on a replica that does
-        not lead, or whose lead was fenced off during the pass)."""
-        if not self._leadership.is_leader():
-            # Another replica re-sends now; what this one remembers of its backoff would be stale.
-            self._resends.clear()
-            return []
-        try:
-            sent = self._check(self._clock() if now is None else now)
-        except FencedOut as exc:
-            if not self._fenced:
-                log.warning("twin convergence stopped: %s", exc)
-            self._fenced = True
-            self._resends.clear()
-            return []
-        self._fenced = False
-        return sent
-
-    def _candidates(self, s: Session, now: float) -> list[Device]:
-        q = select(Device).where(resend_candidates(s, now=now, pending_after_s=self.policy.pending_after_s))
-        found = {d.id: d for d in s.exec(q).all()}
-        # Devices re-sent to before: to see them converge, and to re-send again after their backoff.
-        for d in crud.devices_by_ids(s, device_ids=set(self._resends) - set(found)):
-            if d.desired is not None and d.status == DeviceStatus.ONLINE:
-                found[d.id] = d
-        return [found[k] for k in sorted(found)]
-
-    def _check(self, now: float) -> list[str]:
-        due: list[tuple[str, str]] = []
-        converged: list[tuple[str, int, int]] = []
-        with Session(self._engine) as s:
-            for dev in self._candidates(s, now):
-                sync, reason = device_sync(dev)
-                if sync == SyncState.IN_SYNC:
-                    done = self._resends.pop(dev.id, None)
-                    if done is not None:
-                        converged.append((dev.id, dev.desired_version, done.count))
-                    continue
-                why = resend_reason(
-                    sync,
-                    reason,
-                    online=True,
-                    published_at=float((dev.desired or {}).get("issued_at") or 0.0),
-                    online_since=_epoch(dev.online_since),
-                    now=now,
-                    policy=self.policy,
-                    transport_failed=sync == SyncState.FAILED and transport_failure(dev),
-                )
-                if why is None:
-                    continue
-                prev = self._resends.get(dev.id)
-                if prev is not None and now - prev.last_at < self.policy.delay(prev.count):
-                    continue
-                due.append((dev.id, why))
-            if converged:
-                for device_id, at_version, count in converged:
-                    s.add(
-                        Event(
-                            device_id=device_id,
-                            ts=utcnow(),
-                            kind=EVENT_CONVERGED,
-                            message=f"in sync again at v{at_version} after {count} re-send(s)",
-                            data={"version": at_version, "resends": count},
-                        )
-                    )
-                    log.info("%s in sync again at v%d after %d re-send(s)", device_id, at_version, count)
-                self._leadership.fence(s)
-                s.commit()
-        sent: list[str] = []
-        for device_id, why in due:
-            prev = self._resends.get(device_id)
-            count = (prev.count if prev else 0) + 1
-            version: int | None = None
-            try:
-                version = self._twin.resend(
-                    device_id, why=why, attempt=count, next_after_s=self.policy.delay(count)
-                )
-            except FencedOut:
-                raise
-            except Exception:
-                log.exception("re-sending the desired state of %s failed", device_id)
-            # Counted even when the publish failed: a broken device must not turn into a tight loop.
-            self._resends[device_id] = _Resends(count, now)
-            if version is not None:
-                sent.append(device_id)
-        return sent

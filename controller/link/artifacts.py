@@ -5,7 +5,7 @@ once and reads only the chunks asked for.
 
 A device gets only the artifacts of its own desired state: the current one, or the one before it (a
 device still fetching for it when the next one is published), at the chunk size of the signed ref.
-Anything else is refused, counted and logged once per device and artifact (review F6). Per device, a
+Anything else is refused, counted and logged once per device and artifact. Per device, a
 token bucket caps requests per second (checked on paho's thread, before the request takes a place in
 the shared queue) and another the bytes sent (in flight: at most a burst, refilled at a rate). Chunks
 over the byte cap are sent later, when the bucket will hold them, if that is within
@@ -13,7 +13,7 @@ over the byte cap are sent later, when the bucket will hold them, if that is wit
 per agent timeout); beyond that, as requests over the request cap, they are dropped and the agent asks
 again after its request timeout.
 
-The chunk hashes that go into a signed manifest (``ModelManifest.chunk_hashes``, review F7) are
+The chunk hashes that go into a signed manifest (``ModelManifest.chunk_hashes``) are
 computed here too (:class:`ChunkHashes`), once per artifact and chunk size.
 """
 
@@ -193,7 +193,7 @@ def artifact_file(s: Session, sha256: str) -> tuple[Path, int] | None:
     var = crud.get_variant_by_sha(s, sha256=sha256)
     if var is not None and var.path is not None and var.size is not None:
         return Path(var.path), var.size
-    # Agent packages travel the same channel, by the same sha256 addressing (issue 14.3).
+    # Agent packages travel the same channel, by the same sha256 addressing.
     pkg = package_by_sha(s, sha256)
     if pkg is not None:
         return Path(pkg.path), pkg.size

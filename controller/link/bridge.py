@@ -31,10 +31,9 @@ from fleet_protocol import ProtocolError, TopicKind, Topics, decode, encode
 from fleet_protocol.endpoint import MqttEndpoint
 from fleet_protocol.messages import Message
 from fleet_protocol.paho_client import (
-    Connack,
-    classify_connack,
     connect_failure,
     connect_in_background,
+    handle_connack,
     make_client,
 )
 from fleet_protocol.topics import SPECS
@@ -266,21 +265,17 @@ class PahoTransport:
     def _on_connect(
         self, client: mqtt.Client, _userdata: Any, _flags: Any, reason_code: ReasonCode, _props: Any
     ) -> None:
-        verdict = classify_connack(reason_code)
-        if verdict is not Connack.ACCEPTED:
-            if verdict is Connack.REFUSED:
-                self.refused = str(reason_code)
-                log.error(
-                    "MQTT broker %s:%s refused the controller (%s); check the credentials in "
-                    "EDGEFLEET_MQTT_URL / EDGEFLEET_MQTT_PASSWORD. Not retrying.",
-                    self._target.host,
-                    self._target.port,
-                    reason_code,
-                )
-                # disconnect() from a callback makes paho's loop exit instead of reconnecting.
-                client.disconnect()
-            else:
-                log.warning("MQTT broker refused the connection (%s); retrying", reason_code)
+        refusal = handle_connack(
+            client,
+            reason_code,
+            log=log,
+            broker=f"MQTT broker {self._target.host}:{self._target.port}",
+            refused="the controller",
+            hint="check the credentials in EDGEFLEET_MQTT_URL / EDGEFLEET_MQTT_PASSWORD",
+        )
+        if refusal is not None:
+            if refusal.for_good:
+                self.refused = refusal.reason
             return
         log.info("connected to MQTT broker %s:%s", self._target.host, self._target.port)
         self.last_error = None

@@ -35,7 +35,7 @@ from pydantic import SecretStr
 from controller.errors import ConflictError, InvalidError, UnavailableError
 from fleet_protocol import Topics
 from fleet_protocol.endpoint import MqttEndpoint
-from fleet_protocol.paho_client import Connack, classify_connack, connect_in_background, make_client
+from fleet_protocol.paho_client import connect_in_background, handle_connack, make_client
 from fleet_protocol.topics import SPECS
 
 log = logging.getLogger(__name__)
@@ -417,16 +417,19 @@ class DynsecAdmin:
     def _on_connect(
         self, client: mqtt.Client, _userdata: Any, _flags: Any, reason_code: ReasonCode, _props: Any
     ) -> None:
-        verdict = classify_connack(reason_code)
-        if verdict is not Connack.ACCEPTED:
-            if verdict is Connack.REFUSED:
-                self.refused = str(reason_code)
-                log.error(
-                    "the broker refused the controller's broker-admin user (%s); check "
-                    "EDGEFLEET_MQTT_ADMIN_USERNAME / EDGEFLEET_MQTT_ADMIN_PASSWORD. Not retrying.",
-                    reason_code,
-                )
-                client.disconnect()
+        refusal = handle_connack(
+            client,
+            reason_code,
+            log=log,
+            broker="the broker",
+            refused="the controller's broker-admin user",
+            hint="check EDGEFLEET_MQTT_ADMIN_USERNAME / EDGEFLEET_MQTT_ADMIN_PASSWORD",
+            # The bridge, connecting to the same broker, already says when it refuses for now.
+            log_retry=False,
+        )
+        if refusal is not None:
+            if refusal.for_good:
+                self.refused = refusal.reason
             return
         self.refused = None
         client.subscribe(RESPONSE_TOPIC, qos=1)

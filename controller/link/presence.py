@@ -24,7 +24,7 @@ from sqlmodel import Session
 
 from controller.db import crud
 from controller.db.engine import db_json, db_text, session_scope
-from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
+from controller.db.leader import ALWAYS_LEADER, LeaderGuard, Leadership
 from controller.db.states import DeviceStatus
 from controller.db.tables import Device, HealthSample, utcnow
 from controller.link.batching import take_batch
@@ -121,7 +121,7 @@ class StatusService:
         self._on_capabilities = on_capabilities
         # The sweep and the republish after a reconnect run on the leader only.
         self._leadership = leadership
-        self._fenced = False  # logged once per loss of the lead, not once per sweep
+        self._sweeping = LeaderGuard("offline sweep", leadership, logger=log)
         self._known: set[str] = set()  # devices this worker registered or found (the worker's own)
         self._thread: threading.Thread | None = None
 
@@ -407,21 +407,13 @@ class StatusService:
         """Mark offline the online devices nothing was stored from for the heartbeat timeout, by the
         database's ``last_seen`` (any replica may have stored their last message); returns their ids.
         Leader only, fenced: a replica that lost the lead commits nothing."""
-        if not self._leadership.is_leader():
-            return []
+        return self._sweeping.run(self._sweep, otherwise=[])
+
+    def _sweep(self) -> list[str]:
         now = utcnow()
-        try:
-            with session_scope(self._engine) as s:
-                gone = crud.mark_silent_offline(
-                    s, seen_before=now - timedelta(seconds=self._timeout), now=now
-                )
-                self._leadership.fence(s)
-        except FencedOut as exc:
-            if not self._fenced:
-                log.warning("offline sweep stopped: %s", exc)
-            self._fenced = True
-            return []
-        self._fenced = False
+        with session_scope(self._engine) as s:
+            gone = crud.mark_silent_offline(s, seen_before=now - timedelta(seconds=self._timeout), now=now)
+            self._leadership.fence(s)
         for device_id in gone:
             log.warning("device %s offline: nothing received for %.0fs", device_id, self._timeout)
         return gone

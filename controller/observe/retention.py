@@ -1,17 +1,18 @@
 """Retention: old detections, events and health history are deleted; health history is thinned with age;
 the dedup records below each sequence space's ``upto`` are compacted.
 
-One named background thread, woken every ``interval_s`` or stopped by the controller's stop event.
-Every delete is a small batch in its own short transaction, with a pause in between, so that the
-ingest writer (which shares the database, and on SQLite its single write lock) is never held up for
-long. Among controller replicas this is the leader's work: a round starts only on the leader, and
-every delete transaction is fenced (``Leadership.fence``), so a replica that lost the leadership
-cannot commit one after another replica took over.
+One named background thread (a ``LeaderLoop``), woken every ``interval_s`` or stopped by the controller's
+stop event. Every delete is a small batch in its own short transaction, with a pause in between, so that
+the ingest writer (which shares the database, and on SQLite its single write lock) is never held up for
+long. Among controller replicas this is the leader's work: a round starts only on the leader, and every
+delete transaction is fenced (``Leadership.fence``), so a replica that lost the leadership cannot commit
+one after another replica took over.
 
-Compaction: ingest treats every seq up to a space's (a device's incarnation) ``device_seq.upto`` as a duplicate without
-reading ``ingested_seq``, so the rows there are no longer needed for dedup and are deleted once
-older than ``seq_keep_s`` (recent ones stay for whoever inspects what was stored). Rows of seqs the
-agent declared dropped are kept: a late arrival of one of them is stored after all, and its row says so.
+Compaction: ingest treats every seq up to a space's (a device's incarnation) ``device_seq.upto`` as a
+duplicate without reading ``ingested_seq``, so the rows there are no longer needed for dedup and are
+deleted once older than ``seq_keep_s`` (recent ones stay for whoever inspects what was stored). Rows of
+seqs the agent declared dropped are kept: a late arrival of one of them is stored after all, and its row
+says so.
 
 Health downsampling by age (per device): everything younger than ``keep_all_s``; one sample per
 ``tier1_step_s`` (a minute) up to ``tier1_age_s`` (a day); one per ``tier2_step_s`` (ten minutes) beyond.
@@ -31,7 +32,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from controller.db import crud
-from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
+from controller.db.leader import ALWAYS_LEADER, LeaderLoop, Leadership
 from controller.db.tables import Detection, Event, HealthSample, utcnow
 
 log = logging.getLogger(__name__)
@@ -92,35 +93,29 @@ class RetentionService:
     ) -> None:
         self._engine = engine
         self.policy = policy
-        self._interval = interval_s
         self._stop = stop
         self._leadership = leadership
-        self._thread: threading.Thread | None = None
         self.last: RetentionReport | None = None
+        # A first pass soon after start, then every interval.
+        self._loop = LeaderLoop(
+            "controller-retention",
+            self._pass,
+            interval_s=interval_s,
+            first_after_s=min(5.0, interval_s),
+            leadership=leadership,
+            stop=stop,
+            what="retention pass",
+            logger=log,
+        )
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="controller-retention", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def join(self, timeout: float = 10.0) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.error("retention worker did not stop within %.1fs", timeout)
+        self._loop.join(timeout)
 
-    def _run(self) -> None:
-        # A first pass soon after start, then every interval; every wait returns at once on stop.
-        if self._stop.wait(min(5.0, self._interval)):
-            return
-        while not self._stop.is_set():
-            try:
-                self.last = self.run_once()
-            except FencedOut:
-                log.warning("retention pass stopped: this replica lost the leadership")
-            except Exception:
-                log.exception("retention pass failed")
-            if self._stop.wait(self._interval):
-                return
+    def _pass(self) -> None:
+        self.last = self.run_once()
 
     def _going(self) -> bool:
         return not self._stop.is_set() and self._leadership.is_leader()

@@ -1,4 +1,4 @@
-"""Variant builds as jobs that any controller replica may claim (issue 13).
+"""Variant builds as jobs that any controller replica may claim.
 
 A model version whose status is ``building`` is a job; its claim lives on the row: ``build_owner``
 (the replica), ``build_token`` (a random token only the claiming build knows), ``build_heartbeat_at``

@@ -3,19 +3,30 @@
 From one upload the controller makes
   * ``fp16`` for GPUs: onnxconverter-common, inputs and outputs kept FP32. It does not speed up a CPU
     (onnxruntime computes the convolutions in FP32 there), so its CPU figures are for the record only.
-  * ``int8`` for CPUs: onnxruntime static quantization (QDQ, per-channel QInt8 weights, QUInt8
-    activations, MinMax) calibrated on frames of real footage. Only the convolutional backbone/head
-    region is quantized; box decoding, NMS and Loop bodies stay in float (quantizing SSDLite's box
-    decoding drops mean IoU to 0.86). QOperator format is the fallback when QDQ fails.
+  * ``int8`` for CPUs: onnxruntime static quantization (per-channel QInt8 weights, QUInt8 activations,
+    MinMax) calibrated on frames of real footage. Which nodes to quantize and in which format (QDQ or
+    QOperator) is fastest, and which stays faithful, depends on the model and on the CPU's integer
+    instructions, so several candidates are built and the fastest fit one is kept (:func:`_build_int8`).
+    The region candidates keep box decoding, NMS and Loop bodies in float: quantized, SSDLite's box
+    decoding moves its boxes off FP32's.
 and measures, for each, size, CPU latency at one and two threads, and fidelity against FP32 on
-held-out frames. The held-out frames are split in two: the first part judges and ranks the INT8
-candidates (and gives FP16 its first verdict), the second part, which took no part in any choice, gives
-the figures reported (F1, precision, recall, mean IoU, detections: what the API shows) and a second
-verdict; a variant must pass the bar on both. Reporting the figures of the frames that chose among four
-candidates would be selection-biased (optimistic). Quantization fails silently in practice (NanoDet's Pad with -inf fill gets an
-infinite scale and the model returns zero detections with no error), so a variant with non-finite
-scales, zero detections where FP32 has some, or F1 / mean IoU under the bar is marked unfit with the
-reason and never chosen.
+held-out frames, with the agent's own preprocessing and decoders (``controller.registry.fidelity``).
+
+The contract with what uses a report (``controller.registry.choice``, the API):
+  * The held-out frames are split in two: the first part judges and ranks the INT8 candidates (and
+    gives FP16 its first verdict), the second part, which took no part in any choice, gives the figures
+    reported (F1, precision, recall, mean IoU, detections) and a second verdict; a variant must pass
+    the bar on both. Figures from the frames that chose among several candidates would be
+    selection-biased (optimistic).
+  * Quantization fails silently in practice (NanoDet's Pad with -inf fill gets an infinite scale and the
+    model returns zero detections with no error), so a variant with non-finite scales, zero detections
+    where FP32 has some, or F1 / mean IoU under the bar is marked unfit with the reason and never chosen;
+    its file is deleted, so a report's ``path`` is set only for a file that may be shipped.
+  * An INT8 report records the CPU instructions it was judged with (``int8_isa``): its figures vouch
+    for CPUs of that kind only.
+
+The figures of both bundled models, and the recipes tried and not kept, are in BENCHMARKS.md ("Model
+variants"; ``bench/variants.py`` reruns them).
 
 Everything heavy (onnx, onnxruntime, onnxconverter-common, OpenCV, sympy: the ``optimize`` extra) is
 imported inside the functions, so the controller starts without them. No module state: a background
@@ -34,33 +45,21 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
 
-from controller.registry.fidelity import (
-    Det,
-    Fidelity,
-    Geometry,
-    decode,
-    match,
-    preprocess,
-    read_footage_frames,
-)
-from fleet_protocol.messages import VNNI_FLAGS, Capabilities, ModelManifest, cpu_flags_from_cpuinfo
+from controller.registry.choice import VariantReport, cpu_isa
+from controller.registry.fidelity import Fidelity, decode, match, preprocess, read_footage_frames
+from fleet_protocol.messages import ModelManifest
+
+if TYPE_CHECKING:
+    from fleet_protocol.vision.decoders import RawDetection
+    from fleet_protocol.vision.preprocess import FrameMeta
 
 log = logging.getLogger(__name__)
 
-VariantName = Literal["fp32", "fp16", "int8"]
-# The integer instructions INT8 fidelity was judged with: onnxruntime's u8s8 kernels are exact with VNNI
-# and can saturate on AVX2 without it (measured: a ped_ssdlite candidate F1 0.968 -> 0.893), so a figure
-# from one kind of CPU does not vouch for the other. None: not x86 with AVX2, or not recorded.
-Int8Isa = Literal["vnni", "no-vnni"]
 Progress = Callable[[str, float], None]
-
-TRT_EP = "TensorrtExecutionProvider"
-CUDA_EP = "CUDAExecutionProvider"
 
 # The convolutional region that is quantized: seeds are ops with constant weights; the others are
 # quantized only when every data input comes from the region, which keeps everything downstream of a
@@ -86,34 +85,6 @@ _REGION_OPS = frozenset(
 
 class VariantError(RuntimeError):
     """A variant could not be built or loaded; the message is the reason shown to the operator."""
-
-
-class VariantReport(BaseModel):
-    """One variant of one model version, with the figures it was judged by."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    variant: VariantName
-    path: Path | None = None  # None when unfit or failed: nothing to ship
-    sha256: str | None = None
-    size: int | None = None
-    latency_ms_1t: float | None = None  # CPU, on the controller, median after warm-up
-    latency_ms_2t: float | None = None
-    f1: float | None = None  # against fp32 on the held-out frames that took no part in the choice
-    precision: float | None = None
-    recall: float | None = None
-    mean_iou: float | None = None
-    detections: int | None = None  # on those report frames
-    reference_detections: int | None = None  # fp32's on the same frames
-    fit: bool = False
-    reason: str | None = None
-    target: Literal["cpu", "gpu", "any"] = "any"  # fp32 runs anywhere; fp16 is for GPUs, int8 for CPUs
-    method: str = ""
-    build_s: float = 0.0
-    # int8 only: the controller CPU it was judged on, and whether its weights are 7-bit (reduce_range),
-    # which gives the same results with and without VNNI, so its figures hold on any CPU.
-    int8_isa: Int8Isa | None = None
-    reduce_range: bool = False
 
 
 # --------------------------------------------------------------------------- public API
@@ -287,105 +258,6 @@ def build_variants(
     return reports
 
 
-def cpu_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> Int8Isa | None:
-    """This machine's :data:`Int8Isa`, from ``cpuinfo`` (a seam for tests); None when unknown."""
-    try:
-        flags = cpu_flags_from_cpuinfo(cpuinfo.read_text(encoding="utf-8", errors="replace"))
-    except OSError:
-        return None
-    return isa_of(flags)
-
-
-def isa_of(flags: Sequence[str] | None) -> Int8Isa | None:
-    """ "vnni", "no-vnni" (x86 with AVX2 but no VNNI: the saturating kernels), or None (unknown/other)."""
-    if flags is None:
-        return None
-    if VNNI_FLAGS.intersection(flags):
-        return "vnni"
-    return "no-vnni" if "avx2" in flags else None
-
-
-def is_jetson(capabilities: Capabilities) -> bool:
-    """A Jetson reports its integrated GPU as ``Jetson …`` (edge_agent/device/jetson.py), NVML or not."""
-    return any(g.name.startswith("Jetson") for g in capabilities.gpus)
-
-
-def choose_variant(reports: Sequence[VariantReport], capabilities: Capabilities) -> tuple[str, str]:
-    """The variant a device should run, and a sentence saying why (shown in the API).
-
-    TensorRT-capable -> fp16 (the device builds its engine from it), CUDA only -> fp16, CPU -> int8;
-    each only when fit, otherwise fp32, which always runs. A CPU device that reports flags without VNNI
-    gets int8 only when its figures hold there (see :func:`_int8_on_this_cpu`).
-    """
-    by_name = {r.variant: r for r in reports}
-    providers = capabilities.execution_providers
-    shown = ", ".join(p.removesuffix("ExecutionProvider") for p in providers) or "none reported"
-    gpu = capabilities.gpus[0] if capabilities.gpus else None
-    trt = TRT_EP in providers or (capabilities.tensorrt_version is not None and gpu is not None)
-    if trt or CUDA_EP in providers:
-        if trt:
-            parts = [
-                f"TensorRT {capabilities.tensorrt_version}" if capabilities.tensorrt_version else "TensorRT"
-            ]
-            what = "TensorRT-capable device"
-        else:
-            parts = []
-            what = "CUDA device without TensorRT"
-        if gpu is not None:
-            cc = f", compute {gpu.compute_capability}" if gpu.compute_capability else ""
-            parts.insert(0, f"{gpu.name}{cc}")
-        head = f"{what} ({'; '.join([*parts, f'providers: {shown}'])})"
-        fp16 = by_name.get("fp16")
-        if fp16 is not None and fp16.fit:
-            tail = "; the device builds its TensorRT engine from it" if trt else ""
-            return "fp16", f"{head}; fp16 fit: {_figures(fp16, by_name.get('fp32'), speed=False)}{tail}"
-        return "fp32", f"{head}; fp16 {_unfit(fp16)}, so fp32"
-    if gpu is not None and is_jetson(capabilities):
-        # The INT8 variant is QOperator/QDQ judged on an x86 CPU for onnxruntime's CPU kernels: a Jetson
-        # running without its GPU providers (CPU-only onnxruntime) gets fp32, which always runs, and a
-        # Jetson with them took the branch above.
-        return "fp32", (
-            f"Jetson ({gpu.name}) without its GPU providers (providers: {shown}); the int8 variant is "
-            "for x86 CPUs only, so fp32"
-        )
-    head = f"CPU-only device (providers: {shown})"
-    int8 = by_name.get("int8")
-    if int8 is not None and int8.fit:
-        figures = _figures(int8, by_name.get("fp32"), speed=True)
-        refusal, note = _int8_on_this_cpu(int8, capabilities)
-        if refusal is not None:
-            return "fp32", f"{head}; int8 fit ({figures}) but {refusal}, so fp32"
-        return "int8", f"{head}; int8 fit: {figures}{note}"
-    return "fp32", f"{head}; int8 {_unfit(int8)}, so fp32"
-
-
-def _int8_on_this_cpu(int8: VariantReport, capabilities: Capabilities) -> tuple[str | None, str]:
-    """(why a fit int8 must not go to this CPU, or None; a note for the reason when it may).
-
-    Any CPU that is not known to lack VNNI keeps today's choice: VNNI devices compute what a VNNI
-    controller judged, and a device that reports no flags (an agent older than ``cpu_flags``) is given
-    the benefit of the doubt, with the doubt said. A device known to lack VNNI (AVX2, also ARM: never
-    measured) gets int8 only when its figures hold without VNNI: 7-bit weights, or judged on such a CPU.
-    """
-    judged = int8.int8_isa
-    device_flags = capabilities.cpu_flags
-    if int8.reduce_range:
-        return None, "; portable (7-bit weights: same results with and without VNNI)"
-    if device_flags is None:
-        if judged is None:
-            return None, ""  # neither side recorded: nothing new to say (variants built before the ISA was)
-        shown = "a VNNI CPU" if judged == "vnni" else "a CPU without VNNI"
-        return None, f"; judged on {shown}, this device's ISA is unknown (it reports no CPU flags)"
-    if capabilities.has_vnni:
-        if judged == "vnni":
-            return None, "; judged on a VNNI CPU, as this device has"
-        return None, ""
-    if judged == "no-vnni":
-        return None, "; judged on a CPU without VNNI, as this device is"
-    shown = "a VNNI CPU" if judged == "vnni" else "a CPU whose ISA was not recorded"
-    return f"it was judged on {shown}; this device reports no VNNI, fidelity unverified", ""
-
-
 def fidelity_problem(fid: Fidelity, *, bar_f1: float, bar_iou: float, frames: int) -> str | None:
     """Why a variant with these figures must not be used, or None when it passes the bar."""
     if fid.reference == 0:
@@ -410,8 +282,9 @@ def fidelity_problem(fid: Fidelity, *, bar_f1: float, bar_iou: float, frames: in
 def cpu_session(path: Path, threads: int) -> Any:
     """An onnxruntime CPU session with the agent's defaults: full graph optimization, no spinning.
 
-    Measured: without ORT_ENABLE_ALL FP32 runs 1.4-2.2x slower; spinning threads steal the cores a
-    device needs for capture and decoding, so the agent turns it off and so do these figures.
+    Without ORT_ENABLE_ALL FP32 runs markedly slower, so latencies measured without it would not be a
+    device's; spinning threads steal the cores a device needs for capture and decoding, so the agent
+    turns it off and so do these figures.
     """
     import onnxruntime as ort
 
@@ -425,8 +298,8 @@ def cpu_session(path: Path, threads: int) -> Any:
 
 
 def run_detections(
-    path: Path, manifest: ModelManifest, frames: Sequence[tuple[np.ndarray, Geometry]]
-) -> list[list[Det]]:
+    path: Path, manifest: ModelManifest, frames: Sequence[tuple[np.ndarray, FrameMeta]]
+) -> list[list[RawDetection]]:
     """Detections of a model file on preprocessed frames, decoded by the reference decoders."""
     sess = cpu_session(path, threads=2)
     name = sess.get_inputs()[0].name
@@ -487,7 +360,7 @@ def convert_fp16(src: Path, dst: Path, *, timeout_s: float, memory_bytes: int | 
     """FP16 conversion with FP32 inputs/outputs, in a child process that is killed on timeout and
     whose address space is capped at ``memory_bytes`` (default :func:`fp16_memory_limit`).
 
-    A separate process because onnxconverter-common may never return (measured on ped_ssdlite with
+    A separate process because onnxconverter-common may never return (it did not on ped_ssdlite with
     ``Cast`` blocked: its Loop bodies read outer tensors) and a Python thread cannot be stopped; the
     memory cap keeps a model that materialises far more than its file (a ``ConstantOfShape`` folded
     to gigabytes) from taking the controller's memory: it fails with MemoryError instead. The child
@@ -579,8 +452,8 @@ def select_nodes_to_quantize(model: Any, *, first_layer: bool = False) -> list[s
 def _reads_image(node: Any, values: dict[str, Any]) -> bool:
     """A convolution over the raw image (<= 4 input channels, not grouped): the first layer.
 
-    Its errors reach every later layer: on an AVX2 CPU without VNNI, quantizing it cost NanoDet F1
-    0.993 -> 0.957 and ped_ssdlite mean IoU 0.931 -> 0.894. On a VNNI CPU it is the faster choice
+    Its errors reach every later layer: on an AVX2 CPU without VNNI, quantizing it costs fidelity (an
+    SSDLite candidate in BENCHMARKS.md, "Model variants"). On a VNNI CPU it is the faster choice
     (NanoDet's MaxPool after it then runs on uint8), so ``_build_int8`` tries both and keeps the fastest
     candidate that is fit on the controller's CPU.
     """
@@ -638,9 +511,9 @@ def quantize_int8(
     """Static INT8: per-channel QInt8 weights, QUInt8 activations, MinMax on ``calib_inputs``.
 
     ``nodes`` limits quantization to those node names (None quantizes every supported node).
-    ``reduce_range`` (7-bit weights) guards against u8s8 saturation on CPUs without VNNI; measured on
-    this AVX2 controller it moved ped_ssdlite F1 0.932 -> 0.942 but NanoDet 0.993 -> 0.969, so it is
-    off. Fidelity is judged on the controller's CPU either way, so saturation there is caught.
+    ``reduce_range`` (7-bit weights) guards against u8s8 saturation on CPUs without VNNI, at a cost in
+    fidelity on some models (on an AVX2 CPU it helped ped_ssdlite and cost NanoDet), so it is off.
+    Fidelity is judged on the controller's CPU either way, so saturation there is caught.
     """
     from onnxruntime.quantization import (
         CalibrationDataReader,
@@ -694,10 +567,10 @@ def _build_int8(
     frames), keep the fastest fit one; the caller measures the figures it reports on other frames.
 
     Which recipe is fastest, and which stays fit, depends on the model and on the CPU's integer
-    instructions (measured on a VNNI CPU: NanoDet 1.44x with the first layer in float, 2.2x in
-    QOperator over every node; on AVX2 without VNNI the first layer must stay in float for
-    ped_ssdlite to keep its boxes). So the candidates are built and measured here, on the controller,
-    rather than chosen by a rule; an unfit candidate is never kept.
+    instructions (on a VNNI CPU NanoDet is much faster quantized on every node than with its first
+    layer in float; on AVX2 without VNNI the first layer must stay in float for ped_ssdlite to keep its
+    boxes: BENCHMARKS.md, "Model variants"). So the candidates are built and measured here, on the
+    controller, rather than chosen by a rule; an unfit candidate is never kept.
     """
     import onnx
 
@@ -707,7 +580,7 @@ def _build_int8(
     with tempfile.TemporaryDirectory(prefix="int8-", dir=dst.parent) as tmp:
         prepped = Path(tmp) / "prep.onnx"
         try:
-            # Shape inference and graph cleanup first: measured 1.4x faster INT8 on NanoDet.
+            # Shape inference and graph cleanup first: the quantized graph runs faster for it.
             from onnxruntime.quantization.shape_inference import quant_pre_process
 
             quant_pre_process(str(src), str(prepped), skip_symbolic_shape=False)
@@ -785,23 +658,6 @@ def _build_int8(
 def _apply_fidelity(rep: VariantReport, fid: Fidelity) -> None:
     rep.f1, rep.precision, rep.recall, rep.mean_iou = fid.f1, fid.precision, fid.recall, fid.mean_iou
     rep.detections, rep.reference_detections = fid.candidate, fid.reference
-
-
-def _figures(rep: VariantReport, fp32: VariantReport | None, *, speed: bool) -> str:
-    text = (
-        f"F1 {rep.f1:.2f}, mean IoU {rep.mean_iou:.2f}"
-        if rep.f1 is not None and rep.mean_iou is not None
-        else ""
-    )
-    if speed and fp32 and fp32.latency_ms_1t and rep.latency_ms_1t:
-        text += f", {fp32.latency_ms_1t / rep.latency_ms_1t:.1f}x faster"
-    return text
-
-
-def _unfit(rep: VariantReport | None) -> str:
-    if rep is None:
-        return "not built"
-    return f"unfit ({rep.reason})" if rep.reason else "unfit"
 
 
 def _input_name(path: Path) -> str:

@@ -38,13 +38,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from edge_agent import __version__
 from edge_agent.core.files import atomic_write
 from edge_agent.core.queues import LatestSlot
-from edge_agent.inference.backends import (
-    AutoBackendFactory,
-    BuildNote,
-    CudaFatalError,
-    InferenceBackend,
-    LoadRequest,
-)
+from edge_agent.inference.backend import CudaFatalError, InferenceBackend
+from edge_agent.inference.factory import AutoBackendFactory, BuildNote, LoadRequest
 from edge_agent.uplink.artifacts import ArtifactFetcher, FetchCancelled, FetchError, file_sha256
 from edge_agent.uplink.publisher import Publisher, PublishFn
 from edge_agent.vision.pipeline import CameraParams, LoadedModel, ModelLoadError, Pipeline
@@ -112,7 +107,7 @@ class EngineBuilds:
     The twin announces the load it is about to run; a backend made for that model gets the load's
     :class:`LoadRequest` (the variant, where build steps are reported, the camera's frames for INT8
     calibration, the stop event that abandons a build). A later load of the same model without an
-    announcement, such as the watchdog reloading a hung model, repeats that request (G7: the same
+    announcement, such as the watchdog reloading a hung model, repeats that request (the same
     variant, so the same precision and the same engine cache key, which the cache holds since the
     first load), without calibration frames: a reload never calibrates in the watchdog's thread.
     A model never announced is a plain load.
@@ -292,7 +287,7 @@ class Twin:
     def _save(self, desired: DesiredState) -> None:
         # Written before it is applied: an agent restarted offline runs its last desired state. A disk
         # that refuses the write (full, read-only) does not stop this checked state from being applied
-        # (it used to: the error ended the message handler, and the state was silently ignored): the
+        # (the state would otherwise be silently ignored until the disk recovered): the
         # failure is reported by a storage event, and the newest state taken is written once the disk
         # takes writes again, so that a restart offline does not fall back to an older one.
         try:

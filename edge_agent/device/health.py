@@ -1,6 +1,6 @@
 """Device health (psutil, NVML or Jetson sysfs) and the capabilities sent in the birth message.
 
-GPU sources, in order (GPU audit G13/G16/G17):
+GPU sources, in order:
 
 - **NVML** (``gpu`` extra, discrete GPUs): the GPUs this process can see (``CUDA_VISIBLE_DEVICES``,
   indices or ``GPU-…`` UUIDs), the one the agent infers on (CUDA device ``device_id``) first. Energy
@@ -41,7 +41,7 @@ from typing import Any
 import psutil
 
 from edge_agent.device.jetson import JetsonInfo, TegraReading, TegraSensors, detect_jetson
-from edge_agent.inference.backends import ProviderProbe, cached_provider_probe
+from edge_agent.inference.providers import ProviderProbe, cached_provider_probe
 from fleet_protocol.messages import Capabilities, GpuInfo, GpuStats, cpu_flags_from_cpuinfo
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Which inference stack the agent loaded, and whether its parts belong together.
 
 A GPU device needs one coherent stack: ``onnxruntime-gpu``, TensorRT and ``cuda-python`` built for the
-same CUDA major version, a driver new enough for that version, TensorRT 10 (:mod:`edge_agent.inference.trt` is
+same CUDA major version, a driver new enough for that version, TensorRT 10 (:mod:`edge_agent.inference.tensorrt.runtime` is
 written against the TensorRT 10 builder API; TensorRT 11 removed ``BuilderFlag.FP16``/``INT8`` and
 the INT8 calibrators), and exactly one onnxruntime package (``onnxruntime`` and ``onnxruntime-gpu``
 share the ``onnxruntime`` module: with both installed one silently shadows the other, and the GPU is
@@ -39,7 +39,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 TENSORRT_MAJOR = 10
-"""The TensorRT major version :mod:`edge_agent.inference.trt` is written for."""
+"""The TensorRT major version :mod:`edge_agent.inference.tensorrt.runtime` is written for."""
 NVIDIA_INDEX = "https://pypi.nvidia.com"
 """Where the real TensorRT wheels live (PyPI's ``tensorrt-cu1x-libs`` are stubs that fetch from here)."""
 ALLOW_ENV = "EDGEFLEET_ALLOW_MISMATCHED_STACK"
@@ -47,7 +47,7 @@ ALLOW_ENV = "EDGEFLEET_ALLOW_MISMATCHED_STACK"
 
 STACKS: dict[int, dict[str, str]] = {
     # onnxruntime-gpu 1.26.0 is PyPI's last CUDA 12 build (1.27+ need CUDA 13); TensorRT 10.16 is the
-    # last TensorRT 10 (TensorRT 11 dropped the API trt.py uses); 10.16 >= the TensorRT 10 minor
+    # last TensorRT 10 (TensorRT 11 dropped the API tensorrt/runtime.py uses); 10.16 >= the TensorRT 10 minor
     # each onnxruntime-gpu build links (libnvinfer.so.10).
     12: {
         "onnxruntime-gpu": "1.26.0",
@@ -460,14 +460,14 @@ def check_stack(report: StackReport) -> list[StackProblem]:
     if trt_major is not None and trt_major != TENSORRT_MAJOR:
         if trt_major > TENSORRT_MAJOR:
             why = (
-                f"TensorRT {report.tensorrt_version} is installed, but edge_agent/inference/trt.py is written against "
+                f"TensorRT {report.tensorrt_version} is installed, but edge_agent/inference/tensorrt/runtime.py is written against "
                 f"the TensorRT {TENSORRT_MAJOR} builder API (BuilderFlag.FP16/INT8, INT8 calibrators), which "
                 f"TensorRT {TENSORRT_MAJOR + 1} removed (a plain `pip install tensorrt` now gives 11)"
             )
         else:
             why = (
                 f"TensorRT {report.tensorrt_version} is installed, older than the TensorRT {TENSORRT_MAJOR} "
-                "API edge_agent/inference/trt.py uses (IProgressMonitor, explicit-batch networks, named I/O tensors)"
+                "API edge_agent/inference/tensorrt/runtime.py uses (IProgressMonitor, explicit-batch networks, named I/O tensors)"
             )
         if jetson:
             fix = (

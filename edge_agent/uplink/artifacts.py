@@ -18,7 +18,7 @@ frame carrying its own, self-consistent hash is dropped and the chunk asked agai
 file), else against the hash its frame carries. A whole file that does not match its sha256 is fetched
 again from scratch, up to ``whole_file_attempts`` times. A failure in transit (no valid answer in time,
 or a file that never matched) is reported with :data:`FETCH_TRANSPORT_ERROR` in front, so the
-controller sends the desired state again (review F7).
+controller sends the desired state again.
 """
 
 from __future__ import annotations

@@ -20,11 +20,10 @@ from fleet_protocol.codec import ProtocolError, decode, encode
 from fleet_protocol.endpoint import MqttEndpoint
 from fleet_protocol.messages import Availability, Message
 from fleet_protocol.paho_client import (
-    Connack,
     Will,
-    classify_connack,
     connect_failure,
     connect_in_background,
+    handle_connack,
     make_client,
 )
 from fleet_protocol.topics import SPECS, TopicKind, Topics
@@ -213,16 +212,14 @@ class MqttLink:
         self, client: mqtt.Client, userdata: object, flags: object, reason: object, properties: object
     ) -> None:
         try:
-            verdict = classify_connack(reason)
-            if verdict is not Connack.ACCEPTED:
-                if verdict is Connack.REFUSED:
-                    self.fatal = f"broker refused the connection: {reason}"
-                    log.error("%s; not retrying (check the credentials / ACL)", self.fatal)
-                    client.disconnect()
+            refusal = handle_connack(
+                client, reason, log=log, broker="broker", hint="check the credentials / ACL"
+            )
+            if refusal is not None:
+                if refusal.for_good:
+                    self.fatal = f"broker refused the connection: {refusal.reason}"
                     if self._on_fatal is not None:
                         self._on_fatal(self.fatal)
-                else:
-                    log.warning("broker refused the connection: %s; retrying", reason)
                 return
             log.info("connected to %s", self._endpoint)
             self.last_error = None

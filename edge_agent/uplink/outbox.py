@@ -277,7 +277,7 @@ class Outbox:
 
     def _rollback(self) -> None:
         # SQLite has already rolled back after some errors (SQLITE_FULL among them): a ROLLBACK then
-        # fails with "no transaction is active", and used to hide the error that mattered.
+        # fails with "no transaction is active", which would hide the error that mattered.
         if self._db is None or not self._db.in_transaction:
             return
         try:

@@ -8,7 +8,7 @@ doubling up to ``reconnect_max_s``) until frames flow again (UP). Every camera h
 so one camera's outage never stalls the others. Sources sit behind a seam (:data:`SourceOpener`) so
 tests drive cameras with fakes.
 
-Decoding (``CameraConfig.decode``, G18): ``software`` is OpenCV's own decoder on the CPU. ``auto`` and
+Decoding (``CameraConfig.decode``): ``software`` is OpenCV's own decoder on the CPU. ``auto`` and
 ``hardware`` use NVIDIA's decoder (NVDEC) through a GStreamer pipeline opened with OpenCV's
 ``CAP_GSTREAMER`` when :func:`plan_decode` finds it usable here (OpenCV built with GStreamer, which the
 PyPI wheels are not; the decoder element present, by ``gst-inspect-1.0``, once per process). Otherwise
@@ -140,7 +140,7 @@ class Frame:
     prepared: PreparedInput | None = None
 
 
-# --------------------------------------------------------------------------- hardware decode (G18)
+# --------------------------------------------------------------------------- hardware decode
 
 Codec = Literal["h264", "h265"]
 Platform = Literal["dgpu", "jetson"]

@@ -7,7 +7,7 @@ made for the model and a new inference thread started. :class:`~edge_agent.core.
 bounds the restarts; past the bound the pipeline is marked failed and retried with capped backoff.
 Every step goes to ``on_note`` for the agent to report.
 
-A :class:`~edge_agent.inference.backends.CudaFatalError` (a sticky CUDA error: the GPU context of this process
+A :class:`~edge_agent.inference.backend.CudaFatalError` (a sticky CUDA error: the GPU context of this process
 is dead) is the exception to all of this: nothing is retried or reloaded after it. :meth:`fatal`
 marks the watchdog fatal (no restart, retry or reload from then on), hands the error to ``on_fatal``
 once (the agent publishes a final event and exits with ``exc.exit_code`` so the service manager
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from edge_agent.core.restart_policy import RestartLimiter, WatchdogAction, WatchdogNote
-from edge_agent.inference.backends import CudaFatalError, InferenceBackend
+from edge_agent.inference.backend import CudaFatalError, InferenceBackend
 
 log = logging.getLogger(__name__)
 

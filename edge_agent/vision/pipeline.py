@@ -19,10 +19,10 @@ Hang detection is handed to :class:`~edge_agent.vision.inference_watchdog.Infere
 the inference thread: the pipeline tells it when each run starts and ends, and it abandons a run that
 hangs and starts a fresh thread (with a fresh backend) within the bounds of a ``RestartLimiter``.
 
-Two backend errors are not ordinary run errors. A :class:`~edge_agent.inference.backends.CudaFatalError` from
+Two backend errors are not ordinary run errors. A :class:`~edge_agent.inference.backend.CudaFatalError` from
 ``run()``, from the backend factory or from the warm-up is never retried or reloaded: it goes to
 ``watchdog.fatal`` (the agent publishes a final event, sets the stop event and exits with
-``exc.exit_code``). A :class:`~edge_agent.inference.backends.ProviderFallback` from ``run()`` loses that batch
+``exc.exit_code``). A :class:`~edge_agent.inference.backend.ProviderFallback` from ``run()`` loses that batch
 only: it goes to :attr:`Pipeline.on_provider_fallback` (an event) and the next batch runs on the
 provider the backend moved to; it is neither a hang nor a restart.
 """
@@ -43,7 +43,7 @@ import numpy as np
 
 from edge_agent.core.queues import DropOldestQueue, HandoffQueue
 from edge_agent.core.restart_policy import RestartLimiter
-from edge_agent.inference.backends import BackendFactory, CudaFatalError, InferenceBackend, ProviderFallback
+from edge_agent.inference.backend import BackendFactory, CudaFatalError, InferenceBackend, ProviderFallback
 from edge_agent.vision.capture import CameraWorker, Frame
 from edge_agent.vision.inference_watchdog import FatalCallback, InferenceWatchdog, WatchdogCallback
 from fleet_protocol.messages import (

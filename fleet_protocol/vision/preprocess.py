@@ -1,7 +1,7 @@
 """Turn OpenCV frames (BGR uint8 HxWx3) into the input tensor a model's manifest asks for.
 
-The per-frame cost matters on small CPUs: allocating fresh float buffers for every frame halved
-the speed of NanoDet preprocessing in our measurements (2-5 ms against 0.5 ms), so the resize,
+The per-frame cost matters on small CPUs, where allocating fresh float buffers for every frame can
+cost more than the arithmetic done in them (``bench/preprocess.py`` gives the per-frame cost), so the resize,
 colour and float intermediates live in buffers allocated once per Preprocessor. Only the returned
 tensor is new on each call, because the caller may keep it (batching, a queue) while the next frame
 is being prepared. A Preprocessor is therefore not thread-safe: use one per pipeline thread.

@@ -1,4 +1,4 @@
-"""Variant builds as jobs any replica may claim (issue 13): claim owner, token and heartbeat on model_version.
+"""Variant builds as jobs any replica may claim: claim owner, token and heartbeat on model_version.
 
 A version whose status is ``building`` is a job (controller/registry/build_jobs.py). Versions left
 ``building`` by an older controller have no claim, so the first worker to poll takes them.

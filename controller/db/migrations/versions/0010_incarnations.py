@@ -1,4 +1,4 @@
-"""Incarnations (issue 14.1): dedup, acks and counters per (device, incarnation).
+"""Incarnations: dedup, acks and counters per (device, incarnation).
 
 ``device_seq`` and ``ingested_seq`` gain ``incarnation`` in their primary keys; every existing row is
 the legacy space ('' , what an agent older than incarnations sends in), so acks carry on where they

@@ -1,4 +1,4 @@
-"""Decommission (issue 14.5): decommissioned devices keep their history.
+"""Decommission: decommissioned devices keep their history.
 
 Revision ID: 0011
 Revises: 0010

@@ -1,4 +1,4 @@
-"""Agent self-update (issue 14.3): agent packages and agent rollouts.
+"""Agent self-update: agent packages and agent rollouts.
 
 ``agent_package`` holds the uploaded agent packages; ``device.agent_desired`` the agent version a
 device should run (direct, and the refs now and before); ``deployment.kind`` / ``agent_version`` /

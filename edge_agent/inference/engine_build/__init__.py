@@ -1,13 +1,14 @@
-"""TensorRT engine builds out of the agent's process: they never stall a device.
+"""TensorRT engine builds out of the agent's process, the agent's side: they never stall a device.
 
 A build (native TensorRT, or onnxruntime's TensorRT EP creating its engines) takes minutes on a
 Jetson. In the agent's process it would sit on the inference or twin thread, and onnxruntime's
 session creation even holds the GIL the whole time (microsoft/onnxruntime#27063): MQTT keepalive,
-heartbeats, capture and the watchdog would all stop (G4, G5). So every build runs in a child process
-(``python -m edge_agent.inference.engine_build``), supervised from a thread of the agent:
+heartbeats, capture and the watchdog would all stop. So every build runs in a child process
+(``python -m edge_agent.inference.engine_build.child``, :mod:`.child`), supervised from a thread of
+the agent:
 
-    supervisor = BuildSupervisor(timeout_s=20 * 60)
-    handle = supervisor.start(BuildRequest.native(...), on_progress=..., cancel=stop_event)
+    builds = ChildProcessBuilds(timeout_s=20 * 60)
+    handle = builds.start(BuildRequest.native(...), on_progress=..., cancel=stop_event)
     for event in handle.progress(): ...        # BuildProgress(phase, pct, message, elapsed_s)
     handle.result(timeout=None)                # BuildResult, or BuildCancelled / BuildTimedOut / BuildFailed
     handle.cancel()                            # SIGTERM, then SIGKILL after the grace period
@@ -23,15 +24,18 @@ heartbeats, capture and the watchdog would all stop (G4, G5). So every build run
 
 What to build is a "module:function" (``BuildRequest.builder``), resolved in the child: the seam
 tests use to put a fake builder in the child.
+
+This package's ``__init__`` holds the agent's side (requests, results, :class:`ChildProcessBuilds`
+and its :class:`BuildHandle`) and :mod:`.child` the build process. The child imports this module for
+:class:`BuildRequest` (Python imports a package before its sub-module anyway), so the classes a
+request is pickled with have one home, and nothing here imports the child.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -44,25 +48,14 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
-from edge_agent.core.files import fsync_dir
-from edge_agent.inference.trt import (
-    BuildCancelled,
-    BuildOptions,
-    Calibration,
-    EngineCache,
-    EngineKey,
-    Precision,
-    TrtError,
-    timing_cache_path,
-)
+from edge_agent.inference.tensorrt.build_config import BuildOptions, Calibration, Precision
+from edge_agent.inference.tensorrt.cache import EngineCache, EngineKey, timing_cache_path
+from edge_agent.inference.tensorrt.errors import BuildCancelled, TrtError
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +64,8 @@ DEFAULT_BUILD_TIMEOUT_S = 20 * 60.0
 DEFAULT_KILL_GRACE_S = 5.0
 PROGRESS_QUEUE_MAX = 256
 WORKDIR_PREFIX = ".build-"
-NATIVE_BUILDER = "edge_agent.inference.engine_build:native_builder"
-ORT_TRT_EP_BUILDER = "edge_agent.inference.engine_build:ort_trt_ep_builder"
+NATIVE_BUILDER = "edge_agent.inference.engine_build.child:native_builder"
+ORT_TRT_EP_BUILDER = "edge_agent.inference.engine_build.child:ort_trt_ep_builder"
 _REQUEST_FILE = "request.pkl"
 _LOG_FILE = "child.log"
 _CONTROL_FILES = frozenset({_REQUEST_FILE, _LOG_FILE})
@@ -130,7 +123,7 @@ class BuildRequest:
     marker: str = ""
     """Written last into ``target_dir`` by a successful onnxruntime build: "these engines are there"."""
     timeout_s: float | None = None
-    """Overrides the supervisor's time bound for this build."""
+    """Overrides the time bound :class:`ChildProcessBuilds` was given, for this build."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """For custom builders (tests' fakes; ``session_factory`` for the onnxruntime builder)."""
 
@@ -236,18 +229,6 @@ class BuildResult:
     exit_code: int | None = None
 
 
-@dataclass
-class BuildOutput:
-    """What a builder returns: file names it wrote into the work folder, published in this order
-    (the file that makes the result usable last), and anything worth reporting."""
-
-    files: list[str]
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------- the parent side
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -268,7 +249,7 @@ def _describe_exit(rc: int) -> str:
 
 
 class BuildHandle:
-    """One running build: its progress, result and cancel. Made by :meth:`BuildSupervisor.start`."""
+    """One running build: its progress, result and cancel. Made by :meth:`ChildProcessBuilds.start`."""
 
     def __init__(
         self,
@@ -374,7 +355,7 @@ class BuildHandle:
                     [
                         python,
                         "-m",
-                        "edge_agent.inference.engine_build",
+                        "edge_agent.inference.engine_build.child",
                         "--request",
                         str(workdir / _REQUEST_FILE),
                         "--events-fd",
@@ -562,7 +543,7 @@ class BuildHandle:
         )
 
 
-class BuildSupervisor:
+class ChildProcessBuilds:
     """Starts engine builds in child processes and keeps track of them.
 
     ``timeout_s``: the time bound of one build (default 20 min, a Jetson's worst first build);
@@ -594,7 +575,7 @@ class BuildSupervisor:
 
     def _child_env(self) -> dict[str, str]:
         env = dict(self._env) if self._env is not None else dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])  # where the edge_agent package is
+        root = str(Path(__file__).resolve().parents[3])  # where the edge_agent package is
         paths = [root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         return env
@@ -656,204 +637,3 @@ class BuildSupervisor:
                 continue
             if pid == os.getpid() or not _pid_alive(pid):
                 shutil.rmtree(d, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- the child side
-
-
-class BuildContext:
-    """What a builder gets in the child: its work folder and a progress reporter."""
-
-    def __init__(self, workdir: Path, emit: Callable[[dict[str, Any]], None]) -> None:
-        self.workdir = workdir
-        self._emit = emit
-        self._lock = threading.Lock()
-        self._last: tuple[str, float | None, float] = ("", None, 0.0)
-
-    def progress(self, phase: str, pct: float | None = None, message: str = "") -> None:
-        """Report progress; coalesced (a new phase, 100 %, or +1 % after 0.2 s goes through)."""
-        now = time.monotonic()
-        with self._lock:
-            last_phase, last_pct, last_t = self._last
-            if phase == last_phase and pct is not None and last_pct is not None and pct < 100.0:
-                if pct - last_pct < 1.0 or now - last_t < 0.2:
-                    return
-            elif phase == last_phase and pct is None and now - last_t < 0.2 and not message:
-                return
-            self._last = (phase, pct, now)
-        msg: dict[str, Any] = {"type": "progress", "phase": phase, "pct": pct}
-        if message:
-            msg["message"] = message[:500]
-        self._emit(msg)
-
-
-def _resolve(spec: str) -> Callable[..., Any]:
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise TrtError(f"builder must be 'module:function', not {spec!r}")
-    fn = getattr(importlib.import_module(module), name)
-    if not callable(fn):
-        raise TrtError(f"{spec} is not callable")
-    return fn  # type: ignore[no-any-return]
-
-
-def _publish(workdir: Path, target: Path, files: Sequence[str]) -> list[str]:
-    """Move the builder's outputs into ``target``, one atomic rename each, in the given order."""
-    for name in files:
-        if not name or "/" in name or os.sep in name or name.startswith(".") or name in _CONTROL_FILES:
-            raise TrtError(f"a builder may only publish plain file names, not {name!r}")
-        src = workdir / name
-        with src.open("rb+") as f:
-            os.fsync(f.fileno())
-    for name in files:
-        os.replace(workdir / name, target / name)
-    fsync_dir(target)
-    return list(files)
-
-
-def _guard(parent_pid: int, deadline: float) -> None:
-    """Exit when the agent is gone (reparented) or the build outlives its bound by far."""
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os._exit(70)
-        if time.monotonic() > deadline:
-            os._exit(71)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The build process: ``python -m edge_agent.inference.engine_build --request FILE --events-fd N``."""
-    ap = argparse.ArgumentParser(prog="python -m edge_agent.inference.engine_build")
-    ap.add_argument("--request", required=True, type=Path)
-    ap.add_argument("--events-fd", required=True, type=int)
-    args = ap.parse_args(argv)
-    fd = args.events_fd
-    write_lock = threading.Lock()
-
-    def emit(msg: dict[str, Any]) -> None:
-        data = (json.dumps(msg, default=str) + "\n").encode("utf-8")
-        with write_lock:
-            try:
-                os.write(fd, data)
-            except BrokenPipeError:
-                os._exit(72)  # the supervisor is gone: nobody wants this engine
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    request, cfg = pickle.loads(args.request.read_bytes())
-    assert isinstance(request, BuildRequest)
-    threading.Thread(
-        target=_guard,
-        args=(int(cfg["parent_pid"]), time.monotonic() + float(cfg["deadline_s"])),
-        name="build-guard",
-        daemon=True,
-    ).start()
-    with contextlib.suppress(OSError):
-        os.nice(int(cfg.get("niceness", 0)))
-    ctx = BuildContext(args.request.parent, emit)
-    try:
-        ctx.progress("starting", 0.0)
-        out = _resolve(request.builder)(request, ctx)
-        if not isinstance(out, BuildOutput):
-            raise TrtError(f"{request.builder} returned {type(out).__name__}, not a BuildOutput")
-        ctx.progress("publishing", None)
-        published = _publish(ctx.workdir, request.target_dir, out.files)
-        emit({"type": "result", "files": published, "info": out.info})
-        return 0
-    except BaseException as exc:
-        traceback.print_exc()
-        emit({"type": "error", "error": type(exc).__name__, "message": str(exc)[:2000]})
-        return 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-
-# --------------------------------------------------------------------------- the builders
-
-
-def native_builder(request: BuildRequest, ctx: BuildContext) -> BuildOutput:
-    """A native TensorRT engine (``TensorRtRuntime.build_engine``), written as ``engine_file``."""
-    from edge_agent.inference.trt import TensorRtRuntime
-
-    rt = TensorRtRuntime(request.device)
-    if request.expect_runtime is not None and request.expect_runtime != (
-        rt.gpu_name,
-        rt.compute_capability,
-        rt.version,
-    ):
-        raise TrtError(
-            f"the build process sees {rt.gpu_name} sm{rt.compute_capability} TensorRT {rt.version}; "
-            f"the engine key is for {request.expect_runtime}"
-        )
-    ctx.progress("building", 0.0)
-    options = replace(request.options, progress=lambda pct: ctx.progress("building", pct), cancel=None)
-    data = rt.build_engine(request.onnx_path, request.precision, request.calibration, options)
-    if not data:
-        raise TrtError("the TensorRT builder returned no engine")
-    (ctx.workdir / request.engine_file).write_bytes(data)
-    return BuildOutput(
-        [request.engine_file],
-        {"bytes": len(data), "gpu": rt.gpu_name, "trt_version": rt.version, "precision": request.precision},
-    )
-
-
-_ORT_CACHE_SUFFIXES = (".timing", ".profile", ".engine")
-
-
-def ort_trt_ep_builder(request: BuildRequest, ctx: BuildContext) -> BuildOutput:
-    """onnxruntime's TensorRT EP builds and caches its engines; the agent's session then loads them.
-
-    The providers are the agent's own, with the engine and timing cache paths pointed at the work
-    folder (so a killed build leaves nothing half-written where onnxruntime looks); the session
-    must really get the TensorRT EP, else the build fails with what it got instead.
-    """
-    import onnxruntime as ort
-
-    factory_spec = request.params.get("session_factory")
-    factory = _resolve(str(factory_spec)) if factory_spec else ort.InferenceSession
-    for existing in request.target_dir.glob("*.timing"):  # earlier tactic timings: faster builds
-        shutil.copy2(existing, ctx.workdir / existing.name)
-    providers: list[Any] = []
-    for p in request.ort_providers:
-        if isinstance(p, tuple) and p[0] == "TensorrtExecutionProvider":
-            opts = dict(p[1])
-            opts["trt_engine_cache_enable"] = "True"
-            opts["trt_engine_cache_path"] = str(ctx.workdir)
-            if opts.get("trt_timing_cache_enable") == "True":
-                opts["trt_timing_cache_path"] = str(ctx.workdir)
-            providers.append(("TensorrtExecutionProvider", opts))
-        else:
-            providers.append(p)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, request.ort_graph_optimization_level)
-    so.log_severity_level = 3
-    ctx.progress("building", None, "onnxruntime TensorRT EP: creating the session")
-    session = factory(str(request.onnx_path), sess_options=so, providers=providers)
-    got = list(session.get_providers())
-    if not got or got[0] != "TensorrtExecutionProvider":
-        raise TrtError(f"onnxruntime gave {got[0] if got else 'no provider'}, not the TensorRT EP")
-    n = len(request.warmup_batches)
-    for i, b in enumerate(request.warmup_batches):
-        ctx.progress("warmup", 100.0 * i / n, f"batch {b}")
-        x = np.zeros((b, *request.sample_shape), dtype=np.dtype(request.input_dtype))
-        session.run(None, {request.input_name: x})
-    del session
-    outputs = [p.name for p in ctx.workdir.iterdir() if p.is_file() and p.name not in _CONTROL_FILES]
-    rank = {s: i for i, s in enumerate(_ORT_CACHE_SUFFIXES)}
-    outputs.sort(key=lambda name: (rank.get(Path(name).suffix, len(rank) - 1), name))  # engines last
-    if not any(name.endswith(".engine") for name in outputs):
-        raise TrtError("onnxruntime's TensorRT EP wrote no engine (the graph may not be TensorRT-capable)")
-    if request.marker:
-        (ctx.workdir / request.marker).write_text(
-            json.dumps({"files": outputs, "providers": got}, default=str), encoding="utf-8"
-        )
-        outputs.append(request.marker)
-    return BuildOutput(outputs, {"providers": got, "engines": [o for o in outputs if o.endswith(".engine")]})
-
-
-if __name__ == "__main__":
-    # Run the imported module's main, not this __main__ copy: the request was pickled with
-    # edge_agent.inference.engine_build's classes, and builders return edge_agent.inference.engine_build.BuildOutput.
-    from edge_agent.inference.engine_build import main as _main
-
-    sys.exit(_main())
