@@ -23,7 +23,7 @@ acked and a queue that did not grow. On this 2-core machine the simulator, the b
 the replicas share the cores, so what transfers to a bigger machine is CPU-seconds per message per
 role; the bench prints the machine's load with every row.
 
-Usage: ``python bench/fleet.py [--replicas 1,2,3] [--devices 250,500,1000,2000] [--seconds 30]
+Usage (from the repository root): ``python -m bench.fleet [--replicas 1,2,3] [--devices 250,500,1000,2000] [--seconds 30]
 [--heartbeat-s 5] [--batch-s 1] [--database-url URL] [--pin] [--smoke] [--json]``
 """
 
@@ -43,19 +43,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+import paho.mqtt.client as mqtt
+import psutil
+from paho.mqtt.enums import CallbackAPIVersion
+
+from fleet_protocol import TopicKind, Topics
+from tests.support.databases import postgres_schema
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import SimulatorProcess
+from tests.support.replicas import SHARE_GROUP, ReplicaSet
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import httpx  # noqa: E402
-import paho.mqtt.client as mqtt  # noqa: E402
-import psutil  # noqa: E402
-from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
-
-from fleet_protocol import TopicKind, Topics  # noqa: E402
-from tests.databases import postgres_schema  # noqa: E402
-from tests.mqtt_broker import MosquittoBroker  # noqa: E402
-from tests.processes import SimulatorProcess  # noqa: E402
-from tests.scaleout.replicas import SHARE_GROUP, ReplicaSet  # noqa: E402
 
 P99_LIMIT_MS = 1000.0
 # "A growing queue": the ingest queues' trend over the steady window adds up to more than this many

@@ -8,7 +8,7 @@ leaves its results):
    its providers, TensorRT, cuda-python, NVML, the driver's CUDA version) and whether it fits together;
    the GPU itself (``cuInit``, NVML name, driver, memory, power limit).
 1. per bundled model (``models/*/manifest.json``): an FP16 TensorRT engine built with the agent's own
-   builder and engine cache (``edge_agent.inference.trt``: ``load_tensorrt_runtime``, ``EngineCache``,
+   builder and engine cache (``edge_agent.inference.tensorrt``: ``load_tensorrt_runtime``, ``EngineCache``,
    ``obtain_engine``), build progress printed, then reloaded from the cache (must be a cache hit).
 2. fidelity: the engine and onnxruntime's CPU provider on the same frames of the bundled footage, scored
    with the controller's own matcher (``controller.registry.fidelity``: preprocess, decode, match);
@@ -252,12 +252,14 @@ def bundled_models(names: list[str] | None) -> list[Model]:
 # --------------------------------------------------------------------------- the checks
 
 
-def engine_key(trt_mod: Any, rt: Any, model: Model, options: Any) -> Any:
-    """The agent's cache key for this build (with the build fingerprint where edge_agent.inference.trt has one)."""
-    for_build = getattr(trt_mod.EngineKey, "for_build", None)
+def engine_key(rt: Any, model: Model, options: Any) -> Any:
+    """The agent's cache key for this build (with the build fingerprint where EngineKey has one)."""
+    from edge_agent.inference.tensorrt.cache import EngineKey
+
+    for_build = getattr(EngineKey, "for_build", None)
     if for_build is not None:
         return for_build(rt, model.manifest.sha256, PRECISION, options)
-    return trt_mod.EngineKey(model.manifest.sha256, rt.gpu_name, rt.compute_capability, rt.version, PRECISION)
+    return EngineKey(model.manifest.sha256, rt.gpu_name, rt.compute_capability, rt.version, PRECISION)
 
 
 def unsupported(exc: BaseException) -> bool:
@@ -270,7 +272,8 @@ def build_and_reload(
     run: Run, rt: Any, cache: Any, model: Model, res: dict[str, Any], args: Any
 ) -> tuple[Any, Any]:
     """Build (or find) the FP16 engine with the agent's code, then reload it from the cache: (engine, key)."""
-    from edge_agent.inference import trt as trt_mod
+    from edge_agent.inference.tensorrt.backend import obtain_engine
+    from edge_agent.inference.tensorrt.build_config import BuildOptions
 
     build_timeout = max(30.0, min(args.build_timeout_s, run.left() - 90))
     cancel = threading.Event()
@@ -281,20 +284,20 @@ def build_and_reload(
             last[0], last[1] = pct, time.monotonic()
             run.say(f"  build {model.name} {PRECISION}: {pct:5.1f}%")
 
-    options = trt_mod.BuildOptions(
+    options = BuildOptions(
         max_batch=1,
         sample_shape=model.sample_shape,
         workspace_mb=args.workspace_mb,
         progress=progress,
         cancel=cancel,
     )
-    key = engine_key(trt_mod, rt, model, options)
+    key = engine_key(rt, model, options)
     res["engine_file"] = key.file_name()
     timer = threading.Timer(build_timeout, cancel.set)
     timer.start()
     run.say(f"  building {model.name} {PRECISION} (TensorRT {rt.version}, timeout {build_timeout:.0f} s)")
     try:
-        engine, outcome = trt_mod.obtain_engine(rt, cache, model.onnx, key, options=options)
+        engine, outcome = obtain_engine(rt, cache, model.onnx, key, options=options)
     except Exception as exc:
         why = "cancelled after the timeout" if cancel.is_set() else f"{type(exc).__name__}: {exc}"
         res["build"] = {"ok": False, "error": why}
@@ -313,9 +316,9 @@ def build_and_reload(
     )
     engine.close()
     t0 = time.monotonic()
-    plain = trt_mod.BuildOptions(max_batch=1, sample_shape=model.sample_shape, workspace_mb=args.workspace_mb)
+    plain = BuildOptions(max_batch=1, sample_shape=model.sample_shape, workspace_mb=args.workspace_mb)
     try:
-        engine, again = trt_mod.obtain_engine(rt, cache, model.onnx, key, options=plain)
+        engine, again = obtain_engine(rt, cache, model.onnx, key, options=plain)
     except Exception as exc:
         res["reload"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         run.check(f"reload {model.name}", False, res["reload"]["error"])
@@ -689,11 +692,12 @@ def main(argv: list[str] | None = None) -> int:
             "energy counter", "nvmlDeviceGetTotalEnergyConsumption unsupported here (needs Volta or newer)"
         )
 
-    from edge_agent.inference import trt as trt_mod
+    from edge_agent.inference.tensorrt.cache import EngineCache
+    from edge_agent.inference.tensorrt.runtime import load_tensorrt_runtime
 
     rt = None
     if report.tensorrt_version:
-        rt, problem = trt_mod.load_tensorrt_runtime(args.device)
+        rt, problem = load_tensorrt_runtime(args.device)
         if rt is None:
             run.check("tensorrt runtime", False, problem)
         else:
@@ -728,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_dir = args.cache_dir or Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-check-"))
         )
-        cache = trt_mod.EngineCache(cache_dir / "engines")
+        cache = EngineCache(cache_dir / "engines")
         for model in models:
             if run.left() < 60:
                 run.skip(model.name, f"time budget ({args.budget_s:.0f} s) spent")

@@ -17,7 +17,7 @@ machine the rates move with the load, the CPU per batch much less.
 After every controller run the stored seqs are counted through the API; the bench exits non-zero if
 any batch was not stored (or not acked in time).
 
-Usage: ``python bench/ingest.py [--devices 20] [--batches 200] [--frames 5] [--detections 4] [--runs 3]
+Usage (from the repository root): ``python -m bench.ingest [--devices 20] [--batches 200] [--frames 5] [--detections 4] [--runs 3]
 [--smoke] [--json] [--database-url URL] [--profile FILE [--gil]]`` (``--profile`` records the controller
 with py-spy during the controller runs; py-spy is not a dependency: ``pip install py-spy``).
 """
@@ -39,17 +39,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from fleet_protocol import TopicKind, Topics, decode, encode
+from fleet_protocol.messages import Ack, Box, Detection, DetectionBatch, FrameDetections
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import ControllerProcess
+from tests.support.waiting import wait_for
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import paho.mqtt.client as mqtt  # noqa: E402
-from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
-
-from fleet_protocol import TopicKind, Topics, decode, encode  # noqa: E402
-from fleet_protocol.messages import Ack, Box, Detection, DetectionBatch, FrameDetections  # noqa: E402
-from tests.mqtt_broker import MosquittoBroker  # noqa: E402
-from tests.processes import ControllerProcess  # noqa: E402
-from tests.waiting import wait_for  # noqa: E402
 
 TOPICS = Topics()
 RAW_TOPIC = "bench-raw/{device}/detections"  # no controller subscription matches it

@@ -36,7 +36,7 @@ Where the time goes, per pipeline run, from what the agent publishes and from th
     machine (other people's jobs).
 And the latency from frame capture (agent clock) to the row stored at the controller, p50 and p99.
 
-Usage: ``python bench/pipeline.py [--cameras 4] [--threads 2] [--workers 1] [--runs 3] [--seconds 10]
+Usage (from the repository root): ``python -m bench.pipeline [--cameras 4] [--threads 2] [--workers 1] [--runs 3] [--seconds 10]
 [--smoke]``.
 """
 
@@ -47,7 +47,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -57,22 +56,21 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import cv2
+import numpy as np
+import onnxruntime as ort
+import paho.mqtt.client as mqtt
+import psutil
+
+from edge_agent.inference.providers import session_options
+from fleet_protocol import TopicKind, Topics, decode
+from fleet_protocol.messages import DetectionBatch, ModelManifest
+from fleet_protocol.vision.preprocess import Preprocessor
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import AgentProcess, ControllerProcess
+from tests.support.waiting import wait_for
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import cv2  # noqa: E402
-import numpy as np  # noqa: E402
-import onnxruntime as ort  # noqa: E402
-import paho.mqtt.client as mqtt  # noqa: E402
-import psutil  # noqa: E402
-
-from edge_agent.inference.backends import session_options  # noqa: E402
-from fleet_protocol import TopicKind, Topics, decode  # noqa: E402
-from fleet_protocol.messages import DetectionBatch, ModelManifest  # noqa: E402
-from fleet_protocol.vision.preprocess import Preprocessor  # noqa: E402
-from tests.mqtt_broker import MosquittoBroker  # noqa: E402
-from tests.processes import AgentProcess, ControllerProcess  # noqa: E402
-from tests.waiting import wait_for  # noqa: E402
 
 MODEL = "ped_ssdlite"
 MODEL_DIR = REPO / "models" / MODEL

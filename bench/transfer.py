@@ -1,6 +1,6 @@
 """Model transfer benchmark: chunked artifact transfer over MQTT against the broker's raw bandwidth.
 
-In one run, on a mosquitto the bench starts (tests/mqtt_broker.py, with ``set_tcp_nodelay true`` as
+In one run, on a mosquitto the bench starts (tests/support/mqtt_broker.py, with ``set_tcp_nodelay true`` as
 docker/mosquitto.conf has it), it measures
   (a) raw broker bandwidth: a bare paho publisher (its own process, like the controller) sends the
       artifact's byte count in chunks of the same size, QoS 1, to a bare paho subscriber in this process;
@@ -22,7 +22,7 @@ limit), the push the median; the ratio's range is each push run against that bes
 
 With ``--link RATE:RTT`` (e.g. ``100mbit:40ms``, ``20mbit:100ms``; tc's units) it measures instead
   (e) a push to ONE agent over a site link: the agent's MQTT connection goes through an emulated link
-      (tests/linkproxy.py: a userspace TCP proxy, this kernel's tc has no netem) holding each direction
+      (tests/support/linkproxy.py: a userspace TCP proxy, this kernel's tc has no netem) holding each direction
       to RATE with a one-way delay of RTT/2 (RTT is the round trip) and a bottleneck queue of one
       bandwidth-delay product + 64 KiB; the controller talks to the broker directly (the site link is
       between the device and the cloud). Timed as (b): desired-state PUT -> file verified on the agent.
@@ -33,7 +33,7 @@ With ``--link RATE:RTT`` (e.g. ``100mbit:40ms``, ``20mbit:100ms``; tc's units) i
       1-minute load average before and after each run are printed (and in ``--json``). (a)-(d) are
       not run in this mode.
 
-Usage: ``python bench/transfer.py [--chunk-size BYTES] [--agents N] [--window N] [--model NAME] [--runs 3]
+Usage (from the repository root): ``python -m bench.transfer [--chunk-size BYTES] [--agents N] [--window N] [--model NAME] [--runs 3]
 [--link RATE:RTT] [--smoke] [--json]`` (without ``--chunk-size`` / ``--window`` the controller's chunk size
 and the agent's window are used; ``--smoke``: a quick check that it runs, 1 run and 2 agents).
 """
@@ -57,29 +57,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
 
-import paho.mqtt.client as mqtt  # noqa: E402
-from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
-
-from edge_agent.core.settings import ArtifactConfig, MqttEndpoint  # noqa: E402
-from edge_agent.uplink.artifacts import ArtifactFetcher, FetchCancelled, FetchError  # noqa: E402
-from edge_agent.uplink.link import MqttLink  # noqa: E402
-from fleet_protocol import TopicKind, Topics, encode  # noqa: E402
-from fleet_protocol.messages import (  # noqa: E402
+from edge_agent.core.settings import ArtifactConfig, MqttEndpoint
+from edge_agent.uplink.artifacts import ArtifactFetcher, FetchCancelled, FetchError
+from edge_agent.uplink.link import MqttLink
+from fleet_protocol import TopicKind, Topics, encode
+from fleet_protocol.messages import (
     ArtifactRef,
     ArtifactRequest,
     Availability,
     DesiredState,
     Message,
 )
-from fleet_protocol.signing import SignatureError, load_public_key, verify  # noqa: E402
-from tests.integration.edge_agent.transfer_helpers import TransferSpy, bitmap_have  # noqa: E402
-from tests.linkproxy import LinkProxy, LinkSpec  # noqa: E402
-from tests.mqtt_broker import MosquittoBroker  # noqa: E402
-from tests.processes import ControllerProcess, artifact_public_key  # noqa: E402
-from tests.waiting import wait_for  # noqa: E402
+from fleet_protocol.signing import SignatureError, load_public_key, verify
+from tests.support.linkproxy import LinkProxy, LinkSpec
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import ControllerProcess, artifact_public_key
+from tests.support.transfer_helpers import TransferSpy, bitmap_have
+from tests.support.waiting import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
 
 CAMERA = "cam1"
 MB = 1e6
@@ -134,7 +133,8 @@ def raw_bandwidth(broker: MosquittoBroker, chunk_size: int, total: int) -> float
         pub = subprocess.run(
             [
                 sys.executable,
-                __file__,
+                "-m",
+                "bench.transfer",
                 "--raw-publisher",
                 broker.host,
                 str(broker.port),
@@ -144,6 +144,7 @@ def raw_bandwidth(broker: MosquittoBroker, chunk_size: int, total: int) -> float
             ],
             timeout=120,
             check=True,
+            cwd=REPO,
         )
         assert pub.returncode == 0
         if not done.wait(60):

@@ -5,13 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.databases import database_url
-from tests.mqtt_broker import MosquittoBroker, clear_retained, retained_topics
-from tests.processes import SimulatorProcess
-
-REPO = Path(__file__).resolve().parents[1]
-MODELS = REPO / "models"
-FOOTAGE = MODELS / "footage" / "vtest.avi"
+from tests.support.databases import database_url
+from tests.support.mqtt_broker import MosquittoBroker, clear_retained, retained_topics
+from tests.support.processes import SimulatorProcess
 
 # The session's shared broker once a test asked for it (the retained-message cleanup below needs it).
 _SESSION_BROKER: list[MosquittoBroker] = []

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 
-# The tests start their own mosquitto on a free port (tests/mqtt_broker.py).
+# The tests start their own mosquitto on a free port (tests/support/mqtt_broker.py).
 if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "installing the 'mosquitto' package for the MQTT tests"
@@ -50,7 +50,7 @@ echo "== ruff"
 echo "== mypy"
 .venv/bin/mypy fleet_protocol controller edge_agent
 echo "== pytest"
-# PostgreSQL-parametrized tests fail instead of skipping when the server is unreachable (tests/databases.py).
+# PostgreSQL-parametrized tests fail instead of skipping when the server is unreachable (tests/support/databases.py).
 export EDGEFLEET_REQUIRE_POSTGRES=${EDGEFLEET_REQUIRE_POSTGRES:-1}
 # Likewise the browser tests fail instead of skipping without chromium or playwright (tests/browser).
 export EDGEFLEET_REQUIRE_BROWSER=${EDGEFLEET_REQUIRE_BROWSER:-1}
@@ -59,7 +59,7 @@ export EDGEFLEET_REQUIRE_BROWSER=${EDGEFLEET_REQUIRE_BROWSER:-1}
 # `bash tests/run.sh -p no:randomly` runs in file order.
 # Most tests wait on real processes (brokers, controllers, agents), so they run on several workers
 # (pytest-xdist), a test file per worker at a time (module fixtures start processes once); each worker
-# takes ports from a range of its own (tests/mqtt_broker.py). EDGEFLEET_TEST_WORKERS=0 runs in one process.
+# takes ports from a range of its own (tests/support/mqtt_broker.py). EDGEFLEET_TEST_WORKERS=0 runs in one process.
 WORKERS=${EDGEFLEET_TEST_WORKERS:-3}
 XDIST=()
 if [ "$WORKERS" != 0 ]; then

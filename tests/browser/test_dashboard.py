@@ -21,10 +21,10 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import Availability, CameraReported, ReportedState
-from tests.conftest import FOOTAGE
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import AgentProcess, ControllerProcess
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import FOOTAGE
+from tests.support.processes import AgentProcess, ControllerProcess, start_controller
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -51,8 +51,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, broker: MosquittoBroker) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("dashboard")
-    controller = ControllerProcess(work, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="30")
-    controller.start()
+    controller = start_controller(work, broker)
     agent = AgentProcess(
         work,
         DEVICE,

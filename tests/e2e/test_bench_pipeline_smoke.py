@@ -21,7 +21,8 @@ def test_pipeline_bench_smoke_with_two_cameras_on_two_workers_prints_its_ratio()
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench" / "pipeline.py"),
+            "-m",
+            "bench.pipeline",
             "--smoke",
             "--cameras",
             "2",

@@ -18,8 +18,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _smoke(bench: str, timeout: float = 120) -> str:
+    """``bench``: a module of bench/ run as the README says (``python -m bench.NAME``, from the
+    repository root: the benches on the test harness import ``tests.support``), or a script's file name."""
+    cmd = [str(REPO / "bench" / bench)] if bench.endswith(".py") else ["-m", f"bench.{bench}"]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / bench), "--smoke"],
+        [sys.executable, *cmd, "--smoke"],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -31,7 +34,7 @@ def _smoke(bench: str, timeout: float = 120) -> str:
 
 
 def test_ingest_bench_smoke_alternates_raw_and_controller_and_stores_every_batch() -> None:
-    out = _smoke("ingest.py")
+    out = _smoke("ingest")
     # Raw alone first (before the controller exists), then controller and raw alternate.
     assert re.search(r"^  raw 1 +: +\d+\.\d+ batches/s +\(before the controller started\)", out, re.M), out
     assert re.search(r"^  controller 1: +\d+\.\d+ batches/s .*stored per the API 100 of 100\)$", out, re.M), (
@@ -45,7 +48,7 @@ def test_ingest_bench_smoke_alternates_raw_and_controller_and_stores_every_batch
 
 
 def test_transfer_bench_smoke_prints_its_ratios_and_resume_figure() -> None:
-    out = _smoke("transfer.py")
+    out = _smoke("transfer")
     assert re.search(
         r"^    ratio 1 agent / raw +\d+\.\d+ +\(median; range \d+\.\d+-\d+\.\d+ over 1 run", out, re.M
     ), out
@@ -66,7 +69,7 @@ def test_variants_bench_smoke_reports_figures_on_frames_not_used_to_choose() -> 
 
 
 def test_fleet_bench_smoke_runs_a_replica_against_a_simulated_fleet_and_a_bare_subscriber() -> None:
-    out = _smoke("fleet.py", timeout=240)
+    out = _smoke("fleet", timeout=240)
     assert re.search(r"^  raw +20 devices: +\d+\.\d+ batches/s delivered to a bare subscriber", out, re.M), (
         out
     )

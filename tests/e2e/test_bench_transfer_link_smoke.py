@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_transfer_bench_over_a_site_link_compares_the_push_with_bare_tcp_on_the_same_link() -> None:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "transfer.py"), "--link", "200mbit:20ms", "--smoke", "--json"],
+        [sys.executable, "-m", "bench.transfer", "--link", "200mbit:20ms", "--smoke", "--json"],
         capture_output=True,
         text=True,
         timeout=180,

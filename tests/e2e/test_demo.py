@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.mqtt_broker import free_port
+from tests.support.mqtt_broker import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import FOOTAGE
-from tests.databases import DATABASES
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import AgentProcess, ControllerProcess
-from tests.waiting import wait_for
+from tests.support.databases import DATABASES
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import FOOTAGE
+from tests.support.processes import AgentProcess, ControllerProcess, start_controller
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -30,9 +30,7 @@ BATCHES = 12  # seqs each incarnation must have stored before it is wiped or che
 def controller(
     tmp_path: Path, broker: MosquittoBroker, controller_db: str | None
 ) -> Iterator[ControllerProcess]:
-    db = {"EDGEFLEET_DATABASE_URL": controller_db} if controller_db else {}
-    c = ControllerProcess(tmp_path, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="30", **db)
-    c.start()
+    c = start_controller(tmp_path, broker, controller_db)
     yield c
     c.stop()
 

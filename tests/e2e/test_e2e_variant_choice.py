@@ -27,10 +27,10 @@ import httpx
 import pytest
 
 from fleet_protocol.messages import VNNI_FLAGS
-from tests.conftest import FOOTAGE, MODELS
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import AgentProcess, ControllerProcess
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import FOOTAGE, MODELS
+from tests.support.processes import AgentProcess, ControllerProcess
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import FOOTAGE, MODELS
-from tests.mqtt_broker import MosquittoBroker
-from tests.onnx_models import tf_od_nan
-from tests.processes import AgentProcess, ControllerProcess
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.onnx_models import tf_od_nan
+from tests.support.paths import FOOTAGE, MODELS
+from tests.support.processes import AgentProcess, ControllerProcess
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

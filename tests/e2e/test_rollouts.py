@@ -18,90 +18,39 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import FOOTAGE, MODELS
-from tests.mqtt_broker import MosquittoBroker
-from tests.onnx_models import tf_od_nan, tf_od_slow
-from tests.processes import AgentProcess, ControllerProcess
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.onnx_models import tf_od_nan, tf_od_slow
+from tests.support.paths import MODELS
+from tests.support.stack import Stack
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
 OLD = "ped_ssdlite:1"
-CAP = {"max_fps": 2}
+CAP: dict[str, Any] = {"max_fps": 2}
 
 
-class Site:
-    def __init__(self, tmp_path: Path, broker: MosquittoBroker, n: int) -> None:
-        self.tmp_path, self.broker = tmp_path, broker
-        self.controller = ControllerProcess(
-            tmp_path,
-            broker.url,
-            EDGEFLEET_BUILD_VARIANTS_ON_UPLOAD="false",
-            EDGEFLEET_HEARTBEAT_TIMEOUT_S="30",
-        )
-        self.devices = [f"ro-{i}" for i in range(1, n + 1)]
-        self.agents = [self.agent(d) for d in self.devices]
-
-    def agent(self, device: str) -> AgentProcess:
-        return AgentProcess(
-            self.tmp_path,
-            device,
-            self.broker.url,
-            cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": True, **CAP}],
-            controller=self.controller,
-            inference={"threads": 1},
-        )
-
-    def api(self) -> httpx.Client:
-        return self.controller.client()
-
-    def start(self) -> None:
-        self.controller.start()
-        with self.api() as api:
-            for d in self.devices:
-                api.post("/api/v1/devices", json={"id": d, "labels": {"site": "e2e"}}).raise_for_status()
-                r = api.put(
-                    f"/api/v1/devices/{d}/cameras/cam1/model",
-                    json={"model": "ped_ssdlite", "version": "1", **CAP},
-                )
-                assert r.status_code == 200, r.text
-        for a in self.agents:
-            a.start()
-        with self.api() as api:
-            for d in self.devices:
-                wait_for(partial(self.runs, api, d, OLD), timeout=120, what=f"{d} runs {OLD}")
-                wait_for(partial(self.fps, api, d), timeout=60, what=f"{d} reports FPS")
-
-    def stop(self) -> None:
-        for a in self.agents:
-            a.stop()
-        self.controller.stop()
-
-    def alive(self) -> None:
-        for a in self.agents:
-            assert a.alive(), a.log.read_text()[-3000:]
-
-    @staticmethod
-    def runs(api: httpx.Client, device: str, model: str) -> bool:
-        dev = api.get(f"/api/v1/devices/{device}").json()
-        cam = (dev.get("models") or {}).get("cam1") or {}
-        return (
-            cam.get("model") == model
-            and cam.get("state") == "running"
-            and (dev.get("reported_version") or 0) >= dev["desired_version"]
-        )
-
-    @staticmethod
-    def fps(api: httpx.Client, device: str) -> float:
-        cams = api.get(f"/api/v1/devices/{device}").json()["cameras"]
-        return float(max((c.get("fps") or 0.0) for c in cams)) if cams else 0.0
+def _start(stack: Stack, n: int) -> None:
+    """Devices ro-1..ro-n labelled site=e2e, each running OLD at CAP, FPS reported."""
+    devices = [f"ro-{i}" for i in range(1, n + 1)]
+    for d in devices:
+        stack.agent(d)
+    stack.start()
+    for d in devices:
+        stack.deploy(d, labels={"site": "e2e"}, **CAP)
+    for a in stack.agents:
+        a.start()
+    with stack.api() as api:
+        for d in devices:
+            wait_for(partial(stack.runs, d, OLD, api), timeout=120, what=f"{d} runs {OLD}")
+            wait_for(partial(stack.fps, d, api), timeout=60, what=f"{d} reports FPS")
 
 
 @pytest.fixture
-def site(tmp_path: Path, broker: MosquittoBroker, request: pytest.FixtureRequest) -> Iterator[Site]:
-    s = Site(tmp_path, broker, request.param)
+def site(tmp_path: Path, broker: MosquittoBroker, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    s = Stack(tmp_path, broker, camera=CAP, EDGEFLEET_BUILD_VARIANTS_ON_UPLOAD="false")
     try:
-        s.start()
+        _start(s, request.param)
         yield s
     finally:
         s.stop()
@@ -123,7 +72,7 @@ def _upload(api: httpx.Client, name: str, version: str, data: bytes) -> None:
     assert r.status_code in (200, 201), r.text
 
 
-def _cli(site: Site, *args: str) -> str:
+def _cli(site: Stack, *args: str) -> str:
     """``edgefleet ARGS --api URL`` as an operator runs it; must succeed."""
     out = subprocess.run(
         [sys.executable, "-m", "controller", *args, "--api", site.controller.url],
@@ -152,7 +101,7 @@ def _until(api: httpx.Client, name: str, check: Callable[[dict[str, Any]], bool]
 
 
 @pytest.mark.parametrize("site", [5], indirect=True)
-def test_good_model_rolls_out_wave_by_wave_and_survives_a_controller_kill9(site: Site) -> None:
+def test_good_model_rolls_out_wave_by_wave_and_survives_a_controller_kill9(site: Stack) -> None:
     with site.api() as api:
         _upload(api, "ped_ssdlite", "2", (MODELS / "ped_ssdlite" / "model.onnx").read_bytes())
         r = api.post(
@@ -201,20 +150,19 @@ def test_good_model_rolls_out_wave_by_wave_and_survives_a_controller_kill9(site:
         assert sorted(waves.values()) == [1, 2, 3, 4, 4]
         assert all(d["state"] == "active" for d in ro["devices"])
         for d in site.devices:
-            wait_for(partial(site.runs, api, d, "ped_ssdlite:2"), timeout=60, what=f"{d} runs v2")
+            wait_for(partial(site.runs, d, "ped_ssdlite:2", api), timeout=60, what=f"{d} runs v2")
         site.alive()
 
         # A device that joins later with matching labels gets the deployment on its own.
         api.post("/api/v1/devices", json={"id": "ro-late", "labels": {"site": "e2e"}}).raise_for_status()
         late = site.agent("ro-late")
-        site.agents.append(late)
         late.start()
-        wait_for(lambda: site.runs(api, "ro-late", "ped_ssdlite:2"), timeout=120, what="late device runs v2")
+        wait_for(lambda: site.runs("ro-late", "ped_ssdlite:2", api), timeout=120, what="late device runs v2")
         assert api.get("/api/v1/devices/ro-late").json()["assignments"]["cam1"]["deployment"] == "ped-v2"
 
 
 @pytest.mark.parametrize("site", [3], indirect=True)
-def test_model_that_fails_to_activate_stops_at_the_canary_and_rolls_it_back(site: Site) -> None:
+def test_model_that_fails_to_activate_stops_at_the_canary_and_rolls_it_back(site: Stack) -> None:
     with site.api() as api:
         untouched = {d: api.get(f"/api/v1/devices/{d}").json()["desired_version"] for d in site.devices[1:]}
         _upload(api, "nanmodel", "1", tf_od_nan())
@@ -244,7 +192,7 @@ def test_model_that_fails_to_activate_stops_at_the_canary_and_rolls_it_back(site
         assert [(d["device_id"], d["state"]) for d in ro["devices"]] == [(site.devices[0], "rolled_back")]
         # The canary is back on its previous model, by its own report.
         wait_for(
-            lambda: site.runs(api, site.devices[0], OLD), timeout=60, what="canary back on the old model"
+            lambda: site.runs(site.devices[0], OLD, api), timeout=60, what="canary back on the old model"
         )
         canary = api.get(f"/api/v1/devices/{site.devices[0]}").json()
         assert canary["assignments"]["cam1"]["source"] == "direct"
@@ -253,7 +201,7 @@ def test_model_that_fails_to_activate_stops_at_the_canary_and_rolls_it_back(site
             d: api.get(f"/api/v1/devices/{d}").json()["desired_version"] for d in site.devices[1:]
         } == untouched
         for d in site.devices[1:]:
-            assert site.runs(api, d, OLD)
+            assert site.runs(d, OLD, api)
         site.alive()
 
     # The operator's view through the CLI, and operations on a finished rollout are harmless.
@@ -272,7 +220,7 @@ def test_model_that_fails_to_activate_stops_at_the_canary_and_rolls_it_back(site
 
 @pytest.mark.parametrize("site", [3], indirect=True)
 def test_model_that_activates_but_runs_far_slower_fails_the_canary_gate_and_rolls_it_back(
-    site: Site,
+    site: Stack,
 ) -> None:
     # ped_ssdlite with a heavy branch whose result is multiplied by zero: same outputs, same
     # detections, about 10x the compute per frame (~0.3 s instead of ~30 ms on one idle core). The gate
@@ -306,7 +254,7 @@ def test_model_that_activates_but_runs_far_slower_fails_the_canary_gate_and_roll
         canary = site.devices[0]
         # It really activates: the canary runs it, by its own report, before the gate says no.
         wait_for(
-            partial(site.runs, api, canary, "slowmodel:1"), timeout=120, what="canary runs the slow model"
+            partial(site.runs, canary, "slowmodel:1", api), timeout=120, what="canary runs the slow model"
         )
         body = wait_for(
             _until(api, "slow", lambda b: b["rollout"]["state"] == "failed"),
@@ -321,13 +269,13 @@ def test_model_that_activates_but_runs_far_slower_fails_the_canary_gate_and_roll
         assert gate["passed"] is False and gate["failed"] == [] and gate["active"] == 1
         assert gate["latency_ratio_max"] > 2.5 or gate["fps_ratio_min"] < 0.25, gate
         assert [(d["device_id"], d["state"]) for d in ro["devices"]] == [(canary, "rolled_back")]
-        wait_for(partial(site.runs, api, canary, OLD), timeout=60, what="canary back on the old model")
+        wait_for(partial(site.runs, canary, OLD, api), timeout=60, what="canary back on the old model")
         assert api.get(f"/api/v1/devices/{canary}").json()["assignments"]["cam1"]["source"] == "direct"
         assert {
             d: api.get(f"/api/v1/devices/{d}").json()["desired_version"] for d in site.devices[1:]
         } == untouched
         for d in site.devices[1:]:
-            assert site.runs(api, d, OLD)
+            assert site.runs(d, OLD, api)
         site.alive()
 
     # The operator removes the failed deployment: gone from the API, nothing on a device changes.
@@ -337,11 +285,11 @@ def test_model_that_activates_but_runs_far_slower_fails_the_canary_gate_and_roll
         assert api.get("/api/v1/deployments/slow").status_code == 404
         assert api.delete("/api/v1/deployments/slow").status_code == 404
         for d in site.devices:
-            assert site.runs(api, d, OLD)
+            assert site.runs(d, OLD, api)
 
 
 @pytest.mark.parametrize("site", [3], indirect=True)
-def test_pause_resume_cancel_and_rollback_leave_every_device_in_an_agreed_state(site: Site) -> None:
+def test_pause_resume_cancel_and_rollback_leave_every_device_in_an_agreed_state(site: Stack) -> None:
     with site.api() as api:
         _upload(api, "ped_ssdlite", "2", (MODELS / "ped_ssdlite" / "model.onnx").read_bytes())
         r = api.post(
@@ -358,7 +306,7 @@ def test_pause_resume_cancel_and_rollback_leave_every_device_in_an_agreed_state(
         )
         assert r.status_code == 201, r.text
         canary = site.devices[0]
-        wait_for(partial(site.runs, api, canary, "ped_ssdlite:2"), timeout=120, what="canary runs v2")
+        wait_for(partial(site.runs, canary, "ped_ssdlite:2", api), timeout=120, what="canary runs v2")
 
         def op(name: str) -> dict[str, Any]:
             resp = api.post(f"/api/v1/deployments/ops/{name}")
@@ -385,19 +333,19 @@ def test_pause_resume_cancel_and_rollback_leave_every_device_in_an_agreed_state(
         assert set(states.values()) <= {"active", "rolled_back"}, states
         for d, state in states.items():
             want = "ped_ssdlite:2" if state == "active" else OLD
-            wait_for(partial(site.runs, api, d, want), timeout=120, what=f"{d} ({state}) runs {want}")
+            wait_for(partial(site.runs, d, want, api), timeout=120, what=f"{d} ({state}) runs {want}")
 
         body = op("rollback")
         assert body["state"] == "rolled_back" and op("rollback")["state"] == "rolled_back"
         assert all(d["state"] == "rolled_back" for d in body["rollout"]["devices"])
         for d in site.devices:
-            wait_for(partial(site.runs, api, d, OLD), timeout=120, what=f"{d} back on {OLD}")
+            wait_for(partial(site.runs, d, OLD, api), timeout=120, what=f"{d} back on {OLD}")
             assert api.get(f"/api/v1/devices/{d}").json()["assignments"]["cam1"]["source"] == "direct"
         site.alive()
 
 
 @pytest.mark.parametrize("site", [3], indirect=True)
-def test_a_device_offline_in_its_wave_fails_per_policy_and_converges_when_it_returns(site: Site) -> None:
+def test_a_device_offline_in_its_wave_fails_per_policy_and_converges_when_it_returns(site: Stack) -> None:
     away, away_agent = site.devices[1], site.agents[1]
     with site.api() as api:
         _upload(api, "ped_ssdlite", "2", (MODELS / "ped_ssdlite" / "model.onnx").read_bytes())
@@ -436,9 +384,9 @@ def test_a_device_offline_in_its_wave_fails_per_policy_and_converges_when_it_ret
         assert member[away]["state"] == "failed" and "offline" in member[away]["reason"]
         assert ro["gates"][1]["failed"] == [away] and ro["gates"][1]["passed"] is True
         for d in (site.devices[0], site.devices[2]):
-            wait_for(partial(site.runs, api, d, "ped_ssdlite:2"), timeout=60, what=f"{d} runs v2")
+            wait_for(partial(site.runs, d, "ped_ssdlite:2", api), timeout=60, what=f"{d} runs v2")
         away_agent.start()
         wait_for(
-            partial(site.runs, api, away, "ped_ssdlite:2"), timeout=120, what=f"{away} converges on return"
+            partial(site.runs, away, "ped_ssdlite:2", api), timeout=120, what=f"{away} converges on return"
         )
         site.alive()

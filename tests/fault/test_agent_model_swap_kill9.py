@@ -39,12 +39,12 @@ from edge_agent.uplink.artifacts import file_sha256
 from fleet_protocol.codec import ProtocolError, decode
 from fleet_protocol.messages import ArtifactRef, ArtifactRequest, ModelManifest, ReportedState
 from fleet_protocol.topics import TopicKind, Topics
-from tests.conftest import MODELS
-from tests.fault.conftest import Rig, outbox_state
-from tests.mqtt_broker import MosquittoBroker
-from tests.onnx_models import tf_od_slow
-from tests.processes import AgentProcess
-from tests.waiting import wait_for
+from tests.support.faults import FaultStack, outbox_state
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.onnx_models import tf_od_slow
+from tests.support.paths import MODELS
+from tests.support.processes import AgentProcess
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e  # real broker, controller, agent, models and footage
 
@@ -138,8 +138,8 @@ class DeviceWatch:
 
 
 @pytest.fixture
-def swap_rig(tmp_path: Path, fault_broker: MosquittoBroker) -> Iterator[Rig]:
-    r = Rig(tmp_path, fault_broker)
+def swap_rig(tmp_path: Path, fault_broker: MosquittoBroker) -> Iterator[FaultStack]:
+    r = FaultStack(tmp_path, fault_broker)
     r.controller.env.update(
         EDGEFLEET_CHUNK_SIZE=str(CHUNK),
         EDGEFLEET_ARTIFACT_DEVICE_BYTES_PER_S=str(BYTES_PER_S),
@@ -152,7 +152,7 @@ def swap_rig(tmp_path: Path, fault_broker: MosquittoBroker) -> Iterator[Rig]:
     r.close()
 
 
-def _upload_slow(rig: Rig, swap: Swap) -> None:
+def _upload_slow(rig: FaultStack, swap: Swap) -> None:
     """ped_ssdlite with a heavy branch whose result is multiplied by zero: the same detections, and a
     warm-up (part of every load) of hundreds of milliseconds of compute."""
     fields = json.loads((MODELS / "ped_ssdlite" / "manifest.json").read_text())
@@ -182,7 +182,7 @@ def _log(agent: AgentProcess, since: int = 0) -> str:
 
 
 @pytest.mark.parametrize("swap", SWAPS, ids=[s.phase for s in SWAPS])
-def test_agent_killed_mid_model_swap_resumes_onto_the_new_model(swap_rig: Rig, swap: Swap) -> None:
+def test_agent_killed_mid_model_swap_resumes_onto_the_new_model(swap_rig: FaultStack, swap: Swap) -> None:
     rig = swap_rig
     device = f"fault-swap-{swap.phase}"
     new_key = f"{swap.model}:{swap.version}"
@@ -202,7 +202,7 @@ def test_agent_killed_mid_model_swap_resumes_onto_the_new_model(swap_rig: Rig, s
 
 
 def _swap_killed_and_restarted(
-    rig: Rig, agent: AgentProcess, watch: DeviceWatch, swap: Swap, new_key: str
+    rig: FaultStack, agent: AgentProcess, watch: DeviceWatch, swap: Swap, new_key: str
 ) -> None:
     device = agent.device_id
     store = Path(agent.cfg["data_dir"]) / "models"
@@ -301,7 +301,7 @@ def _swap_killed_and_restarted(
     assert fig.outbox_dropped_agent == 0, fig
     assert fig.stored == fig.published, fig
 
-    events = rig.api("GET", "/api/v1/events", params={"device": device, "limit": 1000})
+    events = rig.call("GET", "/api/v1/events", params={"device": device, "limit": 1000})
     assert not [e for e in events if e["kind"] == "model_failed"], "a model failed"
     activated = [e for e in events if e["kind"] == "model_activate" and e["data"].get("sha256") == sha]
     assert len(activated) == 1, activated  # once, by the restarted agent
@@ -329,6 +329,6 @@ def _swap_killed_and_restarted(
         assert OLD_KEY in {m for late, m in models if late}, models
 
 
-def _rows(rig: Rig, sql: str, device: str, **params: Any) -> list[tuple[Any, ...]]:
+def _rows(rig: FaultStack, sql: str, device: str, **params: Any) -> list[tuple[Any, ...]]:
     with rig._engine.connect() as db:
         return [tuple(r) for r in db.execute(sa.text(sql), {"d": device, **params})]

@@ -27,9 +27,9 @@ import pytest
 
 from fleet_protocol.codec import decode_as
 from fleet_protocol.messages import DesiredState
-from tests.fault.conftest import Figures, Rig
-from tests.processes import AgentProcess
-from tests.waiting import wait_for
+from tests.support.faults import FaultStack, Figures
+from tests.support.processes import AgentProcess
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e  # real broker, controller, agent, model and footage
 
@@ -82,7 +82,7 @@ class AgentDisk:
 
 
 @pytest.fixture
-def disk(tmp_path: Path, rig: Rig) -> Iterator[AgentDisk]:
+def disk(tmp_path: Path, rig: FaultStack) -> Iterator[AgentDisk]:
     mount = tmp_path / "agent-disk"
     mount.mkdir()
     done = subprocess.run(
@@ -104,9 +104,9 @@ def disk(tmp_path: Path, rig: Rig) -> Iterator[AgentDisk]:
             subprocess.run(["umount", "--lazy", str(mount)], capture_output=True, check=False)
 
 
-def storage_events(rig: Rig, device: str, state: str, what: str) -> list[dict[str, Any]]:
+def storage_events(rig: FaultStack, device: str, state: str, what: str) -> list[dict[str, Any]]:
     """The storage events of ``device`` the controller stored (``GET /api/v1/events``), oldest first."""
-    events = rig.api("GET", "/api/v1/events", params={"device": device, "kind": "error", "limit": 1000})
+    events = rig.call("GET", "/api/v1/events", params={"device": device, "kind": "error", "limit": 1000})
     found = [
         e
         for e in events
@@ -117,18 +117,20 @@ def storage_events(rig: Rig, device: str, state: str, what: str) -> list[dict[st
     return sorted(found, key=lambda e: e["seq"])
 
 
-def first_report(rig: Rig, agent: AgentProcess, pid: int, state: str, what: str) -> dict[str, Any] | None:
+def first_report(
+    rig: FaultStack, agent: AgentProcess, pid: int, state: str, what: str
+) -> dict[str, Any] | None:
     """The first storage report (``state``, ``what``) of ``agent`` stored, or None; the agent must be up."""
     alive(agent, pid)
     found = storage_events(rig, agent.device_id, state, what)
     return found[0] if found else None
 
 
-def agent_starts(rig: Rig, device: str) -> int:
-    return len(rig.api("GET", "/api/v1/events", params={"device": device, "kind": "agent_started"}))
+def agent_starts(rig: FaultStack, device: str) -> int:
+    return len(rig.call("GET", "/api/v1/events", params={"device": device, "kind": "agent_started"}))
 
 
-def stored_batches_between(rig: Rig, device: str, first: int, last: int) -> int:
+def stored_batches_between(rig: FaultStack, device: str, first: int, last: int) -> int:
     """Detection batches stored with a seq strictly between ``first`` and ``last``."""
     return int(
         rig._db_one(
@@ -149,7 +151,7 @@ def alive(agent: AgentProcess, pid: int | None = None) -> bool:
     return True
 
 
-def streamed_then_stopped(rig: Rig, disk: AgentDisk, device: str) -> AgentProcess:
+def streamed_then_stopped(rig: FaultStack, disk: AgentDisk, device: str) -> AgentProcess:
     """An agent of ``device`` on ``disk`` that ran until the controller stored its batches, stopped."""
     rig.deploy(device)
     agent = rig.agent(device, data_dir=str(disk.data))
@@ -159,7 +161,7 @@ def streamed_then_stopped(rig: Rig, disk: AgentDisk, device: str) -> AgentProces
     return agent
 
 
-def infers_for_2s(rig: Rig, agent: AgentProcess, pid: int, started: float, what: str) -> None:
+def infers_for_2s(rig: FaultStack, agent: AgentProcess, pid: int, started: float, what: str) -> None:
     """Wait until process ``pid`` of ``agent`` (started at monotonic ``started``) has inferred for two
     seconds by its own clock (batches close every 0.5 s at most), from its heartbeats."""
 
@@ -194,7 +196,7 @@ def zero_seq_loss(fig: Figures) -> None:
     assert fig.stored == fig.published, fig
 
 
-def test_disk_full_mid_stream_holds_reports_and_recovers(rig: Rig, disk: AgentDisk) -> None:
+def test_disk_full_mid_stream_holds_reports_and_recovers(rig: FaultStack, disk: AgentDisk) -> None:
     """The disk fills mid-stream: the outbox is refused a write; the agent reports it while the disk is
     still full, holds new batches in memory (at most 3 here, so the bound drops some, counted), and
     once room comes back writes what it held, reports the recovery with its figures, and streams on."""
@@ -258,7 +260,7 @@ def test_disk_full_mid_stream_holds_reports_and_recovers(rig: Rig, disk: AgentDi
     assert written >= 1, figures
 
 
-def test_agent_restarted_on_a_full_disk_runs_reports_and_recovers(rig: Rig, disk: AgentDisk) -> None:
+def test_agent_restarted_on_a_full_disk_runs_reports_and_recovers(rig: FaultStack, disk: AgentDisk) -> None:
     """The agent starts on a disk already full (its outbox cannot even open: SQLite cannot size its
     shared-memory file). It used to die with a traceback at every start, a crash loop; it must run its
     model from its own disk, report the full disk through the room it kept, and catch up once there
@@ -310,7 +312,9 @@ def _version_on_disk(disk: AgentDisk) -> int:
     return decode_as(DesiredState, (disk.data / "desired.json").read_bytes()).version
 
 
-def test_desired_state_on_a_full_disk_is_applied_reported_and_saved_later(rig: Rig, disk: AgentDisk) -> None:
+def test_desired_state_on_a_full_disk_is_applied_reported_and_saved_later(
+    rig: FaultStack, disk: AgentDisk
+) -> None:
     """A new desired state (a threshold) arrives while the disk is full. Saving it is refused: that used
     to end the message handler, and the state was silently ignored. It must be applied all the same,
     the refused save reported, and the file written once there is room (an agent restarted offline
@@ -377,7 +381,7 @@ def test_desired_state_on_a_full_disk_is_applied_reported_and_saved_later(rig: R
 
 
 def test_agent_started_on_a_read_only_data_folder_runs_and_reports_once_writable(
-    rig: Rig, disk: AgentDisk
+    rig: FaultStack, disk: AgentDisk
 ) -> None:
     """The agent's data folder read-only (a remount, as a failing SD card turns itself): the agent must
     not crash-loop; it runs its model from what it can read, holds what it makes in memory, and once the

@@ -41,10 +41,10 @@ from paho.mqtt.enums import CallbackAPIVersion
 from fleet_protocol.codec import decode
 from fleet_protocol.messages import DetectionBatch
 from fleet_protocol.topics import TopicKind, Topics
-from tests.fault.conftest import Figures, Rig, in_flight
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import AgentProcess
-from tests.waiting import wait_for
+from tests.support.faults import FaultStack, Figures, in_flight
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import AgentProcess
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.e2e,  # real broker, controller, agents, model and footage
@@ -267,10 +267,10 @@ def pg(controller_db: str | None) -> Iterator[Postgres]:
 @pytest.fixture
 def pg_rig(
     tmp_path: Path, fault_broker: MosquittoBroker, controller_db: str | None, pg: Postgres
-) -> Iterator[Rig]:
+) -> Iterator[FaultStack]:
     """The rig, with the controller's connections named ``APP`` (the test reads with its own name)."""
     assert controller_db is not None
-    r = Rig(tmp_path, fault_broker, controller_db)
+    r = FaultStack(tmp_path, fault_broker, controller_db)
     r.controller.env["EDGEFLEET_DATABASE_URL"] = f"{controller_db}&application_name={APP}"
     try:
         r.controller.start()
@@ -280,7 +280,7 @@ def pg_rig(
         r.close()
 
 
-def _start(rig: Rig, device: str) -> tuple[AgentProcess, BoxTap]:
+def _start(rig: FaultStack, device: str) -> tuple[AgentProcess, BoxTap]:
     rig.deploy(device)
     tap = BoxTap(rig.broker, device)
     agent = rig.agent(device)
@@ -324,7 +324,7 @@ def _exactly_once(pg: Postgres, tap: BoxTap, fig: Figures, device: str) -> None:
     }
 
 
-def test_controller_kill9_while_ingest_transaction_waits(pg_rig: Rig, pg: Postgres) -> None:
+def test_controller_kill9_while_ingest_transaction_waits(pg_rig: FaultStack, pg: Postgres) -> None:
     rig, device = pg_rig, "fault-pg-inflight"
     agent, tap = _start(rig, device)
 
@@ -385,7 +385,7 @@ COMMIT_GATE_SQL = (
 )
 
 
-def test_controller_kill9_after_commit_before_ack(pg_rig: Rig, pg: Postgres) -> None:
+def test_controller_kill9_after_commit_before_ack(pg_rig: FaultStack, pg: Postgres) -> None:
     rig, device = pg_rig, "fault-pg-committed"
     agent, tap = _start(rig, device)
     key = secrets.randbelow(2**62)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.databases import DATABASES
-from tests.fault.conftest import Figures, Rig, in_flight, outbox_state
-from tests.fault.tcp_proxy import TcpProxy
-from tests.waiting import wait_for
+from tests.support.databases import DATABASES
+from tests.support.faults import FaultStack, Figures, in_flight, outbox_state
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e  # real broker, controller, agents, model and footage
 
@@ -30,7 +30,7 @@ def _zero_loss(fig: Figures) -> None:
     assert fig.stored == fig.published, fig
 
 
-def test_broker_stopped_30s_mid_stream(rig: Rig) -> None:
+def test_broker_stopped_30s_mid_stream(rig: FaultStack) -> None:
     rig.deploy("fault-a")
     agent = rig.agent("fault-a")
     agent.start()
@@ -47,7 +47,7 @@ def test_broker_stopped_30s_mid_stream(rig: Rig) -> None:
 
 # On both databases: a controller killed mid-transaction must lose nothing on PostgreSQL either.
 @pytest.mark.parametrize("controller_db", DATABASES, indirect=True)
-def test_controller_kill9_mid_stream(rig: Rig) -> None:
+def test_controller_kill9_mid_stream(rig: FaultStack) -> None:
     """The controller is frozen (SIGSTOP) until batches it was sent sit unacked in the agent's outbox,
     then killed (-9) with them unhandled: the agent must send them again, to a dead controller and then
     to the restarted one, and each is stored exactly once."""
@@ -73,7 +73,7 @@ def test_controller_kill9_mid_stream(rig: Rig) -> None:
     assert fig.wire_msgs > fig.wire_distinct, fig
 
 
-def test_agent_kill9_mid_stream(rig: Rig) -> None:
+def test_agent_kill9_mid_stream(rig: FaultStack) -> None:
     """Acks are held (the controller frozen by SIGSTOP) so that the agent's outbox has sent, unacked
     rows when it is killed (-9); the restarted agent sends them again (before the controller could
     ack anything: a resend, not a first send), and each is stored exactly once."""
@@ -98,14 +98,14 @@ def test_agent_kill9_mid_stream(rig: Rig) -> None:
 
 
 @pytest.fixture
-def proxy(rig: Rig) -> Iterator[TcpProxy]:
+def proxy(rig: FaultStack) -> Iterator[TcpProxy]:
     p = TcpProxy(rig.broker.host, rig.broker.port)
     p.start()
     yield p
     p.stop()
 
 
-def test_link_blackholed_without_closing(rig: Rig, proxy: TcpProxy) -> None:
+def test_link_blackholed_without_closing(rig: FaultStack, proxy: TcpProxy) -> None:
     rig.deploy("fault-d")
     agent = rig.agent("fault-d", mqtt_url=proxy.url)
     agent.start()
@@ -128,7 +128,7 @@ def test_link_blackholed_without_closing(rig: Rig, proxy: TcpProxy) -> None:
     _zero_loss(rig.converge(agent, "d link blackholed"))
 
 
-def test_outbox_bound_drops_oldest_counted_and_reported(rig: Rig) -> None:
+def test_outbox_bound_drops_oldest_counted_and_reported(rig: FaultStack) -> None:
     rig.deploy("fault-e")
     agent = rig.agent("fault-e", outbox={"max_messages": 10})
     agent.start()
@@ -155,7 +155,7 @@ def test_outbox_bound_drops_oldest_counted_and_reported(rig: Rig) -> None:
     assert fig.stored + fig.outbox_dropped_controller == fig.published, fig
 
 
-def test_agent_restarted_offline_runs_from_disk_and_catches_up(rig: Rig, tmp_path: Path) -> None:
+def test_agent_restarted_offline_runs_from_disk_and_catches_up(rig: FaultStack, tmp_path: Path) -> None:
     rig.deploy("fault-offline")
     agent = rig.agent("fault-offline")
     agent.start()
@@ -188,7 +188,7 @@ LIBFAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.
 
 
 @pytest.mark.parametrize(("skew", "skew_s"), [("+1h", 3600), ("-1h", -3600)], ids=["ahead", "behind"])
-def test_agent_clock_an_hour_off(rig: Rig, skew: str, skew_s: int) -> None:
+def test_agent_clock_an_hour_off(rig: FaultStack, skew: str, skew_s: int) -> None:
     """The agent's wall clock an hour ahead of or behind the controller's (libfaketime; monotonic
     clocks untouched, as on a device whose NTP is off): everything arrives, once, and the controller
     keeps the device online and stores the agent's own capture times."""
@@ -201,7 +201,7 @@ def test_agent_clock_an_hour_off(rig: Rig, skew: str, skew_s: int) -> None:
     agent.start()
     rig.wait_streaming(agent, batches=5)
     # The fault hit: the capture times stored are the agent's, an hour off the controller's clock.
-    items = rig.api("GET", "/api/v1/detections", params={"device": device, "limit": 50})["items"]
+    items = rig.call("GET", "/api/v1/detections", params={"device": device, "limit": 50})["items"]
     assert items, "detections stored"
     offsets = [datetime.fromisoformat(d["captured_at"]).timestamp() - time.time() for d in items]
     assert all(abs(o - skew_s) < 600 for o in offsets), offsets

@@ -2,11 +2,11 @@
 CPU provider computes.
 
 tests/unit/edge_agent/test_edge_trt.py checks the TensorRT path through a fake runtime. Here the real
-one runs (``edge_agent.inference.trt.TensorRtRuntime``: the TensorRT 10 builder, ``deserialize_cuda_engine``,
+one runs (``edge_agent.inference.tensorrt.runtime.TensorRtRuntime``: the TensorRT 10 builder, ``deserialize_cuda_engine``,
 cuda-python device and pinned host buffers, one stream, ``execute_async_v3``), on a tiny ONNX model:
 
 * through the agent's own path, ``AutoBackendFactory`` with ``inference.engine: tensorrt``: the engine
-  is built in a build process (``edge_agent.inference.engine_build``), cached, loaded and run at several batch
+  is built in a build process (``edge_agent.inference.engine_build.child``), cached, loaded and run at several batch
   sizes of its dynamic profile, then loaded again from the cache;
 * ``TensorRtRuntime.build_engine`` / ``load_engine`` called directly, in this process, on a model with
   a fixed batch;
@@ -14,7 +14,7 @@ cuda-python device and pinned host buffers, one stream, ``execute_async_v3``), o
 
 Outputs must match onnxruntime's CPU provider within a tolerance that allows TF32 (TensorRT 10's
 default for FP32 engines) or FP16. Opt-in: without tensorrt, cuda-python, a GPU or onnxruntime-gpu
-the tests skip and say why; ``EDGEFLEET_REQUIRE_GPU=1`` makes that a failure (tests/gpu/stack.py):
+the tests skip and say why; ``EDGEFLEET_REQUIRE_GPU=1`` makes that a failure (tests/support/gpu_stack.py):
 
     EDGEFLEET_REQUIRE_GPU=1 .venv/bin/pytest tests/gpu
 """
@@ -28,24 +28,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.inference.backends import (
-    CPU_EP,
-    CUDA_EP,
-    AutoBackendFactory,
-    BuildNote,
-    LoadRequest,
-    OnnxRuntimeBackend,
-)
-from edge_agent.inference.engine_build import BuildSupervisor
-from edge_agent.inference.trt import (
-    NATIVE_PROVIDER,
-    BuildOptions,
-    Precision,
-    TensorRtBackend,
-    TrtError,
-)
+from edge_agent.inference.engine_build import ChildProcessBuilds
+from edge_agent.inference.factory import AutoBackendFactory, BuildNote, LoadRequest
+from edge_agent.inference.ort import OnnxRuntimeBackend
+from edge_agent.inference.providers import CPU_EP, CUDA_EP
+from edge_agent.inference.tensorrt.backend import NATIVE_PROVIDER, TensorRtBackend
+from edge_agent.inference.tensorrt.build_config import BuildOptions, Precision
+from edge_agent.inference.tensorrt.errors import TrtError
 from fleet_protocol.messages import InputSpec, ModelManifest
-from tests.gpu.stack import require_ort_cuda, trt_runtime
+from tests.support.gpu_stack import require_ort_cuda, trt_runtime
 
 pytestmark = pytest.mark.gpu
 
@@ -145,7 +136,7 @@ def test_the_agents_tensorrt_path_builds_caches_and_runs_an_engine_like_onnxrunt
         cache_dir=tmp_path / "cache",
         max_batch=MAX_BATCH,
         runtime=rt,  # loads the engine in this process, as the agent does
-        builds=BuildSupervisor(timeout_s=BUILD_TIMEOUT_S),  # the build runs in a build process
+        builds=ChildProcessBuilds(timeout_s=BUILD_TIMEOUT_S),  # the build runs in a build process
         available_providers=lambda: [CPU_EP],  # where it would fall back to (which must not happen)
     )
     notes: list[BuildNote] = []

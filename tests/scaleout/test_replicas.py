@@ -26,12 +26,12 @@ from paho.mqtt.enums import CallbackAPIVersion
 from websockets.sync.client import connect as ws_connect
 
 from fleet_protocol.topics import TopicKind, Topics
-from tests.databases import postgres_schema
-from tests.integration.security.dynsec import ADMIN_PASSWORD, ADMIN_USER
-from tests.mqtt_broker import MosquittoBroker, dynsec_broker
-from tests.processes import SimulatorProcess, bearer
-from tests.scaleout.replicas import ReplicaSet, timed
-from tests.waiting import wait_for
+from tests.support.databases import postgres_schema
+from tests.support.dynsec import ADMIN_PASSWORD, ADMIN_USER
+from tests.support.mqtt_broker import MosquittoBroker, dynsec_broker
+from tests.support.processes import HEARTBEAT_TIMEOUT_S, SimulatorProcess, bearer
+from tests.support.replicas import ReplicaSet, timed
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.scaleout]
 
@@ -44,7 +44,9 @@ def db_url() -> Iterator[str]:
 
 @pytest.fixture
 def replicas(tmp_path: Path, broker: MosquittoBroker, db_url: str) -> Iterator[ReplicaSet]:
-    rs = ReplicaSet(tmp_path / "replicas", broker.url, db_url, n=3, EDGEFLEET_HEARTBEAT_TIMEOUT_S="30")
+    rs = ReplicaSet(
+        tmp_path / "replicas", broker.url, db_url, n=3, EDGEFLEET_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S)
+    )
     try:
         rs.start()
         yield rs

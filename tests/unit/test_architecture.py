@@ -414,3 +414,54 @@ def test_the_control_and_uplink_wings_import_without_the_optional_extras() -> No
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok")
+
+
+# --------------------------------------------------------------------------- the test harness
+
+HARNESS = "tests.support"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, module) for every import in ``path``, relative ones resolved; ``from P import N`` also
+    yields ``P.N`` (N may be a module)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            yield node.lineno, module
+            for alias in node.names:
+                yield node.lineno, f"{module}.{alias.name}"
+
+
+def test_no_module_imports_a_test_module_and_bench_imports_only_the_harness_of_tests() -> None:
+    """Test modules share code through tests/support (or a conftest fixture), never through each
+    other; bench/ reaches into tests/ only for the harness, ``tests.support``."""
+    files = sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")])
+    test_modules = {_module_name(f) for f in files if f.name.startswith("test_")}
+    assert len(test_modules) > 100, "the scan found no test modules: is ROOT right?"
+    bad: list[str] = []
+    harness_imports = 0
+    for f in files:
+        where = f.relative_to(ROOT)
+        for line, module in _imported(f):
+            if module in test_modules:
+                bad.append(f"{where}:{line} imports the test module {module}")
+            if where.parts[0] == "bench" and (module == "tests" or module.startswith("tests.")):
+                if module == HARNESS or module.startswith(f"{HARNESS}."):
+                    harness_imports += 1
+                elif module != "tests":  # ``from tests import support`` also yields tests itself
+                    bad.append(f"{where}:{line} imports {module}: bench/ may import only {HARNESS}")
+    assert not bad, "\n".join(bad)
+    assert harness_imports, f"bench/ no longer imports {HARNESS}: is the scan still reading it?"

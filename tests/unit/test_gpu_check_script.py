@@ -52,7 +52,7 @@ def test_without_a_gpu_it_exits_0_after_saying_why(tmp_path: Path) -> None:
     assert data["stack"]["packages"], "the installed stack is probed and recorded even without a GPU"
 
 
-class FakeEngine:
+class OnnxFileEngine:
     """onnxruntime on the CPU standing in for a deserialized TensorRT engine."""
 
     def __init__(self, data: bytes) -> None:
@@ -71,7 +71,7 @@ class FakeEngine:
         pass
 
 
-class FakeRuntime:
+class OnnxFileRuntime:
     """A TrtRuntime whose "engine" is the ONNX file itself: the script's own logic, no GPU."""
 
     version, gpu_name, compute_capability = "10.16.1.11", "Fake GPU", "9.0"
@@ -87,19 +87,19 @@ class FakeRuntime:
                 progress(pct)
         return onnx_path.read_bytes()
 
-    def load_engine(self, data: bytes) -> FakeEngine:
-        return FakeEngine(data)
+    def load_engine(self, data: bytes) -> OnnxFileEngine:
+        return OnnxFileEngine(data)
 
 
 def test_each_model_is_built_reloaded_from_the_cache_and_scored_with_the_agents_and_controllers_code(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Through the seams (a fake TensorRT runtime): guards the script against drift in edge_agent.inference.trt,
+    """Through the seams (a fake TensorRT runtime): guards the script against drift in edge_agent.inference.tensorrt,
     the agent's preprocessing/decoders and the controller's fidelity module, which no CI GPU runs."""
     import cv2
     import onnxruntime as ort
 
-    from edge_agent.inference.trt import EngineCache
+    from edge_agent.inference.tensorrt.cache import EngineCache
 
     gc = load_script()
     from controller.registry import fidelity
@@ -108,7 +108,7 @@ def test_each_model_is_built_reloaded_from_the_cache_and_scored_with_the_agents_
     frames = [cap.read()[1] for _ in range(3)]
     cap.release()
     run = gc.Run(tmp_path / "result.json", budget_s=300)
-    rt = FakeRuntime()
+    rt = OnnxFileRuntime()
     cache = EngineCache(tmp_path / "engines")
     args = type("Args", (), {"build_timeout_s": 60.0, "workspace_mb": 256, "seconds": 0.2, "device": 0})()
     for model in gc.bundled_models(None):

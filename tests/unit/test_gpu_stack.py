@@ -2,14 +2,14 @@
 ``edge_agent/inference/gpu_stack.py`` and the Dockerfiles agree, and PyPI really serves what is pinned.
 
 Offline: parses the pins themselves. Within each stack every package is built for the same CUDA major;
-TensorRT is the major ``edge_agent/inference/trt.py`` is written for; ``onnxruntime`` and ``onnxruntime-gpu`` never
+TensorRT is the major ``edge_agent/inference/tensorrt/runtime.py`` is written for; ``onnxruntime`` and ``onnxruntime-gpu`` never
 share a constraints file or the extra; the extra admits the tested CUDA 12 pins and nothing of another
 CUDA or TensorRT major; the Dockerfiles install the stack they claim.
 
 Online (PyPI, through pip and its own configuration): ``pip install --dry-run`` resolves every pinned
 package PyPI serves, with dependencies where PyPI holds them all; the onnxruntime-gpu wheels' own
 metadata confirm their CUDA major; TensorRT's bindings wheel (1.3 MB) is searched for every TensorRT
-name trt.py calls (TensorRT 11's lacks ``platform_has_fast_fp16``, ``int8_calibrator``, the calibrator
+name runtime.py calls (TensorRT 11's lacks ``platform_has_fast_fp16``, ``int8_calibrator``, the calibrator
 classes...). Not resolvable here: ``tensorrt-cu1x-libs``, whose PyPI release is a stub that fetches the
 real wheel from pypi.nvidia.com at install time. These tests skip, saying why, only when pip cannot
 reach its index.
@@ -44,7 +44,7 @@ JETSON = DOCKER / "constraints-jetson-jp6.txt"
 X86_STACKS = {12: CU12, 13: CU13}
 ORT = {canonicalize_name(n) for n in gpu_stack.ORT_DISTRIBUTIONS}
 
-# TensorRT Python names edge_agent/inference/trt.py may call; the test checks those it does call.
+# TensorRT Python names edge_agent/inference/tensorrt/runtime.py may call; the test checks those it does call.
 TRT_API = (
     "Logger",
     "Runtime",
@@ -148,10 +148,14 @@ def test_every_package_of_a_stack_is_built_for_its_cuda_major(cuda: int) -> None
         assert name in c.pins, f"{c.path.name} leaves {name} unpinned"
 
 
-def test_tensorrt_is_the_major_trt_py_is_written_for() -> None:
+def test_tensorrt_is_the_major_the_runtime_is_written_for() -> None:
     assert gpu_stack.TENSORRT_MAJOR == 10
-    m = re.search(r"^TRT_MAJOR_SUPPORTED\s*=\s*(\d+)", (ROOT / "edge_agent" / "inference" / "trt.py").read_text(), re.M)
-    if m:  # trt.py states its own major: the stack check must use the same one
+    m = re.search(
+        r"^TRT_MAJOR_SUPPORTED\s*=\s*(\d+)",
+        (ROOT / "edge_agent" / "inference" / "tensorrt" / "runtime.py").read_text(),
+        re.M,
+    )
+    if m:  # runtime.py states its own major: the stack check must use the same one
         assert int(m.group(1)) == gpu_stack.TENSORRT_MAJOR
     for path in (CU12, CU13, JETSON):
         c = read_constraints(path)
@@ -181,7 +185,7 @@ def test_the_gpu_extra_is_the_tested_cuda12_stack_and_nothing_else() -> None:
     for name, spec in extra.items():
         if name in pins:
             assert spec.contains(pins[name]), f"gpu extra {name}{spec} excludes the tested {pins[name]}"
-    # What each range must keep out: another CUDA major, or TensorRT 11 (the API trt.py uses is gone).
+    # What each range must keep out: another CUDA major, or TensorRT 11 (the API runtime.py uses is gone).
     keep_out = {
         "onnxruntime-gpu": ["1.18.1", "1.27.0", "1.31.1"],  # CUDA 11.8 / CUDA 13 builds
         "tensorrt-cu12": ["11.0.0.114", "11.4.0.106", "8.6.1"],
@@ -356,10 +360,10 @@ def ort_wheel_cuda_major(metadata: dict[str, Any]) -> int:
     raise AssertionError(f"onnxruntime-gpu {metadata['version']} declares no CUDA runtime in its cuda extra")
 
 
-def trt_calls_in_trt_py() -> list[str]:
-    source = (ROOT / "edge_agent" / "inference" / "trt.py").read_text()
+def trt_calls_in_runtime_py() -> list[str]:
+    source = (ROOT / "edge_agent" / "inference" / "tensorrt" / "runtime.py").read_text()
     called = [n for n in TRT_API if re.search(rf"\b{n}\b", source)]
-    assert len(called) >= 20, f"trt.py no longer looks like the TensorRT backend: {called}"
+    assert len(called) >= 20, f"runtime.py no longer looks like the TensorRT runtime: {called}"
     return called
 
 
@@ -376,7 +380,7 @@ def test_pypi_serves_the_x86_stack_and_it_is_what_it_claims(cuda: int, pypi: dic
     for part in (trt, f"{trt}-libs"):
         listed = re.search(r"^Available versions: (.+)$", pypi[part].wait(), re.M)
         assert listed and c.pins[part] in listed.group(1).split(", "), f"PyPI has no {part} {c.pins[part]}"
-    # The bindings really have every TensorRT name trt.py calls (TensorRT 11's do not).
+    # The bindings really have every TensorRT name runtime.py calls (TensorRT 11's do not).
     job = pypi[f"bindings{cuda}"]
     job.wait()
     (wheel,) = job.folder.glob("*.whl")
@@ -385,10 +389,12 @@ def test_pypi_serves_the_x86_stack_and_it_is_what_it_claims(cuda: int, pypi: dic
         binary = z.read(so)
     missing = [
         n
-        for n in trt_calls_in_trt_py()
+        for n in trt_calls_in_runtime_py()
         if not re.search(rb"(?<![A-Za-z0-9_])" + n.encode() + rb"(?![A-Za-z0-9_])", binary)
     ]
-    assert not missing, f"TensorRT {c.pins[trt]} lacks what edge_agent/inference/trt.py calls: {missing}"
+    assert not missing, (
+        f"TensorRT {c.pins[trt]} lacks what edge_agent/inference/tensorrt/runtime.py calls: {missing}"
+    )
 
 
 def test_pypi_serves_the_jetson_pins_for_linux_aarch64(pypi: dict[str, PipJob]) -> None:

@@ -19,9 +19,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 from controller.app import create_app
 from controller.settings import ControllerSettings
 from fleet_protocol import TopicKind, Topics, encode
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import ADMIN_HEADERS, ADMIN_TOKEN
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import ADMIN_HEADERS, ADMIN_TOKEN
+from tests.support.waiting import wait_for
 
 MODEL_BYTES = bytes(range(256)) * 1100
 

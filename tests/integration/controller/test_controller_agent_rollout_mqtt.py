@@ -27,9 +27,9 @@ from fleet_protocol.messages import (
     ReportedState,
 )
 from fleet_protocol.signing import load_public_key, verify_agent_package, verify_desired
-from tests.agent_packages import make_package
 from tests.integration.controller.conftest import AppFactory, FakeAgent
-from tests.waiting import wait_for
+from tests.support.agent_packages import make_package
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import ControllerProcess
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import ControllerProcess
 
 pytestmark = pytest.mark.integration
 

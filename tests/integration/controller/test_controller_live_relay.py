@@ -16,9 +16,9 @@ from controller.link.ingest import StoredBatch
 from controller.observe.live import LiveFilter, LiveHub
 from controller.observe.live_relay import LiveRelay
 from fleet_protocol.endpoint import MqttEndpoint
-from tests.messages import detection_batch
-from tests.mqtt_broker import MosquittoBroker
-from tests.waiting import wait_for
+from tests.support.messages import detection_batch
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

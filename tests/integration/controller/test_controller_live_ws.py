@@ -30,9 +30,9 @@ from fleet_protocol.messages import (
     GpuStats,
     Heartbeat,
 )
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import ControllerProcess, bearer
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import ControllerProcess, bearer, start_controller
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -42,8 +42,7 @@ TOPICS = Topics()
 
 @pytest.fixture
 def controller(tmp_path: Path, broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(tmp_path, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="60")
-    c.start()
+    c = start_controller(tmp_path, broker, EDGEFLEET_HEARTBEAT_TIMEOUT_S="60")
     yield c
     c.stop()
 

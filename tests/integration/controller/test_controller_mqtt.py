@@ -28,9 +28,9 @@ from fleet_protocol.messages import (
     Heartbeat,
 )
 from tests.integration.controller.conftest import MODEL_BYTES, AppFactory, FakeAgent
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import ADMIN_HEADERS, ADMIN_TOKEN
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import ADMIN_HEADERS, ADMIN_TOKEN
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -28,12 +28,12 @@ from fleet_protocol.messages import (
     Message,
 )
 from fleet_protocol.signing import generate_private_key, save_private_key
-from tests.databases import postgres_schema
 from tests.integration.controller.conftest import FakeAgent
-from tests.messages import detection_batch
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import ADMIN_HEADERS, ADMIN_TOKEN
-from tests.waiting import wait_for
+from tests.support.databases import postgres_schema
+from tests.support.messages import detection_batch
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import ADMIN_HEADERS, ADMIN_TOKEN
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ import pytest
 from fleet_protocol import TopicKind, Topics, decode
 from fleet_protocol.messages import Availability, CameraReported, Capabilities, DesiredState, ReportedState
 from tests.integration.controller.conftest import AppFactory, FakeAgent
-from tests.mqtt_broker import MosquittoBroker
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

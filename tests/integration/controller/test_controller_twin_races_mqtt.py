@@ -19,15 +19,15 @@ from controller.link.bridge import PahoTransport
 from fleet_protocol import TopicKind, Topics, decode
 from fleet_protocol.endpoint import MqttEndpoint
 from fleet_protocol.messages import DesiredState
-from tests.databases import database_url
-from tests.mqtt_broker import MosquittoBroker
-from tests.unit.controller.test_controller_fleet_leader_work import (
+from tests.support.databases import database_url
+from tests.support.fleet_replicas import (
     Replica,
     add_devices,
     make_replica,
     prepare,
 )
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.waiting import wait_for
 
 DEVICE = f"race-{uuid.uuid4().hex[:6]}"  # the session's broker is shared: a topic of this test's own
 

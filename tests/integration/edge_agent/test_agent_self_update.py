@@ -22,10 +22,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 import pytest
@@ -35,8 +35,7 @@ from edge_agent.update.package import BuiltPackage, build_package
 from fleet_protocol.codec import encode_chunk
 from fleet_protocol.messages import AgentPackageRef, AgentUpdateState, EventKind, ReportedState
 from fleet_protocol.signing import sign_agent_package
-from tests.conftest import FOOTAGE, MODELS, REPO
-from tests.integration.edge_agent.edge_standin import (
+from tests.support.edge_standin import (
     CONTROLLER_KEY,
     PUBLIC_KEY,
     StandInController,
@@ -44,15 +43,15 @@ from tests.integration.edge_agent.edge_standin import (
     desired,
     load_manifest,
 )
-from tests.integration.edge_agent.transfer_helpers import TransferSpy, bitmap_have
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import AgentProcess, ControllerProcess, artifact_public_key
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import FOOTAGE, MODELS, REPO
+from tests.support.processes import AgentProcess, ControllerProcess, start_controller
+from tests.support.transfer_helpers import TransferSpy, bitmap_have
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
 PED = MODELS / "ped_ssdlite"
-T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- packages (once per session)
@@ -101,34 +100,15 @@ def package_ref(pkg: BuiltPackage, *, chunk_size: int = 64 * 1024, sign: bool = 
 # --------------------------------------------------------------------------- the supervised agent
 
 
-class SupervisedAgent(AgentProcess):
-    """The agent as systemd runs it: ``python -m edge_agent.supervisor --config FILE``."""
-
-    def start(self) -> None:
-        if "artifact_public_key" not in self.cfg and self.controller is not None:
-            self.cfg["artifact_public_key"] = artifact_public_key(self.controller.url, self.controller.token)
-            self._write_config()
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [self.python, "-m", "edge_agent.supervisor", "--config", str(self.config)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
-                cwd=REPO,  # the supervisor's children must not import the repository's code from here
-            )
-
-    @property
-    def data(self) -> Path:
-        return self.workdir / self.device_id
-
-    def child_pid(self) -> int | None:
-        if self.proc is None:
-            return None
-        try:
-            kids = psutil.Process(self.proc.pid).children()
-        except psutil.NoSuchProcess:
-            return None
-        return kids[0].pid if kids else None
+def child_pid(agent: AgentProcess) -> int | None:
+    """The supervisor's child: the agent process it runs."""
+    if agent.proc is None:
+        return None
+    try:
+        kids = psutil.Process(agent.proc.pid).children()
+    except psutil.NoSuchProcess:
+        return None
+    return kids[0].pid if kids else None
 
 
 def supervised(
@@ -138,30 +118,24 @@ def supervised(
     *,
     controller: ControllerProcess | None = None,
     **extra: Any,
-) -> SupervisedAgent:
-    """A supervised agent trusting the stand-in's key, or the real ``controller``'s."""
-    return SupervisedAgent(
+) -> AgentProcess:
+    """The agent as systemd runs it (``python -m edge_agent.supervisor --config FILE``), trusting the
+    stand-in's key, or the real ``controller``'s."""
+    return AgentProcess(
         tmp_path,
         device,
         broker.url,
         cameras=extra.pop("cameras", []),
         public_key=PUBLIC_KEY if controller is None else None,
         controller=controller,
+        module="edge_agent.supervisor",
+        cwd=REPO,  # the supervisor's children must not import the repository's code from here
         mqtt_reconnect_max_s=1,
         outbox={"ack_timeout_s": 2, "batch_max_frames": 5, "batch_max_delay_s": 0.3},
         artifacts={"request_timeout_s": 2, **extra.pop("artifacts", {})},
         update={"retry_min_s": 60},
         **extra,
     )
-
-
-def _wait(agent: AgentProcess, check: Callable[[], T | None], *, timeout: float, what: str) -> T:
-    """wait_for, with the supervisor's log tail (it carries the agent's stderr) in a failure."""
-    try:
-        return wait_for(check, timeout=timeout, what=what)
-    except AssertionError as exc:
-        tail = agent.log.read_text(errors="replace")[-6000:] if agent.log.exists() else "(no log)"
-        raise AssertionError(f"{exc}\n--- supervisor log tail ---\n{tail}") from None
 
 
 def agent_report(ctl: StandInController) -> ReportedState | None:
@@ -208,29 +182,34 @@ def test_an_update_to_1_1_succeeds_and_keeps_outbox_desired_state_and_models(
     ctl.publish_desired(desired(1, cameras))
     agent.start()
     try:
-        _wait(agent, lambda: len(ctl.frames()) >= 10, timeout=90, what="detections from the base version")
-        rep = _wait(
-            agent,
+        wait_for(
+            lambda: len(ctl.frames()) >= 10,
+            timeout=90,
+            what="detections from the base version",
+            log=agent.log,
+        )
+        rep = wait_for(
             lambda: reported_agent(ctl, BASE_VERSION, AgentUpdateState.IDLE),
             timeout=30,
             what="0.1.0 idle",
+            log=agent.log,
         )
         assert rep.agent is not None and rep.agent.slot == "base"
         model_requests = len([r for r in ctl.requests if r.sha256 == manifest.sha256])
         before_update = len(ctl.batches)
 
         ctl.publish_desired(desired(2, cameras).model_copy(update={"agent": package_ref(pkg)}))
-        rep = _wait(
-            agent,
+        rep = wait_for(
             lambda: reported_agent(ctl, "1.1", AgentUpdateState.IDLE),
             timeout=180,
             what="the device reporting agent 1.1, idle",
+            log=agent.log,
         )
         assert rep.agent is not None
         assert (rep.agent.slot, rep.agent.target, rep.agent.previous) == ("1.1", None, BASE_VERSION)
         assert rep.desired_version == 2
-        updated = _wait(
-            agent, lambda: events_of(ctl, EventKind.AGENT_UPDATED), timeout=30, what="agent_updated"
+        updated = wait_for(
+            lambda: events_of(ctl, EventKind.AGENT_UPDATED), timeout=30, what="agent_updated", log=agent.log
         )
         assert len(updated) == 1 and updated[0].data["version"] == "1.1"
         phases = [e.data["phase"] for e in events_of(ctl, EventKind.AGENT_UPDATE)]
@@ -240,7 +219,9 @@ def test_an_update_to_1_1_succeeds_and_keeps_outbox_desired_state_and_models(
 
         # Detections go on from the new version, on the model from the store (not fetched again).
         after = len(ctl.batches)
-        _wait(agent, lambda: len(ctl.batches) >= after + 5, timeout=60, what="detections from agent 1.1")
+        wait_for(
+            lambda: len(ctl.batches) >= after + 5, timeout=60, what="detections from agent 1.1", log=agent.log
+        )
         assert len(ctl.batches) > before_update
         assert len([r for r in ctl.requests if r.sha256 == manifest.sha256]) == model_requests
         last = ctl.latest_reported()
@@ -253,7 +234,7 @@ def test_an_update_to_1_1_succeeds_and_keeps_outbox_desired_state_and_models(
                 seqs = set(ctl.stored)
             return seqs == set(range(1, max(seqs) + 1))
 
-        _wait(agent, contiguous, timeout=30, what="every seq from 1 to the last stored")
+        wait_for(contiguous, timeout=30, what="every seq from 1 to the last stored", log=agent.log)
         with ctl.lock:
             seqs_in_order = [b.seq for b in ctl.batches]
             incarnations = {getattr(b, "incarnation", None) for b in ctl.batches}
@@ -279,25 +260,28 @@ def test_a_1_1_that_crashes_at_start_is_rolled_back_with_the_reason(
     agent = supervised(tmp_path, own_broker, ctl.device_id)
     agent.start()
     try:
-        _wait(
-            agent,
+        wait_for(
             lambda: reported_agent(ctl, BASE_VERSION, AgentUpdateState.IDLE),
             timeout=60,
             what="base up",
+            log=agent.log,
         )
         ctl.publish_desired(desired(1, {}).model_copy(update={"agent": package_ref(pkg)}))
-        rolled = _wait(
-            agent, lambda: events_of(ctl, EventKind.AGENT_ROLLED_BACK), timeout=180, what="agent_rolled_back"
+        rolled = wait_for(
+            lambda: events_of(ctl, EventKind.AGENT_ROLLED_BACK),
+            timeout=180,
+            what="agent_rolled_back",
+            log=agent.log,
         )
         assert len(rolled) == 1
         reason = rolled[0].data["reason"]
         assert "injected crash" in reason and "code 1" in reason, reason
         assert rolled[0].data["version"] == "1.1" and rolled[0].data["running"] == BASE_VERSION
-        rep = _wait(
-            agent,
+        rep = wait_for(
             lambda: reported_agent(ctl, BASE_VERSION, AgentUpdateState.ROLLED_BACK),
             timeout=30,
             what="the device reporting the roll-back",
+            log=agent.log,
         )
         assert rep.agent is not None
         assert (
@@ -307,11 +291,11 @@ def test_a_1_1_that_crashes_at_start_is_rolled_back_with_the_reason(
         assert agent.alive()
         # Not tried again: one install, one restart, whatever the retained desired state says.
         ctl.publish_desired(desired(2, {}).model_copy(update={"agent": package_ref(pkg)}))
-        _wait(
-            agent,
+        wait_for(
             lambda: (r := ctl.latest_reported()) is not None and r.desired_version == 2,
             timeout=30,
             what="desired v2 applied",
+            log=agent.log,
         )
         restarts = [e for e in events_of(ctl, EventKind.AGENT_UPDATE) if e.data["phase"] == "restarting"]
         assert len(restarts) == 1
@@ -341,13 +325,13 @@ def test_an_update_killed_halfway_through_the_download_resumes_with_the_missing_
     downloads = agent.data / "agent" / "downloads"
     try:
         agent.start()
-        _wait(
-            agent,
+        wait_for(
             lambda: reported_agent(ctl, BASE_VERSION, AgentUpdateState.IDLE),
             timeout=60,
             what="base up",
+            log=agent.log,
         )
-        victim = agent.child_pid()
+        victim = child_pid(agent)
         assert victim is not None
 
         def kill() -> None:
@@ -355,26 +339,31 @@ def test_an_update_killed_halfway_through_the_download_resumes_with_the_missing_
 
         killed = spy.when_distinct_requested(3 * total // 4, kill)
         ctl.publish_desired(desired(1, {}).model_copy(update={"agent": package_ref(pkg, chunk_size=chunk)}))
-        _wait(agent, killed.is_set, timeout=60, what="the agent asking for 3/4 of the chunks")
-        _wait(
-            agent,
+        wait_for(killed.is_set, timeout=60, what="the agent asking for 3/4 of the chunks", log=agent.log)
+        wait_for(
             lambda: not psutil.pid_exists(victim) or psutil.Process(victim).status() == "zombie",
             timeout=10,
             what="the agent child killed",
+            log=agent.log,
         )
         have = bitmap_have(downloads, pkg.sha256)
         assert have is not None and len(have) == total, "the partial download's bitmap survives"
         missing = {i for i, c in enumerate(have) if c == "0"}
         assert 0 < len(missing) < total, f"killed halfway: {total - len(missing)}/{total} chunks on disk"
-        _wait(agent, spy.all_requests_answered, timeout=30, what="every request of the dead agent answered")
+        wait_for(
+            spy.all_requests_answered,
+            timeout=30,
+            what="every request of the dead agent answered",
+            log=agent.log,
+        )
         mark = spy.mark()
 
         # The supervisor restarts the killed agent, which resumes and finishes the update.
-        rep = _wait(
-            agent,
+        rep = wait_for(
             lambda: reported_agent(ctl, "1.1", AgentUpdateState.IDLE),
             timeout=180,
             what="agent 1.1 after the resumed download",
+            log=agent.log,
         )
         assert rep.agent is not None and rep.agent.slot == "1.1"
         asked = set(spy.requested_since(mark))
@@ -397,28 +386,28 @@ def test_an_unsigned_package_or_tampered_bytes_are_refused_before_install(
     agent = supervised(tmp_path, own_broker, ctl.device_id)
     agent.start()
     try:
-        _wait(
-            agent,
+        wait_for(
             lambda: reported_agent(ctl, BASE_VERSION, AgentUpdateState.IDLE),
             timeout=60,
             what="base up",
+            log=agent.log,
         )
 
         # Unsigned: refused before a byte is fetched.
         ctl.artifacts[pkg.sha256] = pkg.path
         ctl.publish_desired(desired(1, {}).model_copy(update={"agent": package_ref(pkg, sign=False)}))
-        rep = _wait(
-            agent,
+        rep = wait_for(
             lambda: reported_agent(ctl, BASE_VERSION, AgentUpdateState.FAILED),
             timeout=30,
             what="the unsigned package refused",
+            log=agent.log,
         )
         assert rep.agent is not None and rep.agent.error is not None and "unsigned" in rep.agent.error
-        refused = _wait(
-            agent,
+        refused = wait_for(
             lambda: [e for e in events_of(ctl, EventKind.AGENT_UPDATE) if e.data["phase"] == "refused"],
             timeout=30,
             what="the refusal event",
+            log=agent.log,
         )
         assert len(refused) == 1 and refused[0].data["check"] == "signature"
         assert [r for r in ctl.requests if r.sha256 == pkg.sha256] == []
@@ -437,7 +426,7 @@ def test_an_unsigned_package_or_tampered_bytes_are_refused_before_install(
                 and "sha256 mismatch" in r.agent.error
             )
 
-        _wait(agent, mismatch, timeout=60, what="the tampered package refused")
+        wait_for(mismatch, timeout=60, what="the tampered package refused", log=agent.log)
         assert [r for r in ctl.requests if r.sha256 == pkg.sha256]  # it was fetched, then refused
         slots = agent.data / "agent" / "slots"
         assert not slots.exists() or [p.name for p in slots.iterdir()] == []
@@ -468,8 +457,7 @@ GATE = {"soak_s": 0, "step_timeout_s": 240, "offline_timeout_s": 120}
 
 @pytest.fixture
 def controller(tmp_path: Path, own_broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(tmp_path, own_broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="60")
-    c.start()
+    c = start_controller(tmp_path, own_broker, EDGEFLEET_HEARTBEAT_TIMEOUT_S="60")
     yield c
     c.stop()
 
@@ -500,11 +488,11 @@ def test_through_the_controller_an_agent_deployment_updates_the_device(
         assert api.post("/api/v1/devices", json={"id": device}).status_code in (200, 201)
         agent.start()
         try:
-            _wait(
-                agent,
+            wait_for(
                 lambda: (v := device_agent_view(api, device)) is not None and v["version"] == BASE_VERSION,
                 timeout=60,
                 what="the base agent in the device view",
+                log=agent.log,
             )
             upload(api, packages.good)
             r = api.post(
@@ -525,7 +513,7 @@ def test_through_the_controller_an_agent_deployment_updates_the_device(
                 assert ro.get("state") not in ("failed", "rolled_back"), ro
                 return dep if ro.get("state") in ("completed", "succeeded", "done") else None
 
-            _wait(agent, done, timeout=240, what="the agent rollout completed")
+            wait_for(done, timeout=240, what="the agent rollout completed", log=agent.log)
             view = device_agent_view(api, device)
             assert view is not None
             assert (view["version"], view["state"], view["slot"]) == ("1.1", "idle", "1.1")
@@ -551,7 +539,7 @@ def test_through_the_controller_a_crashing_canary_is_rolled_back_and_fails_the_g
                     v = device_agent_view(api, d)
                     return v is not None and v["version"] == BASE_VERSION
 
-                _wait(a, on_base, timeout=60, what=f"{d} online on the base agent")
+                wait_for(on_base, timeout=60, what=f"{d} online on the base agent", log=a.log)
             upload(api, packages.crashing)
             r = api.post(
                 "/api/v1/agent-deployments",
@@ -569,7 +557,7 @@ def test_through_the_controller_a_crashing_canary_is_rolled_back_and_fails_the_g
                 ro: dict[str, Any] = api.get("/api/v1/deployments/agent-crash").json().get("rollout") or {}
                 return ro if ro.get("state") in ("failed", "rolled_back") else None
 
-            ro = _wait(agents[0], failed, timeout=300, what="the canary gate failing the rollout")
+            ro = wait_for(failed, timeout=300, what="the canary gate failing the rollout", log=agents[0].log)
             admitted = [x["device_id"] for x in ro["devices"] if x.get("admitted_at")]
             assert len(admitted) == 1, ro["devices"]  # the later wave was never admitted
             canary = admitted[0]

@@ -34,10 +34,10 @@ from edge_agent.core.settings import parse_settings
 from edge_agent.uplink.link import MessageHandler, MqttLink
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import CommandName, CommandResult, Message
-from tests.fault.tcp_proxy import TcpProxy
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import ADMIN_HEADERS, ADMIN_TOKEN
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import ADMIN_HEADERS, ADMIN_TOKEN
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -16,44 +16,23 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from edge_agent.agent import Agent
-from edge_agent.core.settings import AgentSettings, parse_settings
 from fleet_protocol.codec import decode
 from fleet_protocol.messages import Availability
 from fleet_protocol.topics import TopicKind, Topics
-from tests.conftest import FOOTAGE, MODELS, REPO
-from tests.integration.edge_agent.edge_standin import (
-    PUBLIC_KEY,
+from tests.support.edge_standin import (
     StandInController,
+    agent_settings,
     camera_with,
     desired,
     load_manifest,
-    wait_for,
 )
-from tests.mqtt_broker import MosquittoBroker
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import MODELS, REPO
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
 PED = MODELS / "ped_ssdlite"
-
-
-def agent_settings(
-    device: str, broker: MosquittoBroker, data_dir: Path, *, cameras: bool = True
-) -> AgentSettings:
-    return parse_settings(
-        {
-            "device_id": device,
-            "mqtt_url": broker.url,
-            "mqtt_reconnect_max_s": 1,
-            "data_dir": str(data_dir),
-            "heartbeat_interval_s": 1,
-            "cameras": [{"id": "cam1", "source": str(FOOTAGE), "loop": True}] if cameras else [],
-            "inference": {"threads": 1},
-            "outbox": {"ack_timeout_s": 2, "batch_max_frames": 5, "batch_max_delay_s": 0.3},
-            "artifacts": {"request_timeout_s": 2},
-            "artifact_public_key": PUBLIC_KEY,
-        },
-        env={},
-    )
 
 
 @pytest.fixture

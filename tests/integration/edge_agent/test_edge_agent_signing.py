@@ -17,17 +17,17 @@ import pytest
 from edge_agent.agent import Agent
 from fleet_protocol.codec import encode_chunk
 from fleet_protocol.messages import ArtifactRef, CameraDesired, CameraReported, Event, FrameDetections
-from tests.conftest import MODELS
-from tests.integration.edge_agent.edge_standin import (
+from tests.support.edge_standin import (
     StandInController,
+    agent_settings,
     camera_with,
     desired,
     load_manifest,
     signed_ref,
-    wait_for,
 )
-from tests.integration.edge_agent.test_edge_agent_mqtt import agent_settings
-from tests.mqtt_broker import MosquittoBroker
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import MODELS
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -38,13 +38,17 @@ BAD_CHUNK = 3
 
 
 @dataclass
-class Site:
+class StandInSite:
+    """An in-process agent (the test reads its fetcher and pipeline) and the stand-in controller that
+    serves it hand-made, tampered refs and chunks: not a tests.support.stack.Stack, whose controller
+    is real and signs only good refs."""
+
     agent: Agent
     ctl: StandInController
 
 
 @pytest.fixture
-def site(broker: MosquittoBroker, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Site]:
+def site(broker: MosquittoBroker, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StandInSite]:
     """An agent running model A on cam1, detections flowing; model B is served by the stand-in."""
     device = f"sig-{request.node.callspec.id}"
     a, b = load_manifest(MODEL_A), load_manifest(MODEL_B)
@@ -64,7 +68,7 @@ def site(broker: MosquittoBroker, tmp_path: Path, request: pytest.FixtureRequest
 
         wait_for(a_running, 40, "cam1 running model A")
         wait_for(lambda: len(ctl.frames()) >= 3, 30, "detections from model A")
-        yield Site(agent, ctl)
+        yield StandInSite(agent, ctl)
     finally:
         agent.shutdown()
         ctl.close()
@@ -105,7 +109,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_model_b_is_refused_and_reported_while_model_a_keeps_detecting(site: Site, case: str) -> None:
+def test_bad_model_b_is_refused_and_reported_while_model_a_keeps_detecting(
+    site: StandInSite, case: str
+) -> None:
     agent, ctl = site.agent, site.ctl
     spoil, reason = CASES[case]
     ref = signed_ref(load_manifest(MODEL_B))

@@ -25,11 +25,11 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from fleet_protocol import TopicKind, Topics, encode, encode_chunk
 from fleet_protocol.messages import ArtifactRequest, ModelManifest
-from tests.conftest import FOOTAGE, MODELS
-from tests.integration.edge_agent.transfer_helpers import TransferSpy
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import AgentProcess, ControllerProcess
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import FOOTAGE, MODELS
+from tests.support.processes import AgentProcess, ControllerProcess, start_controller
+from tests.support.transfer_helpers import TransferSpy
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -41,10 +41,7 @@ CHUNK = 64 * 1024
 
 @pytest.fixture
 def controller(tmp_path: Path, own_broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(
-        tmp_path, own_broker.url, EDGEFLEET_CHUNK_SIZE=str(CHUNK), EDGEFLEET_HEARTBEAT_TIMEOUT_S="30"
-    )
-    c.start()
+    c = start_controller(tmp_path, own_broker, EDGEFLEET_CHUNK_SIZE=str(CHUNK))
     yield c
     c.stop()
 

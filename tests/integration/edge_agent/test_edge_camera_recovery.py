@@ -26,16 +26,16 @@ from edge_agent.agent import Agent
 from edge_agent.core.settings import AgentSettings, parse_settings
 from edge_agent.vision.capture import CameraWorker
 from fleet_protocol.messages import CameraState, Event, EventKind, FrameDetections
-from tests.conftest import FOOTAGE, MODELS
-from tests.integration.edge_agent.edge_standin import (
+from tests.support.edge_standin import (
     PUBLIC_KEY,
     StandInController,
     camera_with,
     desired,
     load_manifest,
 )
-from tests.mqtt_broker import MosquittoBroker, free_port
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker, free_port
+from tests.support.paths import FOOTAGE, MODELS
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """A minute-long engine build never stalls the agent (issue 11, point 3), at full length.
 
-A real build process (``python -m edge_agent.inference.engine_build``) runs a fake builder that holds its own
+A real build process (``python -m edge_agent.inference.engine_build.child``) runs a fake builder that holds its own
 GIL for 60 s in long stretches, as onnxruntime's TensorRT EP session creation does on a Jetson. The
 agent's process meanwhile works (matrix products on the main thread), reads progress (a thread) and
 ticks a heartbeat every 0.5 s (a thread, standing for MQTT keepalive, heartbeats and the watchdog).
@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.inference.engine_build import BuildProgress, BuildRequest, BuildSupervisor
-from edge_agent.inference.trt import BuildCancelled, EngineCache, EngineKey
+from edge_agent.inference.engine_build import BuildProgress, BuildRequest, ChildProcessBuilds
+from edge_agent.inference.tensorrt.cache import EngineCache, EngineKey
+from edge_agent.inference.tensorrt.errors import BuildCancelled
 
 pytestmark = pytest.mark.integration
 
-FAKES = "tests.unit.edge_agent.engine_build_fakes"
+FAKES = "tests.support.fakes.tensorrt"
 BUILD_S = 60.0
 TICK_S = 0.5
 KEY = EngineKey("f" * 64, "NVIDIA Jetson Orin", "8.7", "10.3.0", "fp16", build="fedcba9876543210")
@@ -41,7 +42,7 @@ def build_request(cache: EngineCache, seconds: float) -> BuildRequest:
 
 def test_the_agent_keeps_ticking_through_a_60_s_build(tmp_path: Path) -> None:
     cache = EngineCache(tmp_path / "engines")
-    supervisor = BuildSupervisor(timeout_s=300)
+    supervisor = ChildProcessBuilds(timeout_s=300)
     ticks: list[float] = []
     stop = threading.Event()
     events: list[BuildProgress] = []
@@ -90,7 +91,7 @@ def test_the_agent_keeps_ticking_through_a_60_s_build(tmp_path: Path) -> None:
 
 def test_cancel_during_a_60_s_build_is_quick_and_leaves_nothing(tmp_path: Path) -> None:
     cache = EngineCache(tmp_path / "engines")
-    supervisor = BuildSupervisor(kill_grace_s=5.0)
+    supervisor = ChildProcessBuilds(kill_grace_s=5.0)
     handle = supervisor.start(build_request(cache, BUILD_S))
     for event in handle.progress(timeout=60):
         if event.phase == "building" and (event.pct or 0.0) >= 10.0:

@@ -14,18 +14,18 @@ import hashlib
 import math
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from fleet_protocol.messages import ModelManifest
-from tests.conftest import FOOTAGE, MODELS
-from tests.integration.edge_agent.transfer_helpers import TransferSpy, bitmap_have
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import AgentProcess, ControllerProcess
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import FOOTAGE, MODELS
+from tests.support.processes import AgentProcess, ControllerProcess, start_controller
+from tests.support.transfer_helpers import TransferSpy, bitmap_have
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -34,24 +34,10 @@ MODEL = "nanodet_coco"
 CHUNK = 64 * 1024
 WINDOW = 8
 
-T = TypeVar("T")
-
-
-def _wait(agent: AgentProcess, check: Callable[[], T | None], *, timeout: float, what: str) -> T:
-    """wait_for, and on a timeout the agent's log tail in the failure (the agent is a subprocess)."""
-    try:
-        return wait_for(check, timeout=timeout, what=what)
-    except AssertionError as exc:
-        tail = agent.log.read_text(errors="replace")[-4000:] if agent.log.exists() else "(no log)"
-        raise AssertionError(f"{exc}\n--- agent log tail ---\n{tail}") from None
-
 
 @pytest.fixture
 def controller(tmp_path: Path, own_broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(
-        tmp_path, own_broker.url, EDGEFLEET_CHUNK_SIZE=str(CHUNK), EDGEFLEET_HEARTBEAT_TIMEOUT_S="30"
-    )
-    c.start()
+    c = start_controller(tmp_path, own_broker, EDGEFLEET_CHUNK_SIZE=str(CHUNK))
     yield c
     c.stop()
 
@@ -95,8 +81,11 @@ def test_agent_killed_at_half_a_transfer_resumes_with_only_the_missing_chunks(
 
             killed = spy.when_distinct_requested(total // 2, kill)
             agent.start()
-            _wait(
-                agent, killed.is_set, timeout=60, what=f"the agent to ask for {total // 2} of {total} chunks"
+            wait_for(
+                killed.is_set,
+                timeout=60,
+                what=f"the agent to ask for {total // 2} of {total} chunks",
+                log=agent.log,
             )
             agent.kill9()  # reaps it; the SIGKILL was already sent
 
@@ -113,7 +102,12 @@ def test_agent_killed_at_half_a_transfer_resumes_with_only_the_missing_chunks(
 
             # Everything the dead agent asked for has been sent (into its broker session) before the
             # restart, so what is asked and sent from here on is due to the restarted agent alone.
-            _wait(agent, spy.all_requests_answered, timeout=30, what="the controller answering every request")
+            wait_for(
+                spy.all_requests_answered,
+                timeout=30,
+                what="the controller answering every request",
+                log=agent.log,
+            )
             mark = spy.mark()
 
             agent.start()
@@ -125,7 +119,9 @@ def test_agent_killed_at_half_a_transfer_resumes_with_only_the_missing_chunks(
                 ).json()["items"]
                 return [d for d in items if d["model"].startswith(f"{MODEL}:")] or None
 
-            dets = _wait(agent, model_detections, timeout=90, what=f"detections by {MODEL} through the API")
+            dets = wait_for(
+                model_detections, timeout=90, what=f"detections by {MODEL} through the API", log=agent.log
+            )
             assert all(d["camera"] == "cam1" for d in dets)
 
         asked = spy.requested_since(mark)

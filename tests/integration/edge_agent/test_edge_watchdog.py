@@ -19,15 +19,15 @@ import pytest
 from edge_agent.agent import Agent
 from edge_agent.core.settings import parse_settings
 from fleet_protocol.messages import CameraReported, CameraState, Event, EventKind, InputSpec, ModelManifest
-from tests.conftest import FOOTAGE
-from tests.integration.edge_agent.edge_standin import (
+from tests.support.edge_standin import (
     PUBLIC_KEY,
     StandInController,
     camera_with,
     desired,
 )
-from tests.mqtt_broker import MosquittoBroker
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import FOOTAGE
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -23,10 +23,10 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from fleet_protocol.topics import TopicKind, Topics
-from tests.integration.security.dynsec import ADMIN_PASSWORD, ADMIN_USER, healthz
-from tests.mqtt_broker import MosquittoBroker, dynsec_broker
-from tests.processes import ControllerProcess, SimulatorProcess
-from tests.waiting import wait_for
+from tests.support.dynsec import ADMIN_PASSWORD, ADMIN_USER, healthz
+from tests.support.mqtt_broker import MosquittoBroker, dynsec_broker
+from tests.support.processes import ControllerProcess, SimulatorProcess, start_controller
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -76,8 +76,7 @@ class DetectionTap:
 
 @pytest.fixture
 def controller(tmp_path: Path, broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(tmp_path, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="30")
-    c.start()
+    c = start_controller(tmp_path, broker)
     yield c
     c.stop()
 

@@ -34,11 +34,11 @@ import pytest
 
 from fleet_protocol import TopicKind, Topics, decode, encode
 from fleet_protocol.messages import CameraState, CameraStats, Heartbeat
-from tests.conftest import FOOTAGE, MODELS, REPO
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import AgentProcess, ControllerProcess
-from tests.unit.fleet_protocol.test_messages import SAMPLES
-from tests.waiting import wait_for
+from tests.support.message_samples import SAMPLES
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import FOOTAGE, MODELS, REPO
+from tests.support.processes import AgentProcess, ControllerProcess, start_controller
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -152,25 +152,18 @@ def test_the_release_before_the_policy_refuses_what_this_one_takes(pre_policy_py
 
 @pytest.fixture
 def new_controller(tmp_path: Path, broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(tmp_path / "new", broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="30")
-    c.workdir.mkdir()
-    c.start()
+    (tmp_path / "new").mkdir()
+    c = start_controller(tmp_path / "new", broker)
     yield c
     c.stop()
 
 
 @pytest.fixture
 def old_controller(tmp_path: Path, broker: MosquittoBroker, old_python: str) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(
-        tmp_path / "old",
-        broker.url,
-        EDGEFLEET_HEARTBEAT_TIMEOUT_S="30",
-        EDGEFLEET_MODELS_DIR=str(MODELS),
-        **_old_env(),
+    (tmp_path / "old").mkdir()
+    c = start_controller(
+        tmp_path / "old", broker, python=old_python, EDGEFLEET_MODELS_DIR=str(MODELS), **_old_env()
     )
-    c.workdir.mkdir()
-    c.python = old_python
-    c.start()
     yield c
     c.stop()
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.security.dynsec import ADMIN_PASSWORD, ADMIN_USER, healthz
-from tests.mqtt_broker import MosquittoBroker, dynsec_broker
-from tests.processes import ControllerProcess
-from tests.waiting import wait_for
+from tests.support.dynsec import ADMIN_PASSWORD, ADMIN_USER, healthz
+from tests.support.mqtt_broker import MosquittoBroker, dynsec_broker
+from tests.support.processes import ControllerProcess, start_controller
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
@@ -24,14 +24,12 @@ def secured_broker(tmp_path: Path) -> Iterator[MosquittoBroker]:
 
 @pytest.fixture
 def controller(tmp_path: Path, secured_broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = ControllerProcess(
+    c = start_controller(
         tmp_path,
         f"mqtt://{ADMIN_USER}@{secured_broker.host}:{secured_broker.port}",
         EDGEFLEET_MQTT_PASSWORD=ADMIN_PASSWORD,
         EDGEFLEET_MQTT_BROKER_AUTH="dynsec",
-        EDGEFLEET_HEARTBEAT_TIMEOUT_S="30",
     )
-    c.start()
     wait_for(lambda: healthz(c)["mqtt"], timeout=20, what="controller connected to the secured broker")
     yield c
     c.stop()

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from edge_agent.agent import EXIT_FATAL_LINK
-from tests.conftest import FOOTAGE
-from tests.integration.security.test_security_broker_acl import Device
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import AgentProcess, ControllerProcess
-from tests.waiting import wait_for
+from tests.support.dynsec import Device
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import FOOTAGE
+from tests.support.processes import AgentProcess, ControllerProcess
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

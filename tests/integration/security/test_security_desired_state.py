@@ -16,7 +16,6 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -27,10 +26,10 @@ from controller.security.keys import KEY_FILE
 from fleet_protocol import TopicKind, Topics, decode, encode
 from fleet_protocol.messages import CameraReported, DesiredState, ReportedState
 from fleet_protocol.signing import load_private_key, signed_desired
-from tests.conftest import FOOTAGE, MODELS
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import AgentProcess, ControllerProcess
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import MODELS
+from tests.support.stack import Stack
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -83,72 +82,40 @@ class Attacker:
         self.client.loop_stop()
 
 
-@dataclass
-class Site:
-    controller: ControllerProcess
-    agent: AgentProcess
-    attacker: Attacker
+def _refusals(site: Stack, reason: str) -> list[dict[str, Any]]:
+    with site.api() as api:
+        r = api.get("/api/v1/events", params={"device": DEVICE, "kind": "error", "limit": 1000})
+        r.raise_for_status()
+        events: list[dict[str, Any]] = r.json()
+    return [
+        e
+        for e in events
+        if (e.get("data") or {}).get("check") == "desired_state" and e["data"]["reason"] == reason
+    ]
 
-    def device(self) -> dict[str, Any]:
-        with self.controller.client() as api:
-            r = api.get(f"/api/v1/devices/{DEVICE}")
-            r.raise_for_status()
-            body: dict[str, Any] = r.json()
-            return body
 
-    def assign(self, model: str, **settings: Any) -> None:
-        with self.controller.client() as api:
-            r = api.put(
-                f"/api/v1/devices/{DEVICE}/cameras/cam1/model",
-                json={"model": model, "version": "1", **settings},
-            )
-            assert r.status_code == 200, r.text
+def _refused(site: Stack, reason: str, before: int) -> dict[str, Any]:
+    """Wait for a new refusal event with ``reason`` (there were ``before``); returns it."""
+    got = wait_for(
+        lambda: len(_refusals(site, reason)) > before or None, timeout=20, what=f"a {reason} refusal"
+    )
+    assert got
+    return _refusals(site, reason)[0]  # newest first
 
-    def in_sync(self, timeout: float = 60) -> dict[str, Any]:
-        def check() -> dict[str, Any] | None:
-            d = self.device()
-            cam = d["models"].get("cam1") or {}
-            ok = (
-                d["sync"] == "in_sync"
-                and d["status"] == "online"
-                and d["reported_version"] == d["desired_version"]
-                and cam.get("state") == "running"
-            )
-            return d if ok else None
 
-        return wait_for(check, timeout=timeout, what=f"{DEVICE} in sync (agent log: {self.agent.log})")
+def _current(site: Stack, attacker: Attacker) -> tuple[DesiredState, bytes]:
+    """The controller's newest state for the device, as it went over the wire."""
+    version = site.device(DEVICE)["desired_version"]
+    states = wait_for(
+        lambda: [s for s in attacker.states(DEVICE) if s[0].version == version],
+        timeout=10,
+        what=f"v{version} seen on the broker",
+    )
+    return states[-1]
 
-    def refusals(self, reason: str) -> list[dict[str, Any]]:
-        with self.controller.client() as api:
-            r = api.get("/api/v1/events", params={"device": DEVICE, "kind": "error", "limit": 1000})
-            r.raise_for_status()
-            events: list[dict[str, Any]] = r.json()
-        return [
-            e
-            for e in events
-            if (e.get("data") or {}).get("check") == "desired_state" and e["data"]["reason"] == reason
-        ]
 
-    def refused(self, reason: str, before: int) -> dict[str, Any]:
-        """Wait for a new refusal event with ``reason`` (there were ``before``); returns it."""
-        got = wait_for(
-            lambda: len(self.refusals(reason)) > before or None, timeout=20, what=f"a {reason} refusal"
-        )
-        assert got
-        return self.refusals(reason)[0]  # newest first
-
-    def current(self) -> tuple[DesiredState, bytes]:
-        """The controller's newest state for the device, as it went over the wire."""
-        version = self.device()["desired_version"]
-        states = wait_for(
-            lambda: [s for s in self.attacker.states(DEVICE) if s[0].version == version],
-            timeout=10,
-            what=f"v{version} seen on the broker",
-        )
-        return states[-1]
-
-    def persisted(self) -> bytes:
-        return (self.agent.workdir / DEVICE / "desired.json").read_bytes()
+def _persisted(site: Stack) -> bytes:
+    return (site.workdir / DEVICE / "desired.json").read_bytes()
 
 
 def _forged(payload: bytes, **changes: Any) -> bytes:
@@ -162,49 +129,47 @@ def _forged(payload: bytes, **changes: Any) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def site(broker: MosquittoBroker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+def attacker(broker: MosquittoBroker) -> Iterator[Attacker]:
+    a = Attacker(broker)
+    a.watch(DEVICE)
+    a.watch(OTHER)
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="module")
+def site(
+    broker: MosquittoBroker, tmp_path_factory: pytest.TempPathFactory, attacker: Attacker
+) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("desired-state")
-    controller = ControllerProcess(
+    stack = Stack(
         workdir,
-        broker.url,
+        broker,
+        heartbeat_timeout_s=None,
         EDGEFLEET_TWIN_PENDING_RESEND_S="3",
         EDGEFLEET_TWIN_RESEND_BACKOFF_S="0.5",
         EDGEFLEET_TWIN_RESEND_BACKOFF_MAX_S="1",
     )
-    agent = AgentProcess(
-        workdir,
-        DEVICE,
-        broker.url,
-        cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": True}],
-        controller=controller,
-    )
+    agent = stack.agent(DEVICE)
     # Both models already in the device's store: these tests are about the desired state, not transfers.
     store = workdir / DEVICE / "models"
     store.mkdir(parents=True)
     for name in (OLD_MODEL, MODEL):
         sha = json.loads((MODELS / name / "manifest.json").read_text())["sha256"]
         shutil.copyfile(MODELS / name / "model.onnx", store / f"{sha}.onnx")
-    attacker = Attacker(broker)
-    attacker.watch(DEVICE)
-    attacker.watch(OTHER)
-    s = Site(controller, agent, attacker)
-    controller.start()
     try:
-        with controller.client() as api:
-            for d in (DEVICE, OTHER):
-                api.post("/api/v1/devices", json={"id": d}).raise_for_status()
-            r = api.put(f"/api/v1/devices/{OTHER}/cameras/cam1/model", json={"model": MODEL, "version": "1"})
-            assert r.status_code == 200, r.text
-        s.assign(OLD_MODEL)
+        stack.start()
+        for d in (DEVICE, OTHER):
+            stack.enrol(d)
+        stack.assign(OTHER, MODEL)
+        stack.assign(DEVICE, OLD_MODEL)
         agent.start()
-        s.in_sync()
-        s.assign(MODEL, threshold=0.6)
-        assert s.in_sync()["models"]["cam1"]["model"] == f"{MODEL}:1"
-        yield s
+        stack.in_sync(DEVICE)
+        stack.assign(DEVICE, MODEL, threshold=0.6)
+        assert stack.in_sync(DEVICE)["models"]["cam1"]["model"] == f"{MODEL}:1"
+        yield stack
     finally:
-        agent.stop()
-        controller.stop()
-        attacker.close()
+        stack.stop()
 
 
 def _model_of(state: DesiredState) -> str | None:
@@ -212,74 +177,78 @@ def _model_of(state: DesiredState) -> str | None:
     return ref.manifest.name if ref is not None else None
 
 
-def _runs(site: Site, version: int, model: str, threshold: float) -> None:
-    d = site.device()
+def _runs(site: Stack, version: int, model: str, threshold: float) -> None:
+    d = site.device(DEVICE)
     cam = d["models"]["cam1"]
-    assert site.agent.alive()
+    assert site.agents[0].alive()
     assert d["reported_version"] == version and cam["state"] == "running"
     assert cam["model"] == f"{model}:1" and cam["threshold"] == pytest.approx(threshold)
 
 
-def test_f1_forged_and_foreign_states_are_refused_and_the_next_real_state_applies(site: Site) -> None:
-    d = site.in_sync()
+def test_f1_forged_and_foreign_states_are_refused_and_the_next_real_state_applies(
+    site: Stack, attacker: Attacker
+) -> None:
+    d = site.in_sync(DEVICE)
     version, threshold = d["desired_version"], d["models"]["cam1"]["threshold"]
-    state, payload = site.current()
-    counts = {r: len(site.refusals(r)) for r in ("undecodable", "signature", "device")}
+    state, payload = _current(site, attacker)
+    counts = {r: len(_refusals(site, r)) for r in ("undecodable", "signature", "device")}
 
     # Lock-out at the review's 2**63-1: not even a valid DesiredState any more.
-    site.attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, _forged(payload, version=2**63 - 1, signature=None))
-    event = site.refused("undecodable", counts["undecodable"])
+    attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, _forged(payload, version=2**63 - 1, signature=None))
+    event = _refused(site, "undecodable", counts["undecodable"])
     assert "version" in event["message"]
     # At the bound itself, unsigned: refused on its signature.
-    site.attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, _forged(payload, version=2**31 - 1, signature=None))
-    event = site.refused("signature", counts["signature"])
+    attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, _forged(payload, version=2**31 - 1, signature=None))
+    event = _refused(site, "signature", counts["signature"])
     assert "unsigned desired state" in event["message"] and event["data"]["version"] == 2**31 - 1
     # A state the controller validly signed, for another device, republished on this one's topic.
-    ((_, other),) = site.attacker.states(OTHER)[-1:]
-    site.attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, other)
-    event = site.refused("device", counts["device"])
+    ((_, other),) = attacker.states(OTHER)[-1:]
+    attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, other)
+    event = _refused(site, "device", counts["device"])
     assert OTHER in event["message"] and event["severity"] == "error"
 
     _runs(site, version, MODEL, threshold)
-    assert decode(TopicKind.TWIN_DESIRED, site.persisted()) == state
+    assert decode(TopicKind.TWIN_DESIRED, _persisted(site)) == state
     # The controller's next real state still applies (F1 was a permanent lock-out).
-    site.assign(MODEL, threshold=0.55 if threshold != pytest.approx(0.55) else 0.65)
-    d = site.in_sync()
+    site.assign(DEVICE, MODEL, threshold=0.55 if threshold != pytest.approx(0.55) else 0.65)
+    d = site.in_sync(DEVICE)
     assert d["desired_version"] == version + 1
 
 
-def test_f2_an_old_signed_state_replayed_changes_nothing(site: Site) -> None:
-    d = site.in_sync()
+def test_f2_an_old_signed_state_replayed_changes_nothing(site: Stack, attacker: Attacker) -> None:
+    d = site.in_sync(DEVICE)
     version, threshold = d["desired_version"], d["models"]["cam1"]["threshold"]
-    old = [(s, p) for s, p in site.attacker.states(DEVICE) if _model_of(s) == OLD_MODEL]
+    old = [(s, p) for s, p in attacker.states(DEVICE) if _model_of(s) == OLD_MODEL]
     assert old, "the fixture's v1 ran the old model"
     v1_state, v1 = old[0]
-    counts = {r: len(site.refusals(r)) for r in ("stale", "signature")}
+    counts = {r: len(_refusals(site, r)) for r in ("stale", "signature")}
 
-    site.attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, v1)  # under its own, old version
-    event = site.refused("stale", counts["stale"])
+    attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, v1)  # under its own, old version
+    event = _refused(site, "stale", counts["stale"])
     assert event["data"]["version"] == v1_state.version and event["data"]["have"] == version
     # Under a new version (the review's rollback 2.5): the version is signed, so it no longer verifies.
-    site.attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, _forged(v1, version=version + 1))
-    site.refused("signature", counts["signature"])
+    attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, _forged(v1, version=version + 1))
+    _refused(site, "signature", counts["signature"])
     time.sleep(1.0)  # a model swap would have been reported by now (both models are in the store)
     _runs(site, version, MODEL, threshold)
 
 
-def test_f3_altered_settings_are_refused_and_reported_settings_that_differ_are_drift(site: Site) -> None:
-    d = site.in_sync()
+def test_f3_altered_settings_are_refused_and_reported_settings_that_differ_are_drift(
+    site: Stack, attacker: Attacker
+) -> None:
+    d = site.in_sync(DEVICE)
     version, threshold = d["desired_version"], d["models"]["cam1"]["threshold"]
-    _, payload = site.current()
-    before = len(site.refusals("signature"))
+    _, payload = _current(site, attacker)
+    before = len(_refusals(site, "signature"))
     blind = {"threshold": 1.0, "labels": ["__nothing__"], "max_fps": 0.01}
-    site.attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, _forged(payload, version=version + 1, cam1=blind))
-    event = site.refused("signature", before)
+    attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, _forged(payload, version=version + 1, cam1=blind))
+    event = _refused(site, "signature", before)
     assert "desired state altered" in event["message"]
     _runs(site, version, MODEL, threshold)
 
     # Settings the device reports that differ from the desired ones are drift: a report saying the camera
     # applies threshold 1.0 makes the controller re-send the state, and the agent's real report follows.
-    real = site.device()["models"]["cam1"]
+    real = site.device(DEVICE)["models"]["cam1"]
     lie = ReportedState(
         ts=time.time(),
         desired_version=version,
@@ -287,7 +256,7 @@ def test_f3_altered_settings_are_refused_and_reported_settings_that_differ_are_d
     )
     with site.controller.client() as api:
         resends = len(api.get("/api/v1/events", params={"device": DEVICE, "kind": "twin_resend"}).json())
-    site.attacker.publish(DEVICE, TopicKind.TWIN_REPORTED, encode(lie))
+    attacker.publish(DEVICE, TopicKind.TWIN_REPORTED, encode(lie))
 
     def resent() -> dict[str, Any] | None:
         with site.controller.client() as api:
@@ -296,44 +265,48 @@ def test_f3_altered_settings_are_refused_and_reported_settings_that_differ_are_d
 
     ev = wait_for(resent, timeout=20, what="the settings drift re-sent")
     assert f"threshold 1 instead of {threshold:g}" in ev["message"]
-    d = site.in_sync()
+    d = site.in_sync(DEVICE)
     assert d["desired_version"] == version + 1 and d["models"]["cam1"]["threshold"] == pytest.approx(
         threshold
     )
 
 
-def test_f12_a_refused_state_is_never_persisted_and_a_restart_runs_the_last_good_one(site: Site) -> None:
-    d = site.in_sync()
+def test_f12_a_refused_state_is_never_persisted_and_a_restart_runs_the_last_good_one(
+    site: Stack, attacker: Attacker
+) -> None:
+    d = site.in_sync(DEVICE)
     version, threshold = d["desired_version"], d["models"]["cam1"]["threshold"]
-    state, payload = site.current()
-    before = len(site.refusals("signature"))
-    site.attacker.publish(
+    state, payload = _current(site, attacker)
+    before = len(_refusals(site, "signature"))
+    attacker.publish(
         DEVICE, TopicKind.TWIN_DESIRED, _forged(payload, version=version + 1, cam1={"threshold": 1.0})
     )
-    site.refused("signature", before)
-    assert decode(TopicKind.TWIN_DESIRED, site.persisted()) == state
+    _refused(site, "signature", before)
+    assert decode(TopicKind.TWIN_DESIRED, _persisted(site)) == state
 
     # Restarted with the forged state still retained on the broker: it runs the last good state.
-    site.agent.stop()
-    before = len(site.refusals("signature"))
-    site.agent.start()
-    site.refused("signature", before)  # the new process refuses the retained forgery again
-    wait_for(lambda: site.device()["status"] == "online", timeout=30, what="agent back online")
-    d = site.in_sync()
+    site.agents[0].stop()
+    before = len(_refusals(site, "signature"))
+    site.agents[0].start()
+    _refused(site, "signature", before)  # the new process refuses the retained forgery again
+    wait_for(lambda: site.device(DEVICE)["status"] == "online", timeout=30, what="agent back online")
+    d = site.in_sync(DEVICE)
     _runs(site, version, MODEL, threshold)
-    assert decode(TopicKind.TWIN_DESIRED, site.persisted()) == state
+    assert decode(TopicKind.TWIN_DESIRED, _persisted(site)) == state
 
 
-def test_a_device_on_a_version_the_controller_never_issued_is_brought_back(site: Site) -> None:
-    d = site.in_sync()
+def test_a_device_on_a_version_the_controller_never_issued_is_brought_back(
+    site: Stack, attacker: Attacker
+) -> None:
+    d = site.in_sync(DEVICE)
     version, threshold = d["desired_version"], d["models"]["cam1"]["threshold"]
-    state, _ = site.current()
+    state, _ = _current(site, attacker)
     # A state signed with the controller's key but not issued by this controller's database (a restored
     # backup, a second controller): the device takes it, and reports a version the controller never issued.
     key = load_private_key(site.controller.workdir / "controller" / KEY_FILE)
     cams = {"cam1": state.cameras["cam1"].model_copy(update={"threshold": 0.95})}
     foreign = state.model_copy(update={"version": version + 100, "issued_at": time.time(), "cameras": cams})
-    site.attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, encode(signed_desired(foreign, key)))
+    attacker.publish(DEVICE, TopicKind.TWIN_DESIRED, encode(signed_desired(foreign, key)))
 
     def recovered() -> dict[str, Any] | None:
         with site.controller.client() as api:
@@ -342,6 +315,6 @@ def test_a_device_on_a_version_the_controller_never_issued_is_brought_back(site:
 
     ev = wait_for(recovered, timeout=30, what="the controller re-issuing above the reported version")
     assert ev["data"]["version"] == version + 101
-    d = site.in_sync()
+    d = site.in_sync(DEVICE)
     assert d["desired_version"] == version + 101
     _runs(site, version + 101, MODEL, threshold)

@@ -12,10 +12,10 @@ import time
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.integration.security.dynsec import ADMIN_PASSWORD, ADMIN_USER, healthz
-from tests.mqtt_broker import MosquittoBroker
-from tests.processes import ControllerProcess
-from tests.waiting import wait_for
+from tests.support.dynsec import ADMIN_PASSWORD, ADMIN_USER, healthz
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import ControllerProcess
+from tests.support.waiting import wait_for
 
 SERVICE_PASSWORD = "grafana-password-not-for-production"
 

@@ -15,11 +15,11 @@ from edge_agent.core.settings import MqttEndpoint, SettingsError, parse_settings
 from edge_agent.uplink.link import MqttLink
 from fleet_protocol import Topics
 from fleet_protocol.messages import Availability
-from tests.conftest import FOOTAGE
-from tests.integration.security.certs import TestCA
-from tests.mqtt_broker import MosquittoBroker, TlsFiles, tls_broker, wait_port
-from tests.processes import AgentProcess, ControllerProcess
-from tests.waiting import wait_for
+from tests.support.certs import TestCA
+from tests.support.mqtt_broker import MosquittoBroker, TlsFiles, tls_broker, wait_port
+from tests.support.paths import FOOTAGE
+from tests.support.processes import AgentProcess, ControllerProcess
+from tests.support.waiting import wait_for
 
 
 class Pki:

@@ -1,4 +1,4 @@
-"""The emulated site link (tests/linkproxy.py) that bench/transfer.py --link puts between an agent and
+"""The emulated site link (tests/support/linkproxy.py) that bench/transfer.py --link puts between an agent and
 the broker: it must hold each direction to its rate, add its delay, keep the bytes intact and in order,
 and hold a bounded number of bytes whatever the receiver does. Bounds are generous: these are
 correctness checks of the emulation, not speed targets (a 2-core machine shared with other work)."""
@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.linkproxy import LinkProxy, LinkSpec
-from tests.waiting import wait_for
+from tests.support.linkproxy import LinkProxy, LinkSpec
+from tests.support.waiting import wait_for
 
 
 class Server:

@@ -34,9 +34,9 @@ from fleet_protocol.messages import (
     ReportedState,
 )
 from fleet_protocol.signing import load_public_key, verify_agent_package, verify_desired
-from tests.agent_packages import make_package, make_wheel, wheel_name
-from tests.unit.controller.conftest import Fleet
-from tests.waiting import wait_for
+from tests.support.agent_packages import make_package, make_wheel, wheel_name
+from tests.support.controller_app import Fleet
+from tests.support.waiting import wait_for
 
 FAST = {"soak_s": 0, "step_timeout_s": 30, "offline_timeout_s": 30}
 

@@ -25,8 +25,8 @@ from fleet_protocol.messages import (
     Heartbeat,
     ReportedState,
 )
-from tests.unit.controller.conftest import MODEL_BYTES, Fleet, FleetFactory
-from tests.waiting import wait_for
+from tests.support.controller_app import MODEL_BYTES, Fleet, FleetFactory
+from tests.support.waiting import wait_for
 
 DEV = "site-1"
 

@@ -14,7 +14,7 @@ from sqlmodel import Session
 
 from controller.db import crud
 from controller.db.states import SyncState
-from controller.fleet.twin import resend_reason, transport_failure
+from controller.fleet.converger import resend_reason, transport_failure
 from controller.link.artifacts import (
     NOT_ASSIGNED,
     ChunkHashes,
@@ -36,9 +36,9 @@ from fleet_protocol.messages import (
     ReportedState,
 )
 from fleet_protocol.signing import load_public_key, verify
-from tests.unit.controller.conftest import MODEL_BYTES, Fleet, FleetFactory, write_model
-from tests.unit.controller.test_controller_twin_converge import POLICY, Parts, parts  # noqa: F401
-from tests.waiting import wait_for
+from tests.support.controller_app import MODEL_BYTES, Fleet, FleetFactory, write_model
+from tests.support.fleet_replicas import POLICY, Parts
+from tests.support.waiting import wait_for
 
 DEV, OTHER = "site-1", "site-2"
 CS = 256 * 1024
@@ -281,7 +281,7 @@ def _fail(p: Parts, device: str, error: str) -> None:
 
 
 def test_the_converger_re_sends_transport_failures_with_backoff_and_not_bad_models(
-    parts: Parts,  # noqa: F811
+    parts: Parts,
 ) -> None:
     t0 = time.time()
     _fail(parts, "d1", FETCH_TRANSPORT_ERROR + "sha256 mismatch for tiny (after 3 attempts)")

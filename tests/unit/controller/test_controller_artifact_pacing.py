@@ -10,8 +10,8 @@ import time
 from controller.link.artifacts import TokenBucket
 from fleet_protocol import TopicKind, decode_chunk
 from fleet_protocol.messages import ArtifactRequest
-from tests.unit.controller.conftest import MODEL_BYTES, FleetFactory
-from tests.waiting import wait_for
+from tests.support.controller_app import MODEL_BYTES, FleetFactory
+from tests.support.waiting import wait_for
 
 DEV = "site-1"
 CS = 256 * 1024

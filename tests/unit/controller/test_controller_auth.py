@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from controller.cli import app as cli_app
 from controller.security.tokens import RedactTokens, Role, hash_token, install_log_redaction, required_role
 from controller.settings import ControllerSettings
-from tests.processes import ADMIN_TOKEN, bearer
-from tests.unit.controller.conftest import Fleet, FleetFactory
+from tests.support.controller_app import Fleet, FleetFactory
+from tests.support.processes import ADMIN_TOKEN, bearer
 
 STRONG = "S3cure-" + "abcdefghijklmnopqrstuvwxyz0123456789"
 

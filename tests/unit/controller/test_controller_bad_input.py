@@ -13,8 +13,8 @@ from urllib.parse import quote
 
 import pytest
 
-from tests.onnx_models import yolov8_like
-from tests.unit.controller.conftest import Fleet, FleetFactory
+from tests.support.controller_app import Fleet, FleetFactory
+from tests.support.onnx_models import yolov8_like
 
 DEVICE = "bad-in-dev"
 
@@ -308,7 +308,7 @@ def test_json_routes_refuse_text_and_form_bodies(fleet: Fleet, method: str, url:
 
 def test_a_sparse_initializer_declaring_exabytes_is_refused_with_the_numbers(fleet: Fleet) -> None:
     """4.8 of the security review: a few-KB file whose sparse tensor is 2^62 floats once dense."""
-    from tests.onnx_models import with_sparse_bomb
+    from tests.support.onnx_models import with_sparse_bomb
 
     bomb = with_sparse_bomb()
     assert len(bomb) < 10_000

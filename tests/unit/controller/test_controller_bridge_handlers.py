@@ -32,8 +32,8 @@ from fleet_protocol.messages import (
     Heartbeat,
     Message,
 )
-from tests.unit.controller.conftest import FakeTransport, FleetFactory
-from tests.waiting import wait_for
+from tests.support.controller_app import FakeTransport, FleetFactory
+from tests.support.waiting import wait_for
 
 DEV = "dev-1"
 

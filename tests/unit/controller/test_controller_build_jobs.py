@@ -25,8 +25,8 @@ from controller.registry.build_jobs import BuildJobs
 from controller.registry.builder import VariantBuilder, VariantWorker
 from controller.registry.store import ArtifactStore
 from controller.registry.variants import VariantReport
-from tests.unit.controller.test_controller_registry import FakeBuilder
-from tests.waiting import wait_for
+from tests.support.controller_app import FakeBuilder
+from tests.support.waiting import wait_for
 
 LEASE_S = 60.0
 

@@ -16,8 +16,8 @@ from controller.link.commands import CommandError, command_result_event
 from controller.runtime import ControllerRuntime
 from fleet_protocol import TopicKind, decode
 from fleet_protocol.messages import Command, CommandName, CommandResult, Heartbeat
-from tests.unit.controller.conftest import Fleet, FleetFactory
-from tests.waiting import wait_for
+from tests.support.controller_app import Fleet, FleetFactory
+from tests.support.waiting import wait_for
 
 DEV = "dev-1"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.databases import database_url, postgres_base_url
-from tests.mqtt_broker import free_port
+from tests.support.databases import database_url, postgres_base_url
+from tests.support.mqtt_broker import free_port
 
 
 def _nowhere(monkeypatch: pytest.MonkeyPatch) -> str:

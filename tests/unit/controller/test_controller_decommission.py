@@ -12,9 +12,9 @@ from typing import Any
 from controller.link.bridge import OK, MqttBridge
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import Availability, Heartbeat
-from tests.messages import detection_batch
-from tests.unit.controller.conftest import FakeTransport, Fleet, FleetFactory
-from tests.waiting import wait_for
+from tests.support.controller_app import FakeTransport, Fleet, FleetFactory
+from tests.support.messages import detection_batch
+from tests.support.waiting import wait_for
 
 DEV = "retired-1"
 

@@ -7,9 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.controller.conftest import MODEL_BYTES, Fleet, write_model
-from tests.unit.controller.test_controller_deployments import deploy, deployment, enroll, report, runs
-from tests.waiting import wait_for
+from tests.support.controller_app import (
+    MODEL_BYTES,
+    Fleet,
+    deploy,
+    deployment,
+    enroll,
+    report,
+    runs,
+    write_model,
+)
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -10,20 +9,18 @@ import pytest
 
 from controller.db.tables import Deployment, Device
 from controller.fleet.deployments import Layer, layers
-from fleet_protocol import TopicKind
-from fleet_protocol.messages import (
-    Availability,
-    CameraReported,
-    CameraState,
-    CameraStats,
-    Capabilities,
-    Heartbeat,
-    ReportedState,
+from tests.support.controller_app import (
+    MODEL_BYTES,
+    Fleet,
+    beat,
+    deploy,
+    deployment,
+    enroll,
+    report,
+    runs,
+    write_model,
 )
-from tests.unit.controller.conftest import MODEL_BYTES, Fleet, write_model
-from tests.waiting import wait_for
-
-FAST = {"soak_s": 0, "step_timeout_s": 30, "offline_timeout_s": 30}
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
@@ -86,55 +83,6 @@ def test_rolling_out_applies_only_to_admitted_devices_and_cancelled_only_where_a
 
 
 # --------------------------------------------------------------------------- through the API
-
-
-def enroll(fleet: Fleet, device: str, **labels: str) -> None:
-    r = fleet.client.post("/api/v1/devices", json={"id": device, "labels": labels})
-    assert r.status_code == 201, r.text
-    caps = Capabilities(
-        hostname=device, cpu_count=2, cameras=["cam1"], execution_providers=["CPUExecutionProvider"]
-    )
-    fleet.send(
-        device, TopicKind.AVAILABILITY, Availability(state="online", agent_version="0.1.0", capabilities=caps)
-    )
-    beat(fleet, device, 10.0)
-    wait_for(lambda: fleet.device(device)["capabilities"], timeout=10, what=f"{device} birth stored")
-
-
-def beat(fleet: Fleet, device: str, fps: float, model: str | None = None) -> None:
-    cams = [CameraStats(camera="cam1", state=CameraState.UP, fps=fps, inference_ms=9.0, model=model)]
-    fleet.send(device, TopicKind.HEARTBEAT, Heartbeat(ts=time.time(), cameras=cams))
-
-
-def report(fleet: Fleet, device: str, state: str = "running", error: str | None = None) -> None:
-    """What an agent would report after applying its current desired state."""
-    body = fleet.device(device)
-    model = (body["assignments"].get("cam1") or {}).get("version")
-    rep = ReportedState(
-        ts=time.time(),
-        desired_version=body["desired_version"],
-        cameras={"cam1": CameraReported(model=f"tiny:{model}", state=state, error=error)},  # type: ignore[arg-type]
-    )
-    fleet.send(device, TopicKind.TWIN_REPORTED, rep)
-
-
-def runs(fleet: Fleet, device: str) -> str | None:
-    a = fleet.device(device)["assignments"].get("cam1")
-    return f"{a['version']}:{a.get('deployment') or 'direct'}" if a else None
-
-
-def deployment(fleet: Fleet, name: str) -> dict[str, Any]:
-    r = fleet.client.get(f"/api/v1/deployments/{name}")
-    assert r.status_code == 200, r.text
-    body: dict[str, Any] = r.json()
-    return body
-
-
-def deploy(fleet: Fleet, **body: Any) -> dict[str, Any]:
-    r = fleet.client.post("/api/v1/deployments", json={"model": "tiny", "gate": FAST, **body})
-    assert r.status_code == 201, r.text
-    out: dict[str, Any] = r.json()
-    return out
 
 
 def test_labels_are_replaced_and_validated(fleet: Fleet) -> None:

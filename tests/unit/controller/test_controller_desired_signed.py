@@ -17,7 +17,7 @@ from controller.fleet.twin import EVENT_RESEND
 from controller.security.keys import load_or_create_signer
 from fleet_protocol.messages import CameraReported
 from fleet_protocol.signing import key_id, load_public_key, verify_desired
-from tests.unit.controller.test_controller_twin_converge import Parts, parts  # noqa: F401 (fixture)
+from tests.support.fleet_replicas import Parts
 
 SHA = "a" * 64
 
@@ -82,7 +82,7 @@ def test_a_reported_version_above_any_issued_is_drift() -> None:
     )
 
 
-def test_every_published_state_is_signed_for_its_device(parts: Parts, tmp_path: Any) -> None:  # noqa: F811
+def test_every_published_state_is_signed_for_its_device(parts: Parts, tmp_path: Any) -> None:
     signer = load_or_create_signer(tmp_path / "keys")
     pub = load_public_key(signer.public_key)
     for device in ("d1", "d2"):
@@ -96,7 +96,7 @@ def test_every_published_state_is_signed_for_its_device(parts: Parts, tmp_path: 
 
 
 def test_a_device_reporting_a_version_never_issued_gets_the_current_state_above_it(
-    parts: Parts,  # noqa: F811
+    parts: Parts,
     tmp_path: Any,
 ) -> None:
     pub = load_public_key(load_or_create_signer(tmp_path / "keys").public_key)
@@ -117,7 +117,7 @@ def test_a_device_reporting_a_version_never_issued_gets_the_current_state_above_
 
 
 def test_issue_time_never_goes_back_when_the_clock_does(
-    parts: Parts,  # noqa: F811
+    parts: Parts,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     first = parts.desired("d1")[-1]

@@ -29,7 +29,7 @@ from controller.registry.uploads import (
     UploadMalformedError,
     UploadOverLimitError,
 )
-from tests.unit.controller.conftest import Fleet
+from tests.support.controller_app import Fleet
 
 DEV = "dev-1"
 

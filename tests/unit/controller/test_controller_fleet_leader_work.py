@@ -9,9 +9,7 @@ for a sweep, a converger pass or a tick that concerns a handful of devices.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,27 +20,19 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from controller.db import crud
-from controller.db.engine import make_engine, migrate
-from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
+from controller.db.engine import make_engine
+from controller.db.leader import FencedOut
 from controller.db.states import SyncState
 from controller.db.tables import Device, Event, Rollout, RolloutDevice, utcnow
+from controller.fleet.converger import resend_candidates
 from controller.fleet.deployments import selector_sql
-from controller.fleet.gate import GateConfig
-from controller.fleet.rollouts import RolloutService
 from controller.fleet.selectors import parse_selector
 from controller.fleet.sync import device_sync
-from controller.fleet.twin import EVENT_RESEND, ResendPolicy, TwinConverger, TwinService, resend_candidates
-from controller.link.bridge import MqttBridge
-from controller.link.presence import StatusService
-from controller.registry.bundled import register_bundled_models
-from controller.security.keys import load_or_create_signer
-from fleet_protocol import TopicKind, Topics
+from controller.fleet.twin import EVENT_RESEND
 from fleet_protocol.messages import Heartbeat
-from tests.unit.controller.conftest import FakeTransport
-from tests.waiting import wait_for
-
-POLICY = ResendPolicy(pending_after_s=60, backoff_s=10, backoff_max_s=40)
-FAST_GATE = GateConfig(soak_s=0, step_timeout_s=3600, offline_timeout_s=3600)
+from tests.support.controller_app import FakeTransport
+from tests.support.fleet_replicas import FAST_GATE, Replica, add_devices, make_replica, prepare
+from tests.support.waiting import wait_for
 
 
 class FakeLeadership:
@@ -64,95 +54,6 @@ class FakeLeadership:
         self.fences += 1
         if self.fenced:
             raise FencedOut("another replica leads at a newer epoch")
-
-
-@dataclass
-class Replica:
-    """One controller replica's fleet services on a shared database, built as the runtime builds them."""
-
-    engine: Engine
-    transport: Any
-    topics: Topics
-    twin: TwinService
-    rollouts: RolloutService
-    converger: TwinConverger
-    status: StatusService
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def desired_versions(self, device: str) -> list[int]:
-        from fleet_protocol import decode
-
-        out = []
-        for p in self.transport.on_topic(self.topics.device(device, TopicKind.TWIN_DESIRED)):
-            out.append(decode(TopicKind.TWIN_DESIRED, p.payload).version)  # type: ignore[union-attr]
-        return out
-
-
-def make_replica(
-    url: str,
-    keys: Path,
-    *,
-    leadership: Leadership = ALWAYS_LEADER,
-    transport: Any = None,
-    republish: Callable[[], int] | None = None,
-    heartbeat_timeout_s: float = 30.0,
-) -> Replica:
-    engine = make_engine(url)
-    topics = Topics()
-    transport = transport if transport is not None else FakeTransport()
-    bridge = MqttBridge(transport, topics)
-    stop = threading.Event()
-    # One signing key for every replica, as a deployment mounts one secret on all of them.
-    twin = TwinService(
-        engine, bridge, chunk_size=256 * 1024, signer=load_or_create_signer(keys), leadership=leadership
-    )
-    return Replica(
-        engine=engine,
-        transport=transport,
-        topics=topics,
-        twin=twin,
-        rollouts=RolloutService(engine, twin, stop=stop, leadership=leadership),
-        converger=TwinConverger(engine, twin, policy=POLICY, stop=stop, leadership=leadership),
-        status=StatusService(
-            engine,
-            bridge,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            queue_max=1000,
-            stop=stop,
-            republish=republish or twin.republish_all,
-            leadership=leadership,
-        ),
-        stop=stop,
-    )
-
-
-def prepare(url: str, models_dir: Path) -> None:
-    engine = make_engine(url)
-    try:
-        migrate(url, engine=engine)
-        register_bundled_models(engine, models_dir)
-    finally:
-        engine.dispose()
-
-
-def add_devices(engine: Engine, ids: list[str], **values: Any) -> None:
-    """Devices online with one camera and the given columns, inserted in one statement."""
-    with Session(engine) as s:
-        crud.ensure_devices(s, device_ids=ids)
-        s.execute(
-            sa.update(Device)
-            .where(col(Device.id).in_(ids))
-            .values(
-                **{
-                    "status": "online",
-                    "online_since": utcnow() - timedelta(hours=1),
-                    "last_seen": utcnow(),
-                    "capabilities": {"cameras": ["cam1"]},
-                    **values,
-                }
-            )
-        )
-        s.commit()
 
 
 class Loads:

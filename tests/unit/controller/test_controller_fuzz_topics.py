@@ -18,7 +18,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -47,8 +47,22 @@ from fleet_protocol.messages import (
 )
 from fleet_protocol.messages import Box as WireBox
 from fleet_protocol.topics import SPECS
-from tests.unit.controller.conftest import MODEL_BYTES, Fleet
-from tests.waiting import wait_for
+from tests.support.controller_app import MODEL_BYTES, Fleet
+from tests.support.json_mutations import (
+    DEEP,
+    DROP,
+    LONG,
+    NASTY,
+    Verdicts,
+    drop_at,
+    dump,
+    field_verdicts,
+    json_values,
+    paths,
+    set_at,
+    with_deep,
+)
+from tests.support.waiting import wait_for
 
 # Imported at collection rather than lazily by hypothesis mid-test: pytest rewrites plugin modules via
 # ast.parse, which CPython 3.11.7 can fail while other threads run (python/cpython#106905).
@@ -122,87 +136,6 @@ def valid_message(kind: TopicKind, seq: int = 1) -> BaseModel:
 
 # --------------------------------------------------------------------------- bad values
 
-NASTY: list[Any] = [
-    None,
-    True,
-    "",
-    "x",
-    "\x00",
-    "\ud800",  # a lone surrogate: not encodable as UTF-8
-    "\u202e\u200b\ufeffé\U0001f600",  # right-to-left override, zero width, BOM, emoji
-    "../../etc/passwd",
-    "a/+/#",
-    "y" * 70_000,  # over every max_length, under the payload limit
-    0,
-    -1,
-    2**31,
-    2**63,
-    2**70,
-    -(2**70),
-    10**400,  # an integer no float can hold
-    0.5,
-    -0.0,
-    1e308,
-    math.nan,
-    math.inf,
-    -math.inf,
-    [],
-    [None],
-    {},
-    {"type": "x"},
-]
-
-
-DEEP = "\u2063deep\u2063"  # a marker replaced, after dumping, by nesting too deep for json.dumps
-
-
-def with_deep(payload: bytes, depth: int = 5000) -> bytes:
-    """Replace the marker by ``depth`` nested lists: deeper than any parser's recursion limit."""
-    return payload.replace(json.dumps(DEEP).encode(), b"[" * depth + b"0" + b"]" * depth)
-
-
-def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
-    """Every path to a value inside a JSON document (dict keys and list indices)."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield (*prefix, k)
-            yield from paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield (*prefix, i)
-            yield from paths(v, (*prefix, i))
-
-
-def _with(obj: Any, path: tuple[Any, ...], op: Callable[[Any, Any], None]) -> Any:
-    doc = json.loads(json.dumps(obj))
-    parent = doc
-    for p in path[:-1]:
-        parent = parent[p]
-    op(parent, path[-1])
-    return doc
-
-
-def set_at(obj: Any, path: tuple[Any, ...], value: Any) -> Any:
-    def put(parent: Any, key: Any) -> None:
-        parent[key] = value
-
-    return _with(obj, path, put)
-
-
-def drop_at(obj: Any, path: tuple[Any, ...]) -> Any:
-    def drop(parent: Any, key: Any) -> None:
-        del parent[key]
-
-    return _with(obj, path, drop)
-
-
-def dump(doc: Any) -> bytes:
-    """JSON as a careless or hostile sender writes it: NaN/Infinity allowed, surrogates escaped."""
-    try:
-        return json.dumps(doc, allow_nan=True).encode()
-    except ValueError:  # an integer too long to print (10**400 is fine; guard anyway)
-        return b"{}"
-
 
 def mutations(kind: TopicKind) -> Iterator[bytes]:
     """The valid message of ``kind`` broken in every place, one way at a time."""
@@ -232,22 +165,6 @@ FIXED_GARBAGE: list[bytes] = [
     b'{"type": "detections", "seq": "many"}',
     b'{"type": "availability", "state": "online", "ts": NaN}',
 ]
-
-
-def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    # A named function, not a lambda: hypothesis describes a lambda by parsing its source.
-    return st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
-
-
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=50),
-    _containers,
-    max_leaves=30,
-)
 
 
 @st.composite
@@ -453,12 +370,10 @@ def test_a_nul_in_event_data_does_not_break_the_devices_later_messages(
 # without decode: each payload in REFUSE must be counted ``invalid`` and leave no trace; each in
 # ACCEPT must be handled and stored.
 
-LONG = "y" * 70_000  # over any one-line field, far under the payload limit
 NAN, INF = math.nan, math.inf
 NOW = 1.7e9
 BAD_UTF8 = "\u2063utf8\u2063"  # replaced, after dumping, by a JSON string holding bytes that are not UTF-8
 
-Verdicts = list[tuple[str, bytes]]
 
 # A string field of each kind, for the encoding cases (bytes that are not UTF-8, a lone surrogate).
 TEXT_FIELD: dict[TopicKind, tuple[Any, ...]] = {
@@ -478,7 +393,6 @@ FREE_FORM: dict[TopicKind, tuple[Any, ...]] = {
 }
 
 # Field by field: (path in the valid message, value), or (path, DROP) for a required field left out.
-DROP = object()
 FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
     TopicKind.AVAILABILITY: [
         (("state",), "maybe"),
@@ -690,19 +604,6 @@ def must_refuse(kind: TopicKind) -> Verdicts:
         deep = with_deep(dump(set_at(doc, FREE_FORM[kind], DEEP)), depth=250)
         out.append((f"{'.'.join(map(str, FREE_FORM[kind]))} nested 250 deep", deep))
     return out + field_verdicts(doc, FIELD_REFUSALS[kind])
-
-
-def field_verdicts(doc: Any, changes: list[tuple[tuple[Any, ...], Any]]) -> Verdicts:
-    """``doc`` with each (path, value) change applied, or the field dropped for DROP, named."""
-    out: Verdicts = []
-    for path, value in changes:
-        name = ".".join(map(str, path))
-        if value is DROP:
-            out.append((f"{name} missing", dump(drop_at(doc, path))))
-        else:
-            shown = "70 kB string" if value is LONG else repr(value)[:40]
-            out.append((f"{name} = {shown}", dump(set_at(doc, path, value))))
-    return out
 
 
 def must_accept(kind: TopicKind) -> Verdicts:

@@ -17,10 +17,18 @@ from controller.fleet.gate import GateConfig, GateResult, step
 from controller.fleet.rollouts import camera_latency, device_view
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import CameraState, CameraStats, Heartbeat
-from tests.unit.controller.conftest import MODEL_BYTES, Fleet, write_model
-from tests.unit.controller.test_controller_deployments import deploy, deployment, enroll, report, runs
-from tests.unit.controller.test_controller_rollouts import T0, M, member, ro
-from tests.waiting import wait_for
+from tests.support.controller_app import (
+    MODEL_BYTES,
+    Fleet,
+    deploy,
+    deployment,
+    enroll,
+    report,
+    runs,
+    write_model,
+)
+from tests.support.rollout_views import T0, M, member, ro
+from tests.support.waiting import wait_for
 
 
 def cam(**kw: Any) -> dict[str, Any]:

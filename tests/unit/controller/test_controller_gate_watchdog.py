@@ -13,10 +13,19 @@ import pytest
 from controller.fleet.gate import Finish, GateConfig, GateResult, WatchdogStep, step
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Event, EventKind
-from tests.unit.controller.conftest import MODEL_BYTES, Fleet, write_model
-from tests.unit.controller.test_controller_deployments import beat, deploy, deployment, enroll, report, runs
-from tests.unit.controller.test_controller_rollouts import T0, M, dev, member, ro, running
-from tests.waiting import wait_for
+from tests.support.controller_app import (
+    MODEL_BYTES,
+    Fleet,
+    beat,
+    deploy,
+    deployment,
+    enroll,
+    report,
+    runs,
+    write_model,
+)
+from tests.support.rollout_views import T0, M, dev, member, ro, running
+from tests.support.waiting import wait_for
 
 HUNG = "inference on tiny:2 (CPUExecutionProvider) hung: no result after 30.0 s (bound 30 s)"
 

@@ -44,9 +44,9 @@ from fleet_protocol import TopicKind, Topics
 from fleet_protocol.endpoint import MqttEndpoint
 from fleet_protocol.messages import Availability, Capabilities, CommandResult
 from fleet_protocol.topics import valid_device_id
-from tests.processes import bearer
-from tests.unit.controller.conftest import Fleet
-from tests.waiting import wait_for
+from tests.support.controller_app import Fleet
+from tests.support.processes import bearer
+from tests.support.waiting import wait_for
 
 STRONG = "S3cure-" + "abcdefghijklmnopqrstuvwxyz0123456789"
 

@@ -23,9 +23,9 @@ from controller.observe.retention import RetentionPolicy, RetentionService
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Ack, Availability, DetectionBatch
 from fleet_protocol.messages import Event as EventMsg
-from tests.unit.controller.conftest import Fleet
-from tests.unit.controller.ingest_replicas import Replica, batch, dropped, truth
-from tests.waiting import wait_for
+from tests.support.controller_app import Fleet
+from tests.support.ingest_replicas import Replica, batch, dropped, truth
+from tests.support.waiting import wait_for
 
 postgres_only = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 

@@ -21,8 +21,8 @@ from fleet_protocol.messages import (
     EventKind,
     FrameDetections,
 )
-from tests.unit.controller.conftest import Fleet
-from tests.waiting import wait_for
+from tests.support.controller_app import Fleet
+from tests.support.waiting import wait_for
 
 DEV = "site-ingest"
 TABLE: sa.Table = DetectionRow.__table__  # type: ignore[attr-defined]

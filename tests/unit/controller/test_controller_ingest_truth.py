@@ -17,8 +17,8 @@ from controller.db import crud
 from controller.db.engine import make_engine, migrate
 from controller.link.seqtrack import MAX_ACK_RANGES
 from fleet_protocol import TopicKind
-from tests.unit.controller.conftest import Fleet, FleetFactory
-from tests.unit.controller.ingest_replicas import (
+from tests.support.controller_app import Fleet, FleetFactory
+from tests.support.ingest_replicas import (
     DETS,
     Replica,
     batch,
@@ -28,7 +28,7 @@ from tests.unit.controller.ingest_replicas import (
     seq_rows,
     truth,
 )
-from tests.waiting import wait_for
+from tests.support.waiting import wait_for
 
 postgres_only = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 

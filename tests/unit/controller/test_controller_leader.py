@@ -35,11 +35,11 @@ from controller.security.keys import KEY_FILE
 from controller.settings import ControllerSettings
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.signing import KeyFileError
-from tests.databases import postgres_schema
-from tests.messages import detection_batch
-from tests.processes import ADMIN_HEADERS, ADMIN_TOKEN
-from tests.unit.controller.conftest import MODEL_BYTES, FakeTransport, write_model
-from tests.waiting import wait_for
+from tests.support.controller_app import MODEL_BYTES, FakeTransport, write_model
+from tests.support.databases import postgres_schema
+from tests.support.messages import detection_batch
+from tests.support.processes import ADMIN_HEADERS, ADMIN_TOKEN
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 

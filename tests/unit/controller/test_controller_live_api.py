@@ -18,8 +18,8 @@ from fleet_protocol.messages import (
     FrameDetections,
     Severity,
 )
-from tests.unit.controller.conftest import Fleet
-from tests.waiting import wait_for
+from tests.support.controller_app import Fleet
+from tests.support.waiting import wait_for
 
 
 def _batch(seq: int, captured_at: float, labels: list[str]) -> DetectionBatch:

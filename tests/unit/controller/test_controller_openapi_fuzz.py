@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.unit.controller.conftest import Fleet
+from tests.support.controller_app import Fleet
 
 # Imported now, at collection, not lazily while the test runs: pytest compiles the modules of its plugins
 # (hypothesis, schemathesis) from a rewritten AST, and CPython 3.11.7's ast.parse can fail then with

@@ -24,7 +24,7 @@ from controller.registry.bundled import register_bundled_models
 from controller.settings import ControllerSettings
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import DetectionBatch, FrameDetections
-from tests.unit.controller.conftest import FakeTransport, write_model
+from tests.support.controller_app import FakeTransport, write_model
 
 
 def test_interval_set_merges_adjacent_and_overlapping() -> None:

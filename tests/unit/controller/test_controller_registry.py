@@ -24,10 +24,10 @@ from fleet_protocol.messages import (
     GpuInfo,
 )
 from fleet_protocol.signing import load_public_key, verify
-from tests.conftest import MODELS
-from tests.onnx_models import with_external_data, yolov8_like
-from tests.unit.controller.conftest import Fleet, FleetFactory
-from tests.waiting import wait_for
+from tests.support.controller_app import FakeBuilder, Fleet, FleetFactory
+from tests.support.onnx_models import with_external_data, yolov8_like
+from tests.support.paths import MODELS
+from tests.support.waiting import wait_for
 
 DEV = "site-1"
 PED = MODELS / "ped_ssdlite"
@@ -53,59 +53,6 @@ def ped_manifest() -> dict[str, Any]:
     for k in ("name", "version", "sha256", "size"):
         m.pop(k)
     return m
-
-
-class FakeBuilder:
-    """Writes fp16/int8 files (model bytes + a tag) and reports them fit or unfit as told."""
-
-    def __init__(self, *, int8_fit: bool = True, fp16_fit: bool = True, gate: threading.Event | None = None):
-        self.int8_fit, self.fp16_fit, self.gate = int8_fit, fp16_fit, gate
-        self.calls: list[str] = []
-
-    def __call__(self, model_path: Path, manifest: Any, out_dir: Path, **kw: Any) -> list[VariantReport]:
-        self.calls.append(f"{manifest.name}:{manifest.version}")
-        progress = kw["progress"]
-        progress("fp16", 20.0)
-        if self.gate is not None:
-            assert self.gate.wait(20)
-        src = model_path.read_bytes()
-        reports = [
-            VariantReport(
-                variant="fp32",
-                path=model_path,
-                sha256=hashlib.sha256(src).hexdigest(),
-                size=len(src),
-                f1=1.0,
-                mean_iou=1.0,
-                detections=50,
-                fit=True,
-                target="any",
-                latency_ms_1t=20.0,
-            )
-        ]
-        for variant, fit, target in (("fp16", self.fp16_fit, "gpu"), ("int8", self.int8_fit, "cpu")):
-            data = src + variant.encode()
-            path = out_dir / f"{variant}.onnx"
-            path.write_bytes(data)
-            reports.append(
-                VariantReport(
-                    variant=variant,  # type: ignore[arg-type]
-                    path=path if fit else None,
-                    sha256=hashlib.sha256(data).hexdigest(),
-                    size=len(data),
-                    f1=0.99 if fit else 0.5,
-                    mean_iou=0.98 if fit else 0.7,
-                    detections=49,
-                    fit=fit,
-                    reason=None if fit else "F1 0.500 below the bar 0.95",
-                    target=target,  # type: ignore[arg-type]
-                    latency_ms_1t=10.0,
-                )
-            )
-            if not fit:
-                path.unlink()
-        progress("done", 100.0)
-        return reports
 
 
 def wait_ready(fleet: Fleet, name: str, version: str) -> dict[str, Any]:

@@ -4,7 +4,7 @@ the wave, whatever the hardware, and the verdict says by how much."""
 from __future__ import annotations
 
 from controller.fleet.gate import Advance, Finish, GateConfig, GateResult, step
-from tests.unit.controller.test_controller_rollouts import T0, dev, member, ro, running
+from tests.support.rollout_views import T0, dev, member, ro, running
 
 
 def test_latency_ratio_against_the_latency_before() -> None:

@@ -15,8 +15,8 @@ from controller.db.engine import migrate
 from controller.db.leader import ALWAYS_LEADER, FencedOut, Leadership
 from controller.db.tables import utcnow
 from controller.observe.retention import RetentionPolicy, RetentionService
-from tests.unit.controller.ingest_replicas import Replica, batch, detections_per_seq, dropped, seq_rows, truth
-from tests.waiting import wait_for
+from tests.support.ingest_replicas import Replica, batch, detections_per_seq, dropped, seq_rows, truth
+from tests.support.waiting import wait_for
 
 DEV = "compact"
 LATER = timedelta(seconds=5)  # "now" for the retention pass: every row is older than seq_keep_s=0

@@ -11,7 +11,7 @@ from controller.security.keys import KEY_FILE
 from fleet_protocol import TopicKind, decode
 from fleet_protocol.messages import DesiredState
 from fleet_protocol.signing import KeyFileError, SignatureError, load_public_key, verify
-from tests.unit.controller.conftest import Fleet, FleetFactory
+from tests.support.controller_app import Fleet, FleetFactory
 
 DEV = "gate-1"
 

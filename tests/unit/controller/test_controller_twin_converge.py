@@ -3,43 +3,25 @@ under a new version, with a capped backoff per device, and every re-send is an e
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from controller.db import crud
-from controller.db.engine import make_engine, migrate
-from controller.db.tables import Device, Event, utcnow
-from controller.fleet.twin import (
-    EVENT_CONVERGED,
-    EVENT_RESEND,
-    ResendPolicy,
-    TwinConverger,
-    TwinService,
-    resend_reason,
-)
-from controller.link.bridge import MqttBridge
-from controller.registry.bundled import register_bundled_models
-from controller.security.keys import load_or_create_signer
-from fleet_protocol import TopicKind, Topics, decode
+from controller.fleet.converger import EVENT_CONVERGED, ResendPolicy, resend_reason
+from controller.fleet.twin import EVENT_RESEND
+from fleet_protocol import TopicKind, decode
 from fleet_protocol.messages import (
     Availability,
     CameraReported,
     Capabilities,
-    DesiredState,
     ReportedState,
 )
-from tests.unit.controller.conftest import FakeTransport, Fleet, FleetFactory
-from tests.waiting import wait_for
-
-POLICY = ResendPolicy(pending_after_s=60, backoff_s=10, backoff_max_s=40)
+from tests.support.controller_app import Fleet, FleetFactory
+from tests.support.fleet_replicas import POLICY, Parts
+from tests.support.waiting import wait_for
 
 # --------------------------------------------------------------------------- the rules (pure)
 
@@ -81,71 +63,6 @@ def test_what_is_re_sent_and_when(
 
 
 # --------------------------------------------------------------------------- the converger, clock in hand
-
-
-@dataclass
-class Parts:
-    engine: Engine
-    transport: FakeTransport
-    topics: Topics
-    twin: TwinService
-    converger: TwinConverger
-
-    def desired(self, device: str) -> list[DesiredState]:
-        out = []
-        for p in self.transport.on_topic(self.topics.device(device, TopicKind.TWIN_DESIRED)):
-            assert p.retain and p.qos == 1
-            msg = decode(TopicKind.TWIN_DESIRED, p.payload)
-            assert isinstance(msg, DesiredState)
-            out.append(msg)
-        return out
-
-    def report(self, device: str, *, sha: str | None = None, version: int | None = None) -> None:
-        """Store what the device reports: ``sha`` running on cam1 at ``version`` (default: its desired)."""
-        with Session(self.engine) as s:
-            dev = crud.get_device(s, device_id=device)
-            assert dev is not None and dev.desired is not None
-            want = dev.desired["cameras"]["cam1"]["model"]["manifest"]["sha256"]
-            rep = ReportedState(
-                ts=time.time(),
-                desired_version=dev.desired_version if version is None else version,
-                cameras={"cam1": CameraReported(model="tiny:1", sha256=sha or want, state="running")},
-            )
-            dev.reported = rep.model_dump(mode="json")
-            dev.reported_version = rep.desired_version
-            s.add(dev)
-            s.commit()
-
-    def events(self, device: str, kind: str) -> list[Event]:
-        with Session(self.engine) as s:
-            q = select(Event).where(col(Event.device_id) == device, col(Event.kind) == kind)
-            return list(s.exec(q.order_by(col(Event.id))).all())
-
-
-@pytest.fixture
-def parts(db_url: str, models_dir: Path, tmp_path: Path) -> Iterator[Parts]:
-    engine = make_engine(db_url)
-    migrate(db_url, engine=engine)
-    register_bundled_models(engine, models_dir)
-    transport = FakeTransport()
-    topics = Topics()
-    twin = TwinService(
-        engine,
-        MqttBridge(transport, topics),
-        chunk_size=256 * 1024,
-        signer=load_or_create_signer(tmp_path / "keys"),
-    )
-    converger = TwinConverger(engine, twin, policy=POLICY, stop=threading.Event())
-    with Session(engine) as s:
-        crud.ensure_devices(s, device_ids={"d1", "d2"})
-        for dev in s.exec(select(Device)).all():
-            dev.status, dev.online_since, dev.capabilities = "online", utcnow(), {"cameras": ["cam1"]}
-            s.add(dev)
-        s.commit()
-    for d in ("d1", "d2"):
-        twin.assign(device_id=d, camera="cam1", model="tiny", version="1")
-    yield Parts(engine, transport, topics, twin, converger)
-    engine.dispose()
 
 
 def test_a_drifting_device_gets_its_state_again_with_a_capped_backoff(parts: Parts) -> None:

@@ -25,9 +25,9 @@ from controller.db import crud
 from controller.db.tables import Rollout, RolloutDevice
 from fleet_protocol import TopicKind, decode
 from fleet_protocol.messages import DesiredState
-from tests.databases import database_url
-from tests.unit.controller.conftest import FakeTransport, Published
-from tests.unit.controller.test_controller_fleet_leader_work import (
+from tests.support.controller_app import FakeTransport, Published
+from tests.support.databases import database_url
+from tests.support.fleet_replicas import (
     FAST_GATE,
     Replica,
     add_devices,

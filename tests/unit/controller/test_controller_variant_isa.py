@@ -12,9 +12,16 @@ from sqlmodel import Session
 from controller.db import crud
 from controller.db.engine import make_engine, migrate
 from controller.db.tables import ModelVariant, ModelVersion
-from controller.fleet.twin import _reports, choose
 from controller.registry.builder import VariantWorker
-from controller.registry.variants import Int8Isa, VariantReport, choose_variant, cpu_isa, isa_of
+from controller.registry.choice import (
+    Int8Isa,
+    VariantReport,
+    _reports,
+    choose,
+    choose_variant,
+    cpu_isa,
+    isa_of,
+)
 from fleet_protocol.messages import Capabilities, GpuInfo
 
 PROVIDERS = ["CPUExecutionProvider"]

@@ -9,14 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.registry.fidelity import Det, Fidelity, iou_matrix, match, preprocess, read_footage_frames
+from controller.registry.choice import VariantReport, choose_variant
+from controller.registry.fidelity import Fidelity, iou_matrix, match, preprocess, read_footage_frames
 from controller.registry.variants import (
     FP16_MEMORY_BASE,
     VariantError,
-    VariantReport,
     _build_fp16,
     build_variants,
-    choose_variant,
     convert_fp16,
     fidelity_problem,
     fp16_memory_limit,
@@ -26,6 +25,7 @@ from controller.registry.variants import (
     select_nodes_to_quantize,
 )
 from fleet_protocol.messages import Capabilities, GpuInfo, ModelManifest
+from fleet_protocol.vision.decoders import RawDetection
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime.quantization")
@@ -40,8 +40,8 @@ def _manifest(name: str) -> ModelManifest:
     return ModelManifest.model_validate_json((MODELS / name / "manifest.json").read_text())
 
 
-def det(x0: float, y0: float, x1: float, y1: float, cls: int = 0, score: float = 0.9) -> Det:
-    return Det(class_id=cls, score=score, x0=x0, y0=y0, x1=x1, y1=y1)
+def det(x0: float, y0: float, x1: float, y1: float, cls: int = 0, score: float = 0.9) -> RawDetection:
+    return RawDetection(class_id=cls, score=score, x0=x0, y0=y0, x1=x1, y1=y1)
 
 
 # --------------------------------------------------------------------------- matcher
@@ -438,7 +438,9 @@ def _fake_build(
     monkeypatch.setattr(v, "measure_latency", lambda *_a, **_k: {})
     monkeypatch.setattr(v, "_input_name", lambda _p: "images")
 
-    def fake_run(path: Path, _m: ModelManifest, frames: list[tuple[np.ndarray, object]]) -> list[list[Det]]:
+    def fake_run(
+        path: Path, _m: ModelManifest, frames: list[tuple[np.ndarray, object]]
+    ) -> list[list[RawDetection]]:
         if path.name == "model.onnx":
             return [list(boxes) for _ in frames]
         return [list(boxes) if int(t[0]) < 2 else boxes[:1] for t, _ in frames]

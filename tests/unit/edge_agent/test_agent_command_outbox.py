@@ -22,7 +22,7 @@ from edge_agent.uplink.outbox import Outbox
 from fleet_protocol.codec import decode, encode
 from fleet_protocol.messages import Command, CommandResult, EventKind
 from fleet_protocol.topics import TopicKind
-from tests.waiting import wait_for
+from tests.support.waiting import wait_for
 
 
 class Delivery:
@@ -91,7 +91,10 @@ class Publisher:
 
 
 @dataclass
-class Rig:
+class RunnerRig:
+    """One CommandRunner in process on a fake link, pipeline and publisher, with a real outbox: a unit
+    rig, not a tests.support.stack.Stack of processes."""
+
     runner: CommandRunner
     link: Link
     outbox: Outbox
@@ -114,11 +117,11 @@ class Rig:
 
 @pytest.fixture
 def make_rig(tmp_path: Path) -> Iterator[Any]:
-    rigs: list[Rig] = []
+    rigs: list[RunnerRig] = []
 
     def make(
         *, connected: bool, outbox: Outbox | None = None, frame: bool = True, resend_s: float = 0.0
-    ) -> Rig:
+    ) -> RunnerRig:
         link = Link(connected=connected)
         ob = outbox or Outbox(tmp_path / "outbox.db")
         publisher = Publisher()
@@ -137,7 +140,7 @@ def make_rig(tmp_path: Path) -> Iterator[Any]:
         )
         thread = threading.Thread(target=runner.run, name="commands", daemon=True)
         thread.start()
-        rig = Rig(runner, link, ob, publisher, stop, thread)
+        rig = RunnerRig(runner, link, ob, publisher, stop, thread)
         rigs.append(rig)
         return rig
 
@@ -149,7 +152,7 @@ def make_rig(tmp_path: Path) -> Iterator[Any]:
 
 
 def test_a_result_made_while_the_link_is_down_is_sent_once_it_is_back(make_rig: Any) -> None:
-    rig: Rig = make_rig(connected=False)
+    rig: RunnerRig = make_rig(connected=False)
     rig.command("s1")
     rig.stop_thread()
     # Produced offline: on disk, nothing published.
@@ -175,7 +178,7 @@ def test_a_result_made_while_the_link_is_down_is_sent_once_it_is_back(make_rig: 
 
 
 def test_a_result_whose_puback_the_cut_took_is_sent_again_after_the_reconnect(make_rig: Any) -> None:
-    rig: Rig = make_rig(connected=True)
+    rig: RunnerRig = make_rig(connected=True)
     rig.command("s1")
     rig.stop_thread()
     assert rig.link.ids() == ["s1"] and rig.outbox.result_ids() == ["s1"]  # published, no PUBACK yet
@@ -191,7 +194,7 @@ def test_a_result_whose_puback_the_cut_took_is_sent_again_after_the_reconnect(ma
 
 
 def test_a_puback_that_came_before_the_cut_counts(make_rig: Any) -> None:
-    rig: Rig = make_rig(connected=True)
+    rig: RunnerRig = make_rig(connected=True)
     rig.command("s1")
     rig.stop_thread()
     rig.link.sent[0][1].acked = True  # acknowledged, then the link broke before the next pass
@@ -201,13 +204,13 @@ def test_a_puback_that_came_before_the_cut_counts(make_rig: Any) -> None:
 
 
 def test_results_kept_before_a_restart_are_sent_by_the_next_agent(make_rig: Any, tmp_path: Path) -> None:
-    first: Rig = make_rig(connected=False)
+    first: RunnerRig = make_rig(connected=False)
     first.command("s1")
     first.stop_thread()
     first.outbox.close()
 
     # No reconnect and no resend timer (the default, 60 s): the first pass sends what was kept.
-    again: Rig = make_rig(connected=True, outbox=Outbox(tmp_path / "outbox.db"), resend_s=RESEND_S)
+    again: RunnerRig = make_rig(connected=True, outbox=Outbox(tmp_path / "outbox.db"), resend_s=RESEND_S)
     again.stop_thread()  # its first pass may already have sent it; the pass below then adds nothing
     again.runner.deliver()
     assert again.link.ids() == ["s1"]
@@ -221,7 +224,7 @@ def test_a_full_results_outbox_drops_pictures_first_then_whole_results_and_says_
 ) -> None:
     # Room for less than one picture, and for two results.
     ob = Outbox(tmp_path / "bounded.db", max_results=2, max_result_bytes=1500)
-    rig: Rig = make_rig(connected=False, outbox=ob)
+    rig: RunnerRig = make_rig(connected=False, outbox=ob)
     rig.command("s1")
     kept = decode(TopicKind.COMMAND_RESULT, ob.result_payload("s1") or b"")
     assert isinstance(kept, CommandResult)

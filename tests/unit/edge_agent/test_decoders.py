@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from fleet_protocol.messages import ModelManifest
 from fleet_protocol.vision.decoders import RawDetection, batched_nms, decode
 from fleet_protocol.vision.preprocess import FrameMeta, Preprocessor
-from tests.conftest import FOOTAGE, MODELS
+from tests.support.paths import FOOTAGE, MODELS
 
 LABELS = ["person", "car", "dog"]
 SHA = "0" * 64

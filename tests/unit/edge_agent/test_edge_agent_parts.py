@@ -8,11 +8,11 @@ from pathlib import Path
 
 from edge_agent.control.commands import QUEUE_SIZE, CommandRunner
 from edge_agent.control.twin import EngineBuilds
-from edge_agent.inference.backends import LoadRequest
+from edge_agent.inference.factory import LoadRequest
 from fleet_protocol.codec import decode
 from fleet_protocol.messages import Command, CommandResult, ModelManifest
 from fleet_protocol.topics import TopicKind
-from tests.unit.edge_agent.test_edge_pipeline import SHA_A, SHA_B, manifest
+from tests.support.edge_pipeline import SHA_A, SHA_B, manifest
 
 
 class Factory:

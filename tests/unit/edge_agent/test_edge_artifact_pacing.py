@@ -15,7 +15,7 @@ from pathlib import Path
 from edge_agent.uplink.artifacts import DRAIN_S, ArtifactFetcher, _Pace
 from fleet_protocol.codec import encode_chunk
 from fleet_protocol.messages import ArtifactRequest
-from tests.unit.edge_agent.test_edge_artifacts import CHUNK, ref_for
+from tests.support.artifact_refs import CHUNK, ref_for
 
 CS = 256 * 1024
 

@@ -12,32 +12,11 @@ from edge_agent.uplink.artifacts import ArtifactFetcher, FetchError, TransferErr
 from fleet_protocol.codec import encode_chunk
 from fleet_protocol.messages import (
     FETCH_TRANSPORT_ERROR,
-    ArtifactRef,
     ArtifactRequest,
-    InputSpec,
-    ModelManifest,
 )
+from tests.support.artifact_refs import CHUNK, chunk_hashes, ref_for
 
-CHUNK = 1024
 DATA = bytes(range(256)) * 40 + b"tail" * 25  # 10,340 bytes: 11 chunks, the last one short
-
-
-def chunk_hashes(data: bytes, chunk: int = CHUNK) -> list[str]:
-    return [hashlib.sha256(data[i : i + chunk]).hexdigest() for i in range(0, len(data), chunk)]
-
-
-def ref_for(data: bytes, sha: str | None = None, hashes: list[str] | None = None) -> ArtifactRef:
-    manifest = ModelManifest(
-        name="m",
-        version="1",
-        sha256=sha or hashlib.sha256(data).hexdigest(),
-        size=len(data),
-        decoder="tf_od",
-        input=InputSpec(name="x", layout="NHWC", dtype="uint8", color="RGB", width=8, height=8),
-        labels=["person"],
-        chunk_hashes=hashes,
-    )
-    return ArtifactRef(manifest=manifest, chunk_size=CHUNK)
 
 
 class FakeLink:

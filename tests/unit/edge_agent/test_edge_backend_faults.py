@@ -9,7 +9,6 @@ on, with no watchdog restart.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +18,24 @@ import pytest
 from edge_agent import cli
 from edge_agent.agent import Agent
 from edge_agent.core.restart_policy import WatchdogNote
-from edge_agent.inference.backends import EXIT_CUDA_FATAL, CudaFatalError, ProviderFallback
+from edge_agent.inference.backend import EXIT_CUDA_FATAL, CudaFatalError, ProviderFallback
 from edge_agent.vision.pipeline import CameraParams, LoadedModel, ModelLoadError, Pipeline
 from fleet_protocol.messages import Event, EventKind, ModelManifest, Severity
 from fleet_protocol.topics import TopicKind
-from tests.unit.edge_agent.test_edge_agent_twin import (
+from tests.support.edge_pipeline import (
+    SHA_A,
+    FakeBackend,
+    make_pipeline,
+    manifest,
+)
+from tests.support.edge_twin import (
     FakeTransport,
     Frames,
     desired,
     model_in_store,
     settings,
 )
-from tests.unit.edge_agent.test_edge_pipeline import SHA_A, FakeBackend, make_pipeline, manifest, wait_for
+from tests.support.waiting import wait_for
 
 STICKY = "CUDA error 700 (cudaErrorIllegalAddress): an illegal memory access was encountered"
 
@@ -68,13 +73,6 @@ class Factory:
         if isinstance(item, Exception):
             raise item
         return item
-
-
-@pytest.fixture
-def stop() -> Iterator[threading.Event]:
-    ev = threading.Event()
-    yield ev
-    ev.set()
 
 
 def serving(stop: threading.Event, factory: Factory, **kw: Any) -> tuple[Pipeline, list[tuple[str, str]]]:

@@ -7,7 +7,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from edge_agent.inference.backends import BackendError, OnnxRuntimeBackend, choose_providers
+from edge_agent.inference.backend import BackendError
+from edge_agent.inference.ort import OnnxRuntimeBackend
+from edge_agent.inference.providers import choose_providers
 
 
 def tiny_model(path: Path, batch: int | str) -> Path:

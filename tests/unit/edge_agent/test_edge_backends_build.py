@@ -1,6 +1,6 @@
 """The model-load path wired to out-of-process engine builds (GPU audit G4, G5, G8, G11, G12).
 
-No GPU and no TensorRT here: a fake build supervisor stands in for the build process (it writes what
+No GPU and no TensorRT here: a fake of ``ChildProcessBuilds`` stands in for the build process (it writes what
 the child would publish and reports progress), a fake runtime for TensorRT, a fake session for
 onnxruntime's GPU providers. The seams are the factory's ``builds``, ``runtime`` and
 ``session_factory`` arguments.
@@ -20,26 +20,28 @@ import pytest
 from onnx import TensorProto, helper
 
 from edge_agent.core.settings import parse_settings
-from edge_agent.inference.backends import (
-    AutoBackendFactory,
-    BackendError,
-    BuildNote,
-    GuardedTensorRtBackend,
-    InProcessBuilds,
-    LoadRequest,
-    OnnxRuntimeBackend,
-)
+from edge_agent.inference.backend import BackendError
 from edge_agent.inference.engine_build import (
     BuildFailed,
     BuildProgress,
     BuildRequest,
     BuildResult,
-    BuildSupervisor,
     BuildTimedOut,
+    ChildProcessBuilds,
     ort_engines_ready,
 )
-from edge_agent.inference.trt import BuildCancelled, BuildOptions, Calibration, Precision
+from edge_agent.inference.factory import (
+    AutoBackendFactory,
+    BuildNote,
+    GuardedTensorRtBackend,
+    InProcessBuilds,
+    LoadRequest,
+)
+from edge_agent.inference.ort import OnnxRuntimeBackend
+from edge_agent.inference.tensorrt.errors import BuildCancelled
 from fleet_protocol.messages import InputSpec, ModelManifest
+from tests.support.fakes.ort import FakeSession
+from tests.support.fakes.tensorrt import FakeRuntime
 
 TRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
 ALL = [TRT, CUDA, CPU]
@@ -103,72 +105,6 @@ class FakeSupervisor:
 
     def ort(self) -> list[BuildRequest]:
         return [r for r, _ in self.started if r.marker]
-
-
-class FakeEngine:
-    input_name = "x"
-    input_shape: tuple[int | str | None, ...] = (None, 16, 16, 3)
-    dynamic_batch = True
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
-        return {"y": np.zeros((batch.shape[0], 1), np.float32)}
-
-    def close(self) -> None:
-        pass
-
-
-class FakeRuntime:
-    version = "10.3.0"
-    gpu_name = "NVIDIA Jetson Orin"
-    compute_capability = "8.7"
-    device = 0
-
-    def build_engine(
-        self, onnx_path: Path, precision: Precision, calib: Calibration | None, options: BuildOptions
-    ) -> bytes:
-        raise AssertionError("a build in the agent's process: it must go through the supervisor")
-
-    def load_engine(self, data: bytes) -> FakeEngine:
-        assert data.startswith(b"ENGINE:"), data
-        return FakeEngine(data)
-
-
-class FakeSession:
-    """An onnxruntime session that gets the first ``got`` of what it is asked for."""
-
-    def __init__(self, got: list[str] | None = None) -> None:
-        self.got = got
-        self.calls: list[dict[str, Any]] = []
-
-    def __call__(self, path: str, *, sess_options: Any, providers: list[Any]) -> FakeSession:
-        self.calls.append({"providers": providers, "level": sess_options.graph_optimization_level})
-        return self
-
-    def get_providers(self) -> list[str]:
-        asked = [p[0] if isinstance(p, tuple) else p for p in self.calls[-1]["providers"]]
-        return self.got if self.got is not None else asked
-
-    def get_inputs(self) -> list[Any]:
-        class Input:
-            name = "x"
-            shape = ["N", 16, 16, 3]
-
-        return [Input()]
-
-    def get_outputs(self) -> list[Any]:
-        class Output:
-            name = "y"
-
-        return [Output()]
-
-    def provider_names(self, i: int = -1) -> list[str]:
-        return [p[0] if isinstance(p, tuple) else p for p in self.calls[i]["providers"]]
-
-    def trt_options(self, i: int = -1) -> dict[str, str]:
-        return next(p[1] for p in self.calls[i]["providers"] if isinstance(p, tuple) and p[0] == TRT)
 
 
 def model(tmp_path: Path, input_name: str = "x", batch: int | str = "N", name: str = "m.onnx") -> Path:
@@ -251,7 +187,7 @@ def make_factory(
 def test_g8_the_fp32_variant_requests_an_fp32_build_not_fp16(tmp_path: Path) -> None:
     path = model(tmp_path)
     sup = FakeSupervisor()
-    f = make_factory(tmp_path, sup, runtime=FakeRuntime())
+    f = make_factory(tmp_path, sup, runtime=FakeRuntime(builds_here=False))
     be32 = f.make(path, manifest_for(path), LoadRequest(variant="fp32"))
     be16 = f.make(path, manifest_for(path), LoadRequest(variant="fp16"))
     assert [r.precision for r in sup.native()] == ["fp32", "fp16"]
@@ -259,7 +195,9 @@ def test_g8_the_fp32_variant_requests_an_fp32_build_not_fp16(tmp_path: Path) -> 
     assert isinstance(be16, GuardedTensorRtBackend) and be16.precision == "fp16"
     assert "-fp32-" in sup.native()[0].engine_file and "-fp16-" in sup.native()[1].engine_file
     # inference.trt_precision still wins when it names a precision.
-    forced = make_factory(tmp_path / "forced", FakeSupervisor(), runtime=FakeRuntime(), precision="fp16")
+    forced = make_factory(
+        tmp_path / "forced", FakeSupervisor(), runtime=FakeRuntime(builds_here=False), precision="fp16"
+    )
     assert forced.make(path, manifest_for(path), LoadRequest(variant="fp32")).precision == "fp16"  # type: ignore[attr-defined]
 
 
@@ -270,7 +208,7 @@ def test_g11_the_engine_key_differs_with_max_batch_and_precision(tmp_path: Path)
     for max_batch in (1, 4):
         for variant in ("fp32", "fp16"):
             sup = FakeSupervisor()
-            make_factory(tmp_path, sup, runtime=FakeRuntime(), max_batch=max_batch).make(
+            make_factory(tmp_path, sup, runtime=FakeRuntime(builds_here=False), max_batch=max_batch).make(
                 path, man, LoadRequest(variant=variant)
             )
             (req,) = sup.native()
@@ -279,7 +217,7 @@ def test_g11_the_engine_key_differs_with_max_batch_and_precision(tmp_path: Path)
     assert len(set(files.values())) == 4, files
     # The same settings find their engine in the cache: no second build.
     sup = FakeSupervisor()
-    be = make_factory(tmp_path, sup, runtime=FakeRuntime(), max_batch=4).make(
+    be = make_factory(tmp_path, sup, runtime=FakeRuntime(builds_here=False), max_batch=4).make(
         path, man, LoadRequest(variant="fp16")
     )
     assert sup.started == [] and isinstance(be, GuardedTensorRtBackend)
@@ -293,7 +231,7 @@ def test_a_native_build_goes_through_the_supervisor_and_its_progress_becomes_bui
 ) -> None:
     path = model(tmp_path)
     sup = FakeSupervisor()
-    rt = FakeRuntime()
+    rt = FakeRuntime(builds_here=False)
     rt.device = 1
     stop = threading.Event()
     notes: list[BuildNote] = []
@@ -325,7 +263,9 @@ def test_a_failed_or_timed_out_build_falls_back_to_onnxruntime_with_the_reason(
 ) -> None:
     path = model(tmp_path)
     notes: list[BuildNote] = []
-    f = make_factory(tmp_path, FakeSupervisor(error), runtime=FakeRuntime(), session=FakeSession())
+    f = make_factory(
+        tmp_path, FakeSupervisor(error), runtime=FakeRuntime(builds_here=False), session=FakeSession()
+    )
     be = f.make(path, manifest_for(path), LoadRequest(variant="fp16", notify=notes.append))
     assert isinstance(be, OnnxRuntimeBackend) and be.provider == CPU
     assert [n.phase for n in notes] == ["started", "failed", "fallback"]
@@ -340,7 +280,7 @@ def test_a_cancelled_build_ends_the_load_without_falling_back(tmp_path: Path) ->
     f = make_factory(
         tmp_path,
         FakeSupervisor(BuildCancelled("engine build cancelled")),
-        runtime=FakeRuntime(),
+        runtime=FakeRuntime(builds_here=False),
         session=session,
     )
     with pytest.raises(BackendError, match="cancelled"):
@@ -365,9 +305,9 @@ def test_the_default_supervisor_takes_the_build_time_bound_from_the_settings(tmp
     with pytest.raises(Exception, match="trt_build_timeout_s"):
         parse_settings({**BASE, "inference": {"trt_build_timeout_s": 0}}, env={})
     f = AutoBackendFactory(engine="auto", cache_dir=tmp_path, build_timeout_s=s.inference.trt_build_timeout_s)
-    assert isinstance(f.builds, BuildSupervisor) and f.builds.timeout_s == 90.0
+    assert isinstance(f.builds, ChildProcessBuilds) and f.builds.timeout_s == 90.0
     # A runtime passed in lives in this process: a build process could not use it.
-    g = AutoBackendFactory(engine="auto", cache_dir=tmp_path, runtime=FakeRuntime())  # type: ignore[arg-type]
+    g = AutoBackendFactory(engine="auto", cache_dir=tmp_path, runtime=FakeRuntime(builds_here=False))  # type: ignore[arg-type]
     assert isinstance(g.builds, InProcessBuilds)
     with pytest.raises(ValueError):
         AutoBackendFactory(engine="auto", cache_dir=tmp_path, build_timeout_s=0)
@@ -384,7 +324,9 @@ def test_g12_an_int8_qoperator_model_never_reaches_tensorrt_and_the_reason_is_re
     sup = FakeSupervisor()
     session = FakeSession()
     notes: list[BuildNote] = []
-    f = make_factory(tmp_path, sup, runtime=FakeRuntime(), session=session, available=ALL, engine=engine)
+    f = make_factory(
+        tmp_path, sup, runtime=FakeRuntime(builds_here=False), session=session, available=ALL, engine=engine
+    )
     be = f.make(path, manifest_for(path), LoadRequest(variant="int8", notify=notes.append))
     assert sup.started == [], "no native build and no TensorRT EP build"
     assert session.provider_names() == [CUDA, CPU] and be.provider == CUDA
@@ -477,7 +419,9 @@ def test_native_failure_falls_back_to_the_tensorrt_ep_built_out_of_process(tmp_p
     sup = NativeFails()
     session = FakeSession()
     notes: list[BuildNote] = []
-    f = make_factory(tmp_path, sup, runtime=FakeRuntime(), session=session, available=ALL, max_batch=2)
+    f = make_factory(
+        tmp_path, sup, runtime=FakeRuntime(builds_here=False), session=session, available=ALL, max_batch=2
+    )
     be = f.make(path, manifest_for(path), LoadRequest(variant="fp16", notify=notes.append))
     assert len(sup.native()) == 1 and len(sup.ort()) == 1 and be.provider == TRT
     assert session.trt_options()["trt_profile_max_shapes"] == "x:2x16x16x3"

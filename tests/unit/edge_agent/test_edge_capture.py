@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,15 +12,7 @@ import pytest
 from edge_agent.core.settings import CameraConfig
 from edge_agent.vision.capture import CameraWorker, Frame, SourceError, VideoSource, redact_source
 from fleet_protocol.messages import CameraState, InputSpec
-
-
-def wait_for(pred: Callable[[], object], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
+from tests.support.waiting import wait_for
 
 
 class FakeSource:
@@ -46,13 +38,6 @@ class FakeSource:
 
     def release(self) -> None:
         self.released = True
-
-
-@pytest.fixture
-def stop() -> Iterator[threading.Event]:
-    ev = threading.Event()
-    yield ev
-    ev.set()
 
 
 def live(**kw: object) -> CameraConfig:

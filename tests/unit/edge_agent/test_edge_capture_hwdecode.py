@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +21,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from edge_agent.vision import capture
 from edge_agent.core.settings import CameraConfig
+from edge_agent.vision import capture
 from edge_agent.vision.capture import (
     CameraWorker,
     CvVideoSource,
@@ -37,7 +35,8 @@ from edge_agent.vision.capture import (
     plan_decode,
 )
 from fleet_protocol.messages import CameraState
-from tests.conftest import FOOTAGE
+from tests.support.paths import FOOTAGE
+from tests.support.waiting import wait_for
 
 URL = "rtsp://admin:s3cret@10.0.0.7:554/stream1"
 APPSINK_LIVE = "appsink drop=true max-buffers=1 sync=false"
@@ -47,22 +46,6 @@ BGR = "video/x-raw,format=BGR"
 
 def cam(**kw: Any) -> CameraConfig:
     return CameraConfig.model_validate({"id": "c1", "source": URL, **kw})
-
-
-def wait_for(pred: Callable[[], object], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
-
-
-@pytest.fixture
-def stop() -> Iterator[threading.Event]:
-    ev = threading.Event()
-    yield ev
-    ev.set()
 
 
 class Lookups:

@@ -7,10 +7,7 @@ The agent is real (pipeline, outbox, twin thread); the transport is the fake of 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from fleet_protocol.codec import encode
 from fleet_protocol.desired import (
@@ -23,23 +20,15 @@ from fleet_protocol.desired import (
 from fleet_protocol.messages import DesiredState, Event, EventKind, ModelManifest
 from fleet_protocol.signing import generate_private_key, signed_desired
 from fleet_protocol.topics import TopicKind
-from tests.unit.edge_agent.test_edge_agent_twin import (
+from tests.support.edge_twin import (
     CONTROLLER_KEY,
     FakeTransport,
     Harness,
     desired,
     model_in_store,
     running,
-    wait_for,
 )
-
-
-@pytest.fixture
-def harness(tmp_path: Path) -> Iterator[Harness]:
-    h = Harness(tmp_path / "data")
-    yield h
-    for a in h.agents:
-        a.shutdown()
+from tests.support.waiting import wait_for
 
 
 def refusal(t: FakeTransport, reason: str) -> Event:

@@ -1,8 +1,8 @@
 """Engine builds run in a child process: the agent keeps its GIL, cancel and the time bound hold, and a
 killed build leaves nothing in the cache.
 
-The build process is real (``python -m edge_agent.inference.engine_build``); only the builder inside it is a
-fake (``tests/unit/edge_agent/engine_build_fakes.py``), selected by ``BuildRequest.builder``. The
+The build process is real (``python -m edge_agent.inference.engine_build.child``); only the builder inside it
+is a fake (``tests/support/fakes/tensorrt.py``), selected by ``BuildRequest.builder``. The
 fake holds its own process's GIL for long stretches, like onnxruntime's session creation does.
 The 60 s version of the first test is tests/integration/edge_agent/test_edge_engine_build_60s.py.
 """
@@ -31,14 +31,17 @@ from edge_agent.inference.engine_build import (
     BuildFailed,
     BuildProgress,
     BuildRequest,
-    BuildSupervisor,
     BuildTimedOut,
+    ChildProcessBuilds,
     ort_engines_ready,
 )
-from edge_agent.inference.trt import BuildCancelled, BuildOptions, EngineCache, EngineKey, obtain_engine
-from tests.unit.edge_agent.engine_build_fakes import hold_gil
+from edge_agent.inference.tensorrt.backend import obtain_engine
+from edge_agent.inference.tensorrt.build_config import BuildOptions
+from edge_agent.inference.tensorrt.cache import EngineCache, EngineKey
+from edge_agent.inference.tensorrt.errors import BuildCancelled
+from tests.support.fakes.tensorrt import FakeEngine, FakeRuntime, hold_gil
 
-FAKES = "tests.unit.edge_agent.engine_build_fakes"
+FAKES = "tests.support.fakes.tensorrt"
 KEY = EngineKey("c" * 64, "NVIDIA Jetson Orin", "8.7", "10.3.0", "fp16", build="0123456789abcdef")
 
 
@@ -95,14 +98,14 @@ def gone(pid: int) -> bool:
 
 
 @pytest.fixture
-def supervisor() -> Iterator[BuildSupervisor]:
-    sup = BuildSupervisor(timeout_s=120, kill_grace_s=2.0)
+def supervisor() -> Iterator[ChildProcessBuilds]:
+    sup = ChildProcessBuilds(timeout_s=120, kill_grace_s=2.0)
     yield sup
     sup.cancel_all(wait_s=15)
 
 
 def test_a_build_runs_in_its_own_process_while_the_agent_keeps_ticking(
-    tmp_path: Path, supervisor: BuildSupervisor
+    tmp_path: Path, supervisor: ChildProcessBuilds
 ) -> None:
     cache = EngineCache(tmp_path / "engines")
     seen: list[BuildProgress] = []
@@ -143,7 +146,7 @@ def test_the_same_work_in_a_thread_of_the_agent_would_stall_it() -> None:
 
 
 def test_cancel_stops_the_build_within_its_bound_and_leaves_no_file(
-    tmp_path: Path, supervisor: BuildSupervisor
+    tmp_path: Path, supervisor: ChildProcessBuilds
 ) -> None:
     target = tmp_path / "engines"
     handle = supervisor.start(request(target, seconds=60))
@@ -162,7 +165,7 @@ def test_cancel_stops_the_build_within_its_bound_and_leaves_no_file(
 
 
 def test_cancel_kills_a_build_that_ignores_sigterm(tmp_path: Path) -> None:
-    sup = BuildSupervisor(kill_grace_s=0.5)
+    sup = ChildProcessBuilds(kill_grace_s=0.5)
     target = tmp_path / "engines"
     handle = sup.start(request(target, seconds=60, ignore_sigterm=True))
     next(e for e in handle.progress(timeout=30) if e.phase == "building")
@@ -172,7 +175,7 @@ def test_cancel_kills_a_build_that_ignores_sigterm(tmp_path: Path) -> None:
     assert gone(handle.pid or 0) and leftovers(target) == []
 
 
-def test_the_agents_stop_event_cancels_the_build(tmp_path: Path, supervisor: BuildSupervisor) -> None:
+def test_the_agents_stop_event_cancels_the_build(tmp_path: Path, supervisor: ChildProcessBuilds) -> None:
     stop = threading.Event()
     target = tmp_path / "engines"
     handle = supervisor.start(request(target, seconds=60), cancel=stop)
@@ -184,7 +187,7 @@ def test_the_agents_stop_event_cancels_the_build(tmp_path: Path, supervisor: Bui
 
 
 def test_a_build_past_its_time_bound_fails_with_a_clear_reason(tmp_path: Path) -> None:
-    sup = BuildSupervisor(timeout_s=2.0, kill_grace_s=1.0)
+    sup = ChildProcessBuilds(timeout_s=2.0, kill_grace_s=1.0)
     target = tmp_path / "engines"
     t0 = time.monotonic()
     handle = sup.start(request(target, seconds=60))
@@ -198,7 +201,7 @@ def test_a_build_past_its_time_bound_fails_with_a_clear_reason(tmp_path: Path) -
     assert sup.start(slow).result(timeout=40).files == [target / "slow.engine"]
 
 
-def test_a_builder_error_comes_back_as_the_reason(tmp_path: Path, supervisor: BuildSupervisor) -> None:
+def test_a_builder_error_comes_back_as_the_reason(tmp_path: Path, supervisor: ChildProcessBuilds) -> None:
     target = tmp_path / "engines"
     handle = supervisor.start(request(target, "failing_builder", message="out of GPU memory (tactic 7)"))
     with pytest.raises(BuildFailed, match=r"RuntimeError: out of GPU memory \(tactic 7\)"):
@@ -207,7 +210,7 @@ def test_a_builder_error_comes_back_as_the_reason(tmp_path: Path, supervisor: Bu
 
 
 def test_a_crashed_build_says_how_it_died_and_what_it_printed_last(
-    tmp_path: Path, supervisor: BuildSupervisor
+    tmp_path: Path, supervisor: ChildProcessBuilds
 ) -> None:
     target = tmp_path / "engines"
     handle = supervisor.start(request(target, "crashing_builder"))
@@ -218,7 +221,7 @@ def test_a_crashed_build_says_how_it_died_and_what_it_printed_last(
 
 
 def test_one_build_per_engine_and_a_bounded_number_at_once(
-    tmp_path: Path, supervisor: BuildSupervisor
+    tmp_path: Path, supervisor: ChildProcessBuilds
 ) -> None:
     target = tmp_path / "engines"
     first = supervisor.start(request(target, seconds=60))
@@ -231,7 +234,7 @@ def test_one_build_per_engine_and_a_bounded_number_at_once(
 
 
 def test_the_progress_queue_is_bounded_and_drops_the_oldest(
-    tmp_path: Path, supervisor: BuildSupervisor
+    tmp_path: Path, supervisor: ChildProcessBuilds
 ) -> None:
     handle = supervisor.start(request(tmp_path / "engines", "chatty_builder", events=600))
     handle.wait(30)
@@ -242,7 +245,7 @@ def test_the_progress_queue_is_bounded_and_drops_the_oldest(
     assert handle.result().events_dropped > 300  # as counted when the result was made
 
 
-def test_work_folders_of_dead_builds_are_swept(tmp_path: Path, supervisor: BuildSupervisor) -> None:
+def test_work_folders_of_dead_builds_are_swept(tmp_path: Path, supervisor: ChildProcessBuilds) -> None:
     target = tmp_path / "engines"
     dead = target / ".build-999999999-deadbeef"  # an agent killed mid-build
     dead.mkdir(parents=True)
@@ -257,8 +260,8 @@ def test_the_build_dies_with_the_agent(tmp_path: Path) -> None:
     script = f"""
 import os, sys, time
 from pathlib import Path
-from edge_agent.inference.engine_build import BuildRequest, BuildSupervisor
-sup = BuildSupervisor()
+from edge_agent.inference.engine_build import BuildRequest, ChildProcessBuilds
+sup = ChildProcessBuilds()
 req = BuildRequest(build_id="b", builder="{FAKES}:gil_builder", onnx_path=Path("m.onnx"),
                    target_dir=Path({str(tmp_path / "engines")!r}), engine_file="b.engine",
                    params={{"seconds": 60, "pid_file": {str(pid_file)!r}}})
@@ -279,37 +282,10 @@ os._exit(0)
 # --------------------------------------------------------------------------- wired to obtain_engine
 
 
-class FakeEngine:
-    input_name = "x"
-    input_shape: tuple[int | str | None, ...] = (None, 16, 16, 3)
-    dynamic_batch = True
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-class LoadOnlyRuntime:
-    """The agent's runtime when builds happen elsewhere: it only ever loads engines."""
-
-    version, gpu_name, compute_capability = "10.3.0", "NVIDIA Jetson Orin", "8.7"
-
-    def build_engine(self, *args: Any) -> bytes:
-        raise AssertionError("the agent's process must not build")
-
-    def load_engine(self, data: bytes) -> FakeEngine:
-        return FakeEngine(data)
-
-
 def test_obtain_engine_builds_out_of_process_then_loads_from_the_cache(
-    tmp_path: Path, supervisor: BuildSupervisor
+    tmp_path: Path, supervisor: ChildProcessBuilds
 ) -> None:
-    rt = LoadOnlyRuntime()
+    rt = FakeRuntime(builds_here=False)
     cache = EngineCache(tmp_path / "engines")
     options = BuildOptions(max_batch=4, sample_shape=(16, 16, 3))
     key = EngineKey.for_build(rt, "d" * 64, "fp16", options)
@@ -329,9 +305,9 @@ def test_obtain_engine_builds_out_of_process_then_loads_from_the_cache(
 
 
 def test_a_cancelled_out_of_process_build_surfaces_as_build_cancelled(
-    tmp_path: Path, supervisor: BuildSupervisor
+    tmp_path: Path, supervisor: ChildProcessBuilds
 ) -> None:
-    rt = LoadOnlyRuntime()
+    rt = FakeRuntime(builds_here=False)
     cache = EngineCache(tmp_path / "engines")
     stop = threading.Event()
 
@@ -367,7 +343,7 @@ def ort_request(tmp_path: Path, warmups: tuple[int, ...] = (1, 4)) -> BuildReque
         sample_shape=(300, 300, 3),
         warmup_batches=warmups,
     )
-    return replace(req, params={"session_factory": f"{FAKES}:FakeTrtSession"})
+    return replace(req, params={"session_factory": "tests.support.fakes.ort:FakeTrtSession"})
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -375,7 +351,7 @@ def records(path: Path) -> list[dict[str, Any]]:
 
 
 def test_onnxruntime_builds_its_tensorrt_engines_in_the_build_process(
-    tmp_path: Path, supervisor: BuildSupervisor, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, supervisor: ChildProcessBuilds, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_ORT_RECORD", str(tmp_path / "runs.jsonl"))
     req = ort_request(tmp_path)
@@ -404,7 +380,7 @@ def test_onnxruntime_builds_its_tensorrt_engines_in_the_build_process(
 
 
 def test_an_onnxruntime_build_without_the_tensorrt_ep_fails_and_publishes_nothing(
-    tmp_path: Path, supervisor: BuildSupervisor, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, supervisor: ChildProcessBuilds, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_ORT_RECORD", str(tmp_path / "runs.jsonl"))
     monkeypatch.setenv("FAKE_ORT_PROVIDER", "CUDAExecutionProvider")

@@ -53,7 +53,9 @@ from fleet_protocol.messages import (
 )
 from fleet_protocol.signing import signed, signed_desired
 from fleet_protocol.topics import TopicKind, Topics
-from tests.unit.controller.test_controller_fuzz_topics import (
+from tests.support.edge_twin import CONTROLLER_KEY, FakeBackend, Frames, model_in_store
+from tests.support.edge_twin import settings as agent_settings
+from tests.support.json_mutations import (
     DEEP,
     DROP,
     LONG,
@@ -66,9 +68,7 @@ from tests.unit.controller.test_controller_fuzz_topics import (
     set_at,
     with_deep,
 )
-from tests.unit.edge_agent.test_edge_agent_twin import CONTROLLER_KEY, FakeBackend, Frames, model_in_store
-from tests.unit.edge_agent.test_edge_agent_twin import settings as agent_settings
-from tests.waiting import wait_for
+from tests.support.waiting import wait_for
 
 DEVICE = "dev-1"
 JSON_KINDS = [TopicKind.TWIN_DESIRED, TopicKind.COMMANDS, TopicKind.ACKS]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from edge_agent.device.health import EnergyMeter, Health, Nvml, visible_devices
-from edge_agent.inference.backends import ProviderProbe
+from edge_agent.inference.providers import ProviderProbe
 
 
 class NVMLError(Exception):

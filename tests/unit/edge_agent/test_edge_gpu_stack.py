@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from edge_agent.inference import gpu_stack
 from edge_agent.cli import run
+from edge_agent.inference import gpu_stack
 from edge_agent.inference.gpu_stack import (
     ALLOW_ENV,
     STACKS,

@@ -5,25 +5,14 @@ closed only once its run returned, and past the restart bound an operator's retr
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import pytest
-
 from edge_agent.core.restart_policy import RestartLimiter, WatchdogAction, WatchdogNote
-from edge_agent.inference.backends import InferenceBackend
+from edge_agent.inference.backend import InferenceBackend
 from edge_agent.vision.inference_watchdog import InferenceWatchdog
-from tests.unit.edge_agent.test_edge_pipeline import FakeBackend
-
-
-def wait_for(pred: Callable[[], object], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
+from tests.support.edge_pipeline import FakeBackend
+from tests.support.waiting import wait_for
 
 
 @dataclass(eq=False)
@@ -68,13 +57,6 @@ class Host:
 
     def cameras_of(self, model: Model | None) -> tuple[str, ...]:
         return ("c0",) if model is self.model else ()
-
-
-@pytest.fixture
-def stop() -> Iterator[threading.Event]:
-    ev = threading.Event()
-    yield ev
-    ev.set()
 
 
 def watchdog(

@@ -13,7 +13,7 @@ import pytest
 
 from edge_agent.device.health import Health, Nvml
 from edge_agent.device.jetson import TegraSensors, detect_jetson, parse_tegra_release
-from edge_agent.inference.backends import ProviderProbe
+from edge_agent.inference.providers import ProviderProbe
 from fleet_protocol.codec import decode_as, encode
 from fleet_protocol.messages import Availability, Heartbeat
 

@@ -14,106 +14,14 @@ import cv2
 import numpy as np
 import pytest
 
-from edge_agent.inference.backends import CudaFatalError, OnnxRuntimeBackend, ProviderFallback
+from edge_agent.inference.backend import CudaFatalError, ProviderFallback
+from edge_agent.inference.ort import OnnxRuntimeBackend
 from fleet_protocol.messages import ModelManifest
 from fleet_protocol.vision.preprocess import Preprocessor
-from tests.conftest import FOOTAGE, MODELS
+from tests.support.fakes.ort import EPFail, FakeIoBindingSession, FakeOrtValue
+from tests.support.paths import FOOTAGE, MODELS
 
 TRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
-
-
-class EPFail(Exception):
-    """Named like onnxruntime's ``onnxruntime.capi.onnxruntime_pybind11_state.EPFail``."""
-
-
-class FakeOrtValue:
-    """An OrtValue on a device: ``update_inplace`` copies numpy data into it."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: Any, device: str, device_id: int) -> None:
-        self.shape, self.dtype, self.device, self.device_id = shape, np.dtype(dtype), device, device_id
-        self.data = np.zeros(shape, self.dtype)
-        self.updates = 0
-
-    def update_inplace(self, arr: np.ndarray) -> None:
-        assert arr.shape == self.shape and arr.dtype == self.dtype and arr.flags.c_contiguous
-        self.data[...] = arr
-        self.updates += 1
-
-
-class FakeBinding:
-    """onnxruntime.IOBinding: records every call; outputs appear at run time on the bound device."""
-
-    def __init__(self, session: FakeSession) -> None:
-        self.session = session
-        self.calls: list[tuple[Any, ...]] = []
-        self.input: Any = None
-        self.outputs: dict[str, tuple[str, int]] = {}
-        self.results: list[np.ndarray] | None = None
-
-    def bind_ortvalue_input(self, name: str, value: FakeOrtValue) -> None:
-        self.calls.append(("bind_ortvalue_input", name, id(value)))
-        self.input = value
-
-    def bind_cpu_input(self, name: str, arr: np.ndarray) -> None:
-        self.calls.append(("bind_cpu_input", name, arr.shape))
-        self.input = arr
-
-    def bind_output(self, name: str, device_type: str = "cpu", device_id: int = 0) -> None:
-        self.calls.append(("bind_output", name, device_type, device_id))
-        self.outputs[name] = (device_type, device_id)
-        self.results = None  # unallocated again: onnxruntime allocates at the run
-
-    def copy_outputs_to_cpu(self) -> list[np.ndarray]:
-        self.calls.append(("copy_outputs_to_cpu",))
-        assert self.results is not None, "copy before a run"
-        return list(self.results)
-
-
-class FakeSession:
-    """An InferenceSession whose first provider is ``got[0]``; y = x + 1."""
-
-    def __init__(self, got: list[str], run_errors: list[Exception | None] | None = None) -> None:
-        self.got = got
-        self.run_errors = list(run_errors or [])
-        self.bindings: list[FakeBinding] = []
-        self.plain_runs = 0
-        self.bound_runs = 0
-
-    def __call__(self, path: Any, *, sess_options: Any, providers: list[Any]) -> FakeSession:
-        return self
-
-    def disable_fallback(self) -> None:
-        pass
-
-    def get_providers(self) -> list[str]:
-        return self.got
-
-    def set_providers(self, providers: list[Any]) -> None:
-        self.got = [p[0] if isinstance(p, tuple) else p for p in providers]
-
-    def get_inputs(self) -> list[Any]:
-        return [type("I", (), {"name": "x", "shape": ["N", 3]})()]
-
-    def get_outputs(self) -> list[Any]:
-        return [type("O", (), {"name": "y"})()]
-
-    def run(self, names: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-        self.plain_runs += 1
-        return [feed["x"] + 1]
-
-    def io_binding(self) -> FakeBinding:
-        self.bindings.append(FakeBinding(self))
-        return self.bindings[-1]
-
-    def run_with_iobinding(self, binding: FakeBinding) -> None:
-        assert binding is self.bindings[-1], "a binding of an older session"
-        err = self.run_errors.pop(0) if self.run_errors else None
-        if err is not None:
-            raise err
-        self.bound_runs += 1
-        x = binding.input.data if isinstance(binding.input, FakeOrtValue) else binding.input
-        assert set(binding.outputs) == {"y"}
-        binding.results = [x + 1]
 
 
 class Values:
@@ -132,7 +40,7 @@ class Values:
 
 def make(
     tmp_path: Path,
-    session: FakeSession,
+    session: FakeIoBindingSession,
     values: Values | None = None,
     available: tuple[str, ...] = (TRT, CUDA, CPU),
     **kw: Any,
@@ -156,13 +64,13 @@ def batch(n: int, k: float = 0.0) -> np.ndarray:
 def test_gpu_providers_run_through_one_binding_with_a_device_input_kept_per_shape(
     tmp_path: Path, provider: str
 ) -> None:
-    session, values = FakeSession([provider, CPU]), Values()
+    session, values = FakeIoBindingSession([provider, CPU]), Values()
     backend = make(tmp_path, session, values, device_id=1)
     runs = [batch(1), batch(1, 10), batch(2), batch(1, 20), batch(2, 5)]
     for x in runs:
         out = backend.run(x)
         assert np.array_equal(out["y"], x + 1)
-    assert backend.io_binding and session.plain_runs == 0 and session.bound_runs == 5
+    assert backend.io_binding and session.runs == 0 and session.bound_runs == 5
     assert len(session.bindings) == 1, "the binding is reused across runs"
     # One device buffer per input shape, on the provider's device, updated in place on every run.
     assert [(v.shape, v.device, v.device_id) for v in values.made] == [
@@ -182,35 +90,35 @@ def test_gpu_providers_run_through_one_binding_with_a_device_input_kept_per_shap
 
 
 def test_the_cpu_provider_keeps_session_run(tmp_path: Path) -> None:
-    session = FakeSession([CPU])
+    session = FakeIoBindingSession([CPU])
     backend = make(tmp_path, session, available=(CPU,))
     assert backend.provider == CPU and backend.fallback_reason is None
     assert np.array_equal(backend.run(batch(2))["y"], batch(2) + 1)
-    assert not backend.io_binding and session.plain_runs == 1 and session.bindings == []
+    assert not backend.io_binding and session.runs == 1 and session.bindings == []
 
 
 def test_use_io_binding_false_and_sessions_without_io_binding_keep_session_run(tmp_path: Path) -> None:
-    session = FakeSession([CUDA, CPU])
+    session = FakeIoBindingSession([CUDA, CPU])
     backend = make(tmp_path, session, use_io_binding=False)
     backend.run(batch(1))
-    assert session.plain_runs == 1 and session.bindings == []
+    assert session.runs == 1 and session.bindings == []
 
-    class NoBinding(FakeSession):
+    class NoBinding(FakeIoBindingSession):
         io_binding = None  # type: ignore[assignment]
 
     old = NoBinding([CUDA, CPU])
     backend = make(tmp_path, old)
     assert np.array_equal(backend.run(batch(1))["y"], batch(1) + 1)
-    assert old.plain_runs == 1 and not backend.io_binding
+    assert old.runs == 1 and not backend.io_binding
 
 
 def test_no_device_input_buffer_binds_the_input_from_host_memory_with_the_reason_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    session = FakeSession([CUDA, CPU])
+    session = FakeIoBindingSession([CUDA, CPU])
     values = Values(fail=RuntimeError("cuda OrtValue not supported by this build"))
     backend = make(tmp_path, session, values)
-    with caplog.at_level(logging.WARNING, logger="edge_agent.inference.backends"):
+    with caplog.at_level(logging.WARNING, logger="edge_agent.inference.ort"):
         for n in (1, 2, 1):
             assert np.array_equal(backend.run(batch(n))["y"], batch(n) + 1)
     assert backend.io_binding
@@ -228,7 +136,9 @@ def test_no_device_input_buffer_binds_the_input_from_host_memory_with_the_reason
 def test_a_provider_failure_inside_a_bound_run_falls_back_and_the_binding_is_not_reused(
     tmp_path: Path,
 ) -> None:
-    session = FakeSession([TRT, CUDA, CPU], run_errors=[None, EPFail("TensorRT EP failed to build engine")])
+    session = FakeIoBindingSession(
+        [TRT, CUDA, CPU], run_errors=[None, EPFail("TensorRT EP failed to build engine")]
+    )
     backend = make(tmp_path, session)
     backend.run(batch(1))
     with pytest.raises(ProviderFallback) as info:
@@ -241,7 +151,7 @@ def test_a_provider_failure_inside_a_bound_run_falls_back_and_the_binding_is_not
 
 def test_a_sticky_cuda_error_inside_a_bound_run_is_fatal(tmp_path: Path) -> None:
     err = RuntimeError("CUDA failure 700: an illegal memory access was encountered ; GPU=0")
-    session = FakeSession([CUDA, CPU], run_errors=[err])
+    session = FakeIoBindingSession([CUDA, CPU], run_errors=[err])
     backend = make(tmp_path, session)
     with pytest.raises(CudaFatalError):
         backend.run(batch(1))

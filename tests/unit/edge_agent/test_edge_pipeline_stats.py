@@ -17,16 +17,15 @@ from edge_agent.vision.pipeline import LATENCY_WINDOW, MEDIAN_WINDOW, CameraPara
 from fleet_protocol import decode, encode
 from fleet_protocol.messages import CameraStats, Heartbeat
 from fleet_protocol.topics import TopicKind
-from tests.unit.edge_agent.test_edge_pipeline import (
+from tests.support.edge_pipeline import (
     SHA_A,
     SHA_B,
     FakeBackend,
     make_pipeline,
     manifest,
     results,
-    stop,  # noqa: F401  (fixture)
-    wait_for,
 )
+from tests.support.waiting import wait_for
 
 
 class GatedBackend(FakeBackend):
@@ -73,7 +72,7 @@ def test_no_samples_no_latency() -> None:
 # --------------------------------------------------------------------------- through the pipeline
 
 
-def test_stats_after_a_swap_describe_the_new_model_only(stop: threading.Event) -> None:  # noqa: F811
+def test_stats_after_a_swap_describe_the_new_model_only(stop: threading.Event) -> None:
     slow, fast = FakeBackend(delay=0.25), FakeBackend()
     p = make_pipeline(stop, {"a": slow, "b": fast})
     p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
@@ -96,7 +95,7 @@ def test_stats_after_a_swap_describe_the_new_model_only(stop: threading.Event) -
 
 
 def test_a_batch_of_the_old_model_finishing_after_the_swap_is_published_not_counted(
-    stop: threading.Event,  # noqa: F811
+    stop: threading.Event,
 ) -> None:
     old, new = GatedBackend(), GatedBackend()
     p = make_pipeline(stop, {"a": old, "b": new})
@@ -125,7 +124,7 @@ def test_a_batch_of_the_old_model_finishing_after_the_swap_is_published_not_coun
     wait_for(lambda: old.closed)
 
 
-def test_a_camera_without_a_model_reports_no_latency(stop: threading.Event) -> None:  # noqa: F811
+def test_a_camera_without_a_model_reports_no_latency(stop: threading.Event) -> None:
     p = make_pipeline(stop, {"a": FakeBackend()})
     p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
     results(p, 2)
@@ -135,7 +134,7 @@ def test_a_camera_without_a_model_reports_no_latency(stop: threading.Event) -> N
     assert s.model is None and s.inference_ms is None and s.inference_p99_ms is None
 
 
-def test_set_params_and_restart_keep_measuring_the_same_model(stop: threading.Event) -> None:  # noqa: F811
+def test_set_params_and_restart_keep_measuring_the_same_model(stop: threading.Event) -> None:
     p = make_pipeline(stop, {"a": FakeBackend()})
     model = p.load(Path("a.onnx"), manifest("a", SHA_A))
     p.activate("c0", model, CameraParams(threshold=0.5))

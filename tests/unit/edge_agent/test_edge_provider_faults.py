@@ -14,74 +14,30 @@ import pytest
 from onnxruntime.capi import onnxruntime_pybind11_state as C
 
 from edge_agent.device.health import Health
-from edge_agent.inference.backends import (
+from edge_agent.inference.backend import (
     EXIT_CUDA_FATAL,
-    AutoBackendFactory,
     BackendError,
-    BuildNote,
     CudaFatalError,
-    GuardedTensorRtBackend,
-    LoadRequest,
-    OnnxRuntimeBackend,
     ProviderFallback,
+    is_sticky_cuda_error,
+)
+from edge_agent.inference.factory import AutoBackendFactory, BuildNote, GuardedTensorRtBackend, LoadRequest
+from edge_agent.inference.ort import OnnxRuntimeBackend
+from edge_agent.inference.providers import (
     ProviderProbe,
     cuda_ep_options,
-    is_sticky_cuda_error,
     ort_trt_precision,
     probe_providers,
     provider_list,
     trt_ep_options,
 )
-from edge_agent.inference.trt import TrtError
+from edge_agent.inference.tensorrt.errors import TrtError
 from fleet_protocol.messages import InputSpec, ModelManifest
+from tests.support.fakes.ort import EPFail, FakeSession
+from tests.support.fakes.tensorrt import FakeEngine, FakeRuntime
 
 TRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
 ALL = [TRT, CUDA, CPU]
-
-
-class EPFail(Exception):
-    """Named like onnxruntime's ``onnxruntime.capi.onnxruntime_pybind11_state.EPFail``."""
-
-
-class FakeSession:
-    """An onnxruntime InferenceSession: providers it got, a scripted run, set_providers, disable_fallback."""
-
-    def __init__(self, got: list[str], run_errors: list[Exception | None] | None = None) -> None:
-        self.got = got
-        self.run_errors = list(run_errors or [])
-        self.fallback_enabled = True
-        self.created_with: list[Any] = []
-        self.set_to: list[list[Any]] = []
-        self.runs = 0
-
-    def __call__(self, path: Any, *, sess_options: Any, providers: list[Any]) -> FakeSession:
-        self.created_with = providers
-        return self
-
-    def disable_fallback(self) -> None:
-        self.fallback_enabled = False
-
-    def get_providers(self) -> list[str]:
-        return self.got
-
-    def set_providers(self, providers: list[Any]) -> None:
-        self.set_to.append(providers)
-        self.got = [p[0] if isinstance(p, tuple) else p for p in providers]
-        if CPU not in self.got:
-            self.got.append(CPU)
-
-    def get_inputs(self) -> list[Any]:
-        return [type("I", (), {"name": "x", "shape": ["N", 3]})()]
-
-    def get_outputs(self) -> list[Any]:
-        return [type("O", (), {"name": "y"})()]
-
-    def run(self, names: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-        self.runs += 1
-        err = self.run_errors.pop(0) if self.run_errors else None
-        if err is not None:
-            raise err
-        return [feed["x"] + 1]
 
 
 def backend(tmp_path: Path, session: FakeSession, available: list[str] = ALL) -> OnnxRuntimeBackend:
@@ -110,14 +66,6 @@ def model_file(tmp_path: Path) -> tuple[Path, ModelManifest]:
         labels=["person"],
     )
     return path, manifest
-
-
-class FakeRuntime:
-    """What the factory reads of a TensorRT runtime before it builds (the build itself is faked)."""
-
-    version = "10.3.0"
-    gpu_name = "NVIDIA Jetson Orin"
-    compute_capability = "8.7"
 
 
 X = np.zeros((1, 3), np.float32)
@@ -198,7 +146,7 @@ def test_an_ordinary_run_error_is_left_as_it_is(tmp_path: Path) -> None:
             True,
         ),
         ("CUDA failure 719: unspecified launch failure ; GPU=0", True),
-        ("CUDA error: cudaError_t.cudaErrorIllegalAddress", True),  # trt.py's _cuda_check, cuda-python enum
+        ("CUDA error: cudaError_t.cudaErrorIllegalAddress", True),  # _cuda_check's text, cuda-python enum
         ("CUresult.CUDA_ERROR_LAUNCH_FAILED", True),
         ("[TRT] Error Code 1: Cuda Runtime (an illegal memory access was encountered)", True),
         ("CUDA failure 716: misaligned address", True),
@@ -241,39 +189,25 @@ def test_a_sticky_error_while_loading_is_fatal_too(tmp_path: Path) -> None:
         OnnxRuntimeBackend(tmp_path / "m.onnx", available=ALL, session_factory=broken)
 
 
-class FakeEngine:
-    input_name = "x"
-    input_shape = (1, 3)
-    dynamic_batch = False
-
-    def __init__(self, error: Exception | None) -> None:
-        self.error = error
-
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
-        if self.error is not None:
-            raise self.error
-        return {"y": batch + 1}
-
-    def close(self) -> None:
-        pass
+def engine(error: Exception | None) -> FakeEngine:
+    """A native engine of a fixed (1, 3) input that answers y = x + 1, or raises ``error``."""
+    return FakeEngine(input_shape=(1, 3), outputs=lambda batch: {"y": batch + 1}, error=error)
 
 
 def test_the_native_backend_raises_cuda_fatal_on_sticky_errors_only() -> None:
     fatal = GuardedTensorRtBackend(
-        FakeEngine(TrtError("CUDA error: cudaError_t.cudaErrorIllegalAddress")),
+        engine(TrtError("CUDA error: cudaError_t.cudaErrorIllegalAddress")),
         precision="fp16",
         engine_file="e",
     )
     with pytest.raises(CudaFatalError):
         fatal.run(X)
     other = GuardedTensorRtBackend(
-        FakeEngine(TrtError("shape outside profile")), precision="fp16", engine_file="e"
+        engine(TrtError("shape outside profile")), precision="fp16", engine_file="e"
     )
     with pytest.raises(TrtError, match="outside profile"):
         other.run(X)
-    assert np.allclose(
-        GuardedTensorRtBackend(FakeEngine(None), precision="fp16", engine_file="e").run(X)["y"], 1
-    )
+    assert np.allclose(GuardedTensorRtBackend(engine(None), precision="fp16", engine_file="e").run(X)["y"], 1)
 
 
 class StickyNativeFactory(AutoBackendFactory):
@@ -340,7 +274,7 @@ def test_real_onnxruntime_accepts_the_cpu_session_with_these_options_lists(tmp_p
 
 
 def _tiny() -> bytes:
-    from edge_agent.inference.backends import _probe_model
+    from edge_agent.inference.providers import _probe_model
 
     return _probe_model()
 

@@ -24,7 +24,7 @@ from edge_agent.uplink.publisher import Publisher
 from fleet_protocol.codec import decode
 from fleet_protocol.messages import Ack, DetectionBatch, Event, EventKind, FrameDetections, Severity
 from fleet_protocol.topics import TopicKind
-from tests.waiting import wait_for
+from tests.support.waiting import wait_for
 
 
 def payload(seq: int) -> bytes:

@@ -22,22 +22,16 @@ from onnx import TensorProto, helper
 
 from edge_agent.agent import Agent
 from edge_agent.core.settings import AgentSettings, CameraConfig, parse_settings
-from edge_agent.inference.backends import (
-    AutoBackendFactory,
-    BuildNote,
-    LoadRequest,
-    OnnxRuntimeBackend,
-)
-from edge_agent.inference.trt import (
+from edge_agent.inference.factory import AutoBackendFactory, BuildNote, LoadRequest
+from edge_agent.inference.ort import OnnxRuntimeBackend
+from edge_agent.inference.tensorrt.backend import TensorRtBackend
+from edge_agent.inference.tensorrt.build_config import (
     BuildOptions,
     Calibration,
-    EngineCache,
-    EngineKey,
-    Precision,
-    TensorRtBackend,
-    TrtError,
     calibration_from_frames,
 )
+from edge_agent.inference.tensorrt.cache import EngineCache, EngineKey
+from edge_agent.inference.tensorrt.errors import TrtError
 from fleet_protocol.codec import decode, encode
 from fleet_protocol.messages import (
     ArtifactRef,
@@ -53,19 +47,19 @@ from fleet_protocol.messages import (
 from fleet_protocol.signing import generate_private_key, public_key_b64, signed, signed_desired
 from fleet_protocol.topics import TopicKind
 from fleet_protocol.vision.preprocess import Preprocessor
+from tests.support.fakes.ort import FakeSession
+from tests.support.fakes.tensorrt import (
+    FakeCudart,
+    FakeEngine,
+    FakeRuntime,
+    FakeTensor,
+    FakeTrt,
+)
+from tests.support.waiting import wait_for
 
 KEY = EngineKey("a" * 64, "NVIDIA GeForce RTX 4090", "8.9", "10.3.0", "fp16")
 TF_OD = ("num_detections:0", "detection_boxes:0", "detection_scores:0", "detection_classes:0")
 SPEC = InputSpec(name="x", layout="NHWC", dtype="uint8", color="RGB", width=16, height=16)
-
-
-def wait_for(pred: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # --------------------------------------------------------------------------- fakes
@@ -80,81 +74,9 @@ def tf_od_outputs(b: int, score: float = 0.9) -> dict[str, np.ndarray]:
     }
 
 
-class FakeEngine:
-    input_name = "x"
-    input_shape: tuple[int | str | None, ...] = (None, 16, 16, 3)
-    dynamic_batch = True
-
-    def __init__(self, tag: bytes) -> None:
-        self.tag = tag
-        self.runs = 0
-
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
-        self.runs += 1
-        return tf_od_outputs(batch.shape[0])
-
-    def close(self) -> None:
-        pass
-
-
-class FakeRuntime:
-    """Counts builds; engines are b"ENGINE:<onnx name>:<precision>"; anything else does not load."""
-
-    version = "10.3.0"
-    gpu_name = "NVIDIA Jetson Orin"
-    compute_capability = "8.7"
-
-    def __init__(self) -> None:
-        self.builds: list[tuple[str, Precision, Calibration | None]] = []
-        self.gate: threading.Event | None = None  # when set up, builds wait for it
-        self.fail_with: str | None = None
-        self.progress_steps = (25.0, 50.0, 75.0, 100.0)
-
-    def build_engine(
-        self, onnx_path: Path, precision: Precision, calib: Calibration | None, options: BuildOptions
-    ) -> bytes:
-        self.builds.append((onnx_path.name, precision, calib))
-        if self.gate is not None:
-            assert self.gate.wait(30), "test gate never opened"
-        if self.fail_with:
-            raise TrtError(self.fail_with)
-        for pct in self.progress_steps:
-            if options.progress:
-                options.progress(pct)
-        return f"ENGINE:{onnx_path.name}:{precision}".encode()
-
-    def load_engine(self, data: bytes) -> FakeEngine:
-        if not data.startswith(b"ENGINE:"):
-            raise TrtError("deserialize_cuda_engine returned None")
-        return FakeEngine(data)
-
-
-class FakeSession:
-    """An onnxruntime session that got ``got`` out of the providers it was asked for."""
-
-    def __init__(self, got: list[str], calls: list[dict[str, Any]]) -> None:
-        self.got = got
-        self.calls = calls
-
-    def __call__(self, path: str, *, sess_options: Any, providers: list[Any]) -> FakeSession:
-        self.calls.append({"path": path, "providers": providers})
-        return self
-
-    def get_providers(self) -> list[str]:
-        return self.got
-
-    def get_inputs(self) -> list[Any]:
-        class Input:
-            name = "x"
-            shape = ["N", 3]
-
-        return [Input()]
-
-    def get_outputs(self) -> list[Any]:
-        class Output:
-            name = "y"
-
-        return [Output()]
+def tf_od_runtime() -> FakeRuntime:
+    """A fake TensorRT runtime whose engines answer like the bundled TF OD detector."""
+    return FakeRuntime(outputs=lambda batch: tf_od_outputs(batch.shape[0]))
 
 
 def tf_od_onnx(path: Path) -> Path:
@@ -262,7 +184,7 @@ def manifest_for(path: Path, name: str = "m") -> ModelManifest:
 
 
 def test_a_cache_hit_skips_the_build(tmp_path: Path) -> None:
-    rt = FakeRuntime()
+    rt = tf_od_runtime()
     model = tf_od_onnx(tmp_path / "m.onnx")
     notes: list[BuildNote] = []
     f = factory(tmp_path, rt)
@@ -286,7 +208,7 @@ def test_a_cache_hit_skips_the_build(tmp_path: Path) -> None:
 
 
 def test_a_corrupt_cached_engine_is_evicted_reported_and_rebuilt(tmp_path: Path) -> None:
-    rt = FakeRuntime()
+    rt = tf_od_runtime()
     model = tf_od_onnx(tmp_path / "m.onnx")
     man = manifest_for(model)
     f = factory(tmp_path, rt)
@@ -304,7 +226,7 @@ def test_a_corrupt_cached_engine_is_evicted_reported_and_rebuilt(tmp_path: Path)
 
 
 def test_int8_is_calibrated_on_camera_frames_through_the_models_preprocessor(tmp_path: Path) -> None:
-    rt = FakeRuntime()
+    rt = tf_od_runtime()
     model = tf_od_onnx(tmp_path / "m.onnx")
     frames = [np.full((40, 60, 3), i, np.uint8) for i in range(5)]
     asked: list[int] = []
@@ -328,7 +250,7 @@ def test_int8_is_calibrated_on_camera_frames_through_the_models_preprocessor(tmp
 
 
 def test_a_failed_build_falls_back_to_onnxruntime_cpu_with_the_reason(tmp_path: Path) -> None:
-    rt = FakeRuntime()
+    rt = tf_od_runtime()
     rt.fail_with = "ONNX parser: unsupported operator NonMaxSuppression"
     model = tf_od_onnx(tmp_path / "m.onnx")
     notes: list[BuildNote] = []
@@ -359,16 +281,16 @@ def test_engine_tensorrt_without_tensorrt_reports_why_and_runs_on_onnxruntime(tm
 def ort_backend(
     tmp_path: Path, available: list[str], got: list[str], variant: str = "fp16"
 ) -> tuple[OnnxRuntimeBackend, list[dict[str, Any]]]:
-    calls: list[dict[str, Any]] = []
+    session = FakeSession(got)
     be = OnnxRuntimeBackend(
         tmp_path / "m.onnx",
         threads=1,
         trt_cache_dir=tmp_path / "ort_cache",
         fp16=variant == "fp16",
         available=available,
-        session_factory=FakeSession(got, calls),
+        session_factory=session,
     )
-    return be, calls
+    return be, session.calls
 
 
 ALL = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -412,13 +334,12 @@ def test_the_reported_provider_is_the_one_the_session_really_got(tmp_path: Path)
     assert be.provider == "CUDAExecutionProvider"
     assert be.fallback_reason == "asked for TensorrtExecutionProvider, onnxruntime gave CUDAExecutionProvider"
     notes: list[BuildNote] = []
-    calls: list[dict[str, Any]] = []
     f = factory(
         tmp_path,
         None,
         engine="onnxruntime",
         available=lambda: ALL,
-        session_factory=FakeSession(["CPUExecutionProvider"], calls),
+        session_factory=FakeSession(["CPUExecutionProvider"]),
     )
     backend = f.make(
         tmp_path / "m.onnx", manifest_for(tf_od_onnx(tmp_path / "m.onnx")), LoadRequest(notify=notes.append)
@@ -520,7 +441,7 @@ def desired(version: int, manifest: ModelManifest, variant: str = "fp16") -> Des
 def agent_rt(tmp_path: Path) -> Iterator[tuple[Agent, Transport, FakeRuntime]]:
     data = tmp_path / "data"
     data.mkdir()
-    rt = FakeRuntime()
+    rt = tf_od_runtime()
     t = Transport()
     agent = Agent.from_settings(
         agent_settings(data), transport=t, source_opener=lambda c: Frames(), trt_runtime=rt
@@ -610,218 +531,15 @@ def test_model_build_events_arrive_in_order_with_progress_and_duration(
 
 
 # --------------------------------------------------------------------------- the real runtime, at a fake TensorRT 10
-# TensorRtRuntime and _CudaEngine run for real against a fake of the TensorRT 10 Python API (names and
-# signatures as in NVIDIA/TensorRT python/src/infer/pyCore.cpp, release/10.3 and 10.13) and of
-# cuda-python's runtime. The fake builder behaves as TensorRT does where it matters: it calibrates at
-# the calibration profile's kOPT and reads that many bytes from the calibrator's device pointer.
-
-
-class FakeCudart:
-    class cudaError_t:
-        cudaSuccess = 0
-
-    class cudaMemcpyKind:
-        cudaMemcpyHostToDevice = 1
-        cudaMemcpyDeviceToHost = 2
-
-    def __init__(self) -> None:
-        self.allocations: dict[int, int] = {}
-        self._next = 0x10000
-
-    def cudaSetDevice(self, device: int) -> tuple[int]:
-        return (0,)
-
-    def cudaGetDeviceProperties(self, device: int) -> tuple[int, Any]:
-        props = type("Props", (), {"name": b"Orin\x00", "major": 8, "minor": 7})()
-        props.multiProcessorCount, props.totalGlobalMem = 8, 8 * 2**30
-        return (0, props)
-
-    def cudaMalloc(self, nbytes: int) -> tuple[int, int]:
-        ptr, self._next = self._next, self._next + nbytes + 4096
-        self.allocations[ptr] = nbytes
-        return (0, ptr)
-
-    def cudaMemcpy(self, dst: int, src: int, nbytes: int, kind: int) -> tuple[int]:
-        assert nbytes <= self.allocations[dst], "host-to-device copy past the buffer"
-        return (0,)
-
-    def cudaFree(self, ptr: int) -> tuple[int]:
-        return (0,)
-
-    def cudaStreamCreate(self) -> tuple[int, int]:
-        return (0, 7)
-
-    def cudaStreamDestroy(self, stream: int) -> tuple[int]:
-        return (0,)
-
-
-class FakeTensor:
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: str = "UINT8") -> None:
-        self.name, self.shape, self.dtype = name, shape, dtype
-
-
-class FakeProfile:
-    def __init__(self) -> None:
-        self.shapes: dict[str, tuple[tuple[int, ...], ...]] = {}
-
-    def set_shape(self, name: str, lo: Any, opt: Any, hi: Any) -> None:
-        self.shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
-
-
-class FakeTimingCache:
-    def __init__(self, blob: bytes) -> None:
-        self.blob = blob
-
-    def serialize(self) -> bytes:
-        return b"TIMING:" + str(int(self.blob.split(b":")[1]) + 1 if self.blob else 1).encode()
-
-
-class FakeConfig:
-    def __init__(self) -> None:
-        self.flags: list[str] = []
-        self.pools: dict[str, int] = {}
-        self.profiles: list[FakeProfile] = []
-        self.calibration_profile: FakeProfile | None = None
-        self.int8_calibrator: Any = None
-        self.progress_monitor: Any = None
-        self.builder_optimization_level = 3
-        self.timing: FakeTimingCache | None = None
-        self.created_timing: list[bytes] = []
-
-    def set_memory_pool_limit(self, pool: str, nbytes: int) -> None:
-        self.pools[pool] = nbytes
-
-    def set_flag(self, flag: str) -> None:
-        self.flags.append(flag)
-
-    def add_optimization_profile(self, profile: FakeProfile) -> int:
-        self.profiles.append(profile)
-        return len(self.profiles) - 1
-
-    def set_calibration_profile(self, profile: FakeProfile) -> bool:
-        self.calibration_profile = profile
-        return True
-
-    def create_timing_cache(self, blob: bytes) -> FakeTimingCache:
-        self.created_timing.append(bytes(blob))
-        return FakeTimingCache(bytes(blob))
-
-    def set_timing_cache(self, cache: FakeTimingCache, ignore_mismatch: bool) -> bool:
-        assert ignore_mismatch is False
-        self.timing = cache
-        return True
-
-    def get_timing_cache(self) -> FakeTimingCache | None:
-        return self.timing
-
-
-class FakeTrt:
-    """The parts of ``tensorrt`` (10.x) that TensorRtRuntime and _CudaEngine use."""
-
-    class Logger:
-        WARNING = 2
-
-        def __init__(self, level: int) -> None:
-            pass
-
-    class MemoryPoolType:
-        WORKSPACE = "WORKSPACE"
-
-    class BuilderFlag:
-        FP16, INT8, TF32 = "FP16", "INT8", "TF32"
-
-    class TensorIOMode:
-        INPUT, OUTPUT = "INPUT", "OUTPUT"
-
-    class IProgressMonitor:
-        def __init__(self) -> None:
-            pass
-
-    class IInt8EntropyCalibrator2:
-        def __init__(self) -> None:
-            pass
-
-    def __init__(self, cudart: FakeCudart, inputs: list[FakeTensor], version: str = "10.3.0") -> None:
-        self.__version__ = version
-        self.cudart = cudart
-        self.inputs = inputs
-        self.configs: list[FakeConfig] = []
-        self.parsed: list[str] = []
-        self.calibration_reads: list[tuple[tuple[int, ...], int]] = []  # (shape read, bytes allocated)
-        self.engine: Any = None
-        fake = self
-
-        class Runtime:
-            def __init__(self, logger: Any) -> None:
-                pass
-
-            def deserialize_cuda_engine(self, data: bytes) -> Any:
-                return fake.engine
-
-        class Network:
-            num_inputs = len(inputs)
-
-            def get_input(self, i: int) -> FakeTensor:
-                return fake.inputs[i]
-
-        class OnnxParser:
-            num_errors = 0
-
-            def __init__(self, network: Any, logger: Any) -> None:
-                pass
-
-            def parse_from_file(self, path: str) -> bool:
-                fake.parsed.append(path)
-                return True
-
-        class Builder:
-            def __init__(self, logger: Any) -> None:
-                pass
-
-            def create_network(self, flags: int) -> Network:
-                return Network()
-
-            def create_builder_config(self) -> FakeConfig:
-                fake.configs.append(FakeConfig())
-                return fake.configs[-1]
-
-            def create_optimization_profile(self) -> FakeProfile:
-                return FakeProfile()
-
-            def build_serialized_network(self, network: Any, config: FakeConfig) -> bytes:
-                if config.progress_monitor is not None:
-                    config.progress_monitor.phase_start("Building engine", None, 2)
-                    for step in range(2):
-                        config.progress_monitor.step_complete("Building engine", step)
-                    config.progress_monitor.phase_finish("Building engine")
-                cal = config.int8_calibrator
-                if cal is not None:
-                    tensor = fake.inputs[0]
-                    if any(d < 0 for d in tensor.shape):  # runtime dims: calibrate at kOPT
-                        assert config.calibration_profile is not None, "no calibration profile"
-                        shape = config.calibration_profile.shapes[tensor.name][1]
-                    else:
-                        shape = tensor.shape
-                    itemsize = np.dtype(fake.nptype(tensor.dtype)).itemsize
-                    while (ptrs := cal.get_batch([tensor.name])) is not None:
-                        fake.calibration_reads.append((shape, fake.cudart.allocations[ptrs[0]]))
-                        assert int(np.prod(shape)) * itemsize <= fake.cudart.allocations[ptrs[0]], (
-                            f"TensorRT reads {shape} from a {fake.cudart.allocations[ptrs[0]]}-byte buffer"
-                        )
-                return f"PLAN:{'+'.join(config.flags) or 'fp32'}".encode()
-
-        self.Runtime, self.OnnxParser, self.Builder = Runtime, OnnxParser, Builder
-
-    @staticmethod
-    def nptype(dtype: str) -> type:
-        return {"UINT8": np.uint8, "FLOAT": np.float32, "INT32": np.int32}[dtype]
+# TensorRtRuntime and _CudaEngine run for real against the fakes of TensorRT 10 and cuda-python
+# (tests/support/fakes/tensorrt.py).
 
 
 NHWC_DYNAMIC = [FakeTensor("x", (-1, 16, 16, 3))]
 
 
 def fake_runtime(inputs: list[FakeTensor] = NHWC_DYNAMIC, version: str = "10.3.0") -> tuple[Any, FakeTrt]:
-    from edge_agent.inference.trt import TensorRtRuntime
+    from edge_agent.inference.tensorrt.runtime import TensorRtRuntime
 
     cudart = FakeCudart()
     trt = FakeTrt(cudart, inputs, version)
@@ -880,7 +598,7 @@ def qdq_model(tmp_path: Path, name: str, **quant: Any) -> Path:
 
 
 def test_g8_the_precision_the_controller_chose_is_the_precision_built(tmp_path: Path) -> None:
-    from edge_agent.inference.trt import builder_flags, resolve_precision
+    from edge_agent.inference.tensorrt.build_config import builder_flags, resolve_precision
 
     # fp32 is what the controller sends when FP16 was judged unfit: it must not turn into FP16.
     assert [resolve_precision(v) for v in ("fp32", "fp16", "int8", "something-new")] == [
@@ -971,7 +689,8 @@ class FakeCudaEngine:
 
 
 def test_g10_data_dependent_outputs_are_refused_at_load_and_not_rebuilt(tmp_path: Path) -> None:
-    from edge_agent.inference.trt import UnsupportedEngine, obtain_engine
+    from edge_agent.inference.tensorrt.backend import obtain_engine
+    from edge_agent.inference.tensorrt.errors import UnsupportedEngine
 
     rt, trt = fake_runtime()
     trt.engine = FakeCudaEngine((-1, 4))
@@ -1002,7 +721,7 @@ def test_g10_data_dependent_outputs_are_refused_at_load_and_not_rebuilt(tmp_path
 
 
 def test_g11_the_key_covers_profile_batch_and_builder_flags() -> None:
-    rt = FakeRuntime()
+    rt = tf_od_runtime()
     base = BuildOptions(max_batch=4, sample_shape=(320, 320, 3))
     key = EngineKey.for_build(rt, "a" * 64, "fp16", base)
     changed = [
@@ -1025,7 +744,7 @@ def test_g11_the_key_covers_profile_batch_and_builder_flags() -> None:
         rt, "a" * 64, "fp16", replace(base, opt_batch=4)
     )
     # Jetson modules share a name and compute capability: the device details tell them apart.
-    nano, agx = FakeRuntime(), FakeRuntime()
+    nano, agx = tf_od_runtime(), tf_od_runtime()
     nano.device_fingerprint, agx.device_fingerprint = "sm8-7620MiB", "sm16-62800MiB"  # type: ignore[attr-defined]
     assert EngineKey.for_build(nano, "a" * 64, "fp16", base) != EngineKey.for_build(
         agx, "a" * 64, "fp16", base
@@ -1042,9 +761,9 @@ def test_g11_the_key_covers_profile_batch_and_builder_flags() -> None:
 def test_g11_a_max_batch_change_builds_a_new_engine_instead_of_reusing_one_that_rejects_batches(
     tmp_path: Path,
 ) -> None:
-    from edge_agent.inference.trt import obtain_engine
+    from edge_agent.inference.tensorrt.backend import obtain_engine
 
-    rt = FakeRuntime()
+    rt = tf_od_runtime()
     cache = EngineCache(tmp_path / "engines")
     model = tf_od_onnx(tmp_path / "m.onnx")
     for max_batch in (1, 4, 1):
@@ -1054,14 +773,14 @@ def test_g11_a_max_batch_change_builds_a_new_engine_instead_of_reusing_one_that_
 
 
 def test_g4_g20_explicit_profiles_for_both_engines_from_the_manifest(tmp_path: Path) -> None:
-    from edge_agent.inference.trt import (
+    from edge_agent.inference.tensorrt.build_config import (
         InputProfile,
-        ProfileNotExpressible,
         onnx_input_shapes,
         optimization_profile,
         ort_trt_profile_options,
         ort_trt_profile_options_for,
     )
+    from edge_agent.inference.tensorrt.errors import ProfileNotExpressible
 
     # ped_ssdlite-like: [?, ?, ?, 3]; the manifest says 300x300; the pipeline batches up to 4 cameras.
     profiles = optimization_profile({"images": (None, "h", -1, 3)}, sample_shape=(300, 300, 3), max_batch=4)
@@ -1107,7 +826,7 @@ def test_g4_g20_explicit_profiles_for_both_engines_from_the_manifest(tmp_path: P
 def test_g12_gpu_int8_only_as_symmetric_qdq_tensorrt_accepts(tmp_path: Path) -> None:
     from onnxruntime.quantization import QuantFormat, QuantType
 
-    from edge_agent.inference.trt import int8_qdq_problem
+    from edge_agent.inference.tensorrt.build_config import int8_qdq_problem
 
     s8 = {"activation_type": QuantType.QInt8, "weight_type": QuantType.QInt8}
     ok = qdq_model(
@@ -1165,7 +884,7 @@ def test_g12_gpu_int8_only_as_symmetric_qdq_tensorrt_accepts(tmp_path: Path) -> 
 
 
 def test_g21_the_timing_cache_carries_over_between_builds(tmp_path: Path) -> None:
-    from edge_agent.inference.trt import timing_cache_path
+    from edge_agent.inference.tensorrt.cache import timing_cache_path
 
     rt, trt = fake_runtime()
     model = tf_od_onnx(tmp_path / "m.onnx")
@@ -1186,7 +905,7 @@ def test_g21_the_timing_cache_carries_over_between_builds(tmp_path: Path) -> Non
 
 
 def test_g21_build_progress_reaches_the_caller_and_cancel_stops_the_build(tmp_path: Path) -> None:
-    from edge_agent.inference.trt import BuildCancelled
+    from edge_agent.inference.tensorrt.errors import BuildCancelled
 
     rt, _ = fake_runtime()
     model = tf_od_onnx(tmp_path / "m.onnx")

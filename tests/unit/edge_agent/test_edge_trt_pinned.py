@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_agent.inference.trt import TensorRtBackend, TensorRtRuntime, TrtError
-from tests.unit.edge_agent.test_edge_trt import FakeCudart, FakeTrt
+from edge_agent.inference.tensorrt.backend import TensorRtBackend
+from edge_agent.inference.tensorrt.errors import TrtError
+from edge_agent.inference.tensorrt.runtime import TensorRtRuntime
+from tests.support.fakes.tensorrt import FakeCudart, FakeTrt
 
 MAX_BATCH = 4
 SAMPLE = (16, 16, 3)
@@ -261,7 +263,7 @@ def test_pinned_allocation_failure_falls_back_to_pageable_buffers_with_the_reaso
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     cudart = MemCudart(host_ok=1)  # the input's pinned buffer is granted, the output's is not
-    with caplog.at_level(logging.WARNING, logger="edge_agent.inference.trt"):
+    with caplog.at_level(logging.WARNING, logger="edge_agent.inference.tensorrt.runtime"):
         engine, _ = load(cudart)
     assert engine.host_memory == "pageable"
     assert engine.pinned_problem is not None and "cudaMallocHost failed" in engine.pinned_problem

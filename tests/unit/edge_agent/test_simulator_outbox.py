@@ -1,5 +1,6 @@
 """The fleet simulator's device logic without a broker: one seq space, the outbox and its acks, seqs
-kept across restarts, and desired states taken as the agent takes them (edge_agent/sim/simulator.py)."""
+kept across restarts, and desired states taken as the agent takes them (edge_agent/sim/outbox.py and
+device.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from edge_agent.sim.simulator import APPLIED, IGNORED, SeqStore, SimDevice, SimOutbox, percentile
+from edge_agent.sim.device import APPLIED, IGNORED, SimDevice
+from edge_agent.sim.outbox import SeqStore, SimOutbox
+from edge_agent.sim.report import percentile
 from fleet_protocol.codec import decode, encode
 from fleet_protocol.desired import REFUSED_CONFLICT, REFUSED_DEVICE, REFUSED_SIGNATURE, REFUSED_STALE
 from fleet_protocol.messages import (
@@ -26,7 +29,7 @@ from fleet_protocol.messages import (
 )
 from fleet_protocol.signing import generate_private_key, signed, signed_desired
 from fleet_protocol.topics import TopicKind
-from tests.conftest import MODELS
+from tests.support.paths import MODELS
 
 KEY = generate_private_key()
 OTHER_KEY = generate_private_key()
@@ -59,7 +62,7 @@ def test_batches_and_events_are_numbered_from_one_sequence() -> None:
     assert dev.produce_batch(1000.0) == 1
     assert dev.emit_event(EventKind.AGENT_STARTED, 1000.0, message="started") == 2
     assert dev.produce_batch(1001.0) == 3
-    rows = {p.seq: p for p in dev.outbox.pending()}
+    rows = {p.seq: p for p in dev.outbox.unacked()}
     assert [rows[s].kind for s in (1, 2, 3)] == [TopicKind.DETECTIONS, TopicKind.EVENTS, TopicKind.DETECTIONS]
     first, event, third = (decode(rows[s].kind, rows[s].payload) for s in (1, 2, 3))
     assert isinstance(first, DetectionBatch) and first.seq == 1
@@ -108,7 +111,7 @@ def test_an_ack_drops_exactly_the_seqs_it_covers() -> None:
     _add(box, 6)
     _send_all(box, now=0.0)
     box.ack(Ack(upto=1, ranges=[(3, 4)]), now=1.0)
-    assert [p.seq for p in box.pending()] == [2, 5, 6]
+    assert [p.seq for p in box.unacked()] == [2, 5, 6]
     assert box.acked == 3
     box.ack(Ack(upto=6), now=2.0)
     assert len(box) == 0 and box.acked == 6 and len(box.latencies) == 6
@@ -155,7 +158,7 @@ def test_a_restarted_simulator_continues_each_sequence_and_sends_the_leftovers(t
     _add(box, 5)
     _send_all(box, now=0.0)
     box.ack(Ack(upto=3), now=1.0)
-    store.save_final([("sim-0001", box.next_seq, box.pending())])
+    store.save_final([("sim-0001", box.next_seq, box.unacked())])
     store.close()
 
     store = SeqStore(db, "broker:1883/edgefleet/v1")
@@ -206,7 +209,7 @@ def _state(
 
 def _events(dev: SimDevice) -> list[Event]:
     out = []
-    for p in dev.outbox.pending():
+    for p in dev.outbox.unacked():
         if p.kind == TopicKind.EVENTS:
             msg = decode(TopicKind.EVENTS, p.payload)
             assert isinstance(msg, Event)
@@ -307,7 +310,7 @@ def test_slow_acks_stretch_the_resend_timeout_instead_of_sending_everything_twic
     assert box.resends == 0, "an ack slower than ack_timeout_s must not double the load"
     assert box.timer.timeout_s > 15.0
     # A message that is really lost is still sent again, once the stretched timeout has passed.
-    left = [p.seq for p in box.pending()]
+    left = [p.seq for p in box.unacked()]
     late = 60.0 + box.timer.timeout_s
     assert [p.seq for p in box.due(late, box.timer.timeout_s, 100)] == left
 

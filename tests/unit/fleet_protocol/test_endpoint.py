@@ -33,7 +33,7 @@ from fleet_protocol.paho_client import (
     make_client,
     no_delay,
 )
-from tests.integration.security.certs import TestCA
+from tests.support.certs import TestCA
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -29,7 +29,7 @@ from fleet_protocol.signing import (
     signed_desired,
     verify_desired,
 )
-from tests.unit.fleet_protocol.test_messages import MANIFEST, SAMPLES
+from tests.support.message_samples import MANIFEST, SAMPLES
 
 KEY = generate_private_key()
 NEW = "zz_added_later"

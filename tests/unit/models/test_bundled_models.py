@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 
 from fleet_protocol.messages import DecoderKind, ModelManifest
-from tests.conftest import FOOTAGE, MODELS, REPO
+from tests.support.paths import FOOTAGE, MODELS, REPO
 
 BUNDLED = ["ped_ssdlite", "nanodet_coco"]
 ORT_DTYPES = {"uint8": "tensor(uint8)", "float32": "tensor(float)"}

@@ -19,8 +19,8 @@ from typing import NoReturn
 
 import pytest
 
-from edge_agent.inference.backends import CUDA_EP
-from edge_agent.inference.trt import TensorRtRuntime, _import_cudart, load_tensorrt_runtime
+from edge_agent.inference.providers import CUDA_EP
+from edge_agent.inference.tensorrt.runtime import TensorRtRuntime, _import_cudart, load_tensorrt_runtime
 
 REQUIRE_ENV = "EDGEFLEET_REQUIRE_GPU"
 INSTALL = "see the README's 'GPU install' (pip install -c docker/constraints-gpu-cu12.txt '.[gpu]')"

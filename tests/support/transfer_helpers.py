@@ -19,7 +19,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from fleet_protocol.codec import ProtocolError, decode, decode_chunk
 from fleet_protocol.messages import ArtifactRequest
 from fleet_protocol.topics import TopicKind, Topics
-from tests.waiting import wait_for
+from tests.support.waiting import wait_for
 
 
 @dataclass(frozen=True)

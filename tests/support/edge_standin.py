@@ -12,11 +12,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
+from edge_agent.core.settings import AgentSettings, parse_settings
 from fleet_protocol.codec import decode, encode, encode_chunk
 from fleet_protocol.messages import (
     Ack,
@@ -32,25 +32,15 @@ from fleet_protocol.messages import (
 )
 from fleet_protocol.signing import generate_private_key, public_key_b64, signed, signed_desired
 from fleet_protocol.topics import TopicKind, Topics
-
-T = TypeVar("T")
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.paths import FOOTAGE
+from tests.support.waiting import wait_for
 
 CONTROLLER_KEY = generate_private_key()
 PUBLIC_KEY = public_key_b64(CONTROLLER_KEY.public_key())
 
 # (artifact sha256, chunk index, total chunks, chunk bytes, times this chunk was served) -> the frame
 ChunkHook = Callable[[str, int, int, bytes, int], bytes]
-
-
-def wait_for(pred: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll ``pred`` until it returns something truthy; fail naming ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def load_manifest(model_dir: Path) -> ModelManifest:
@@ -207,3 +197,23 @@ class StandInController:
                 self._client.publish(
                     self.topics.device(self.device_id, TopicKind.ARTIFACT_CHUNK), frame, qos=1
                 )
+
+
+def agent_settings(
+    device: str, broker: MosquittoBroker, data_dir: Path, *, cameras: bool = True
+) -> AgentSettings:
+    return parse_settings(
+        {
+            "device_id": device,
+            "mqtt_url": broker.url,
+            "mqtt_reconnect_max_s": 1,
+            "data_dir": str(data_dir),
+            "heartbeat_interval_s": 1,
+            "cameras": [{"id": "cam1", "source": str(FOOTAGE), "loop": True}] if cameras else [],
+            "inference": {"threads": 1},
+            "outbox": {"ack_timeout_s": 2, "batch_max_frames": 5, "batch_max_delay_s": 0.3},
+            "artifacts": {"request_timeout_s": 2},
+            "artifact_public_key": PUBLIC_KEY,
+        },
+        env={},
+    )

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 
 from controller.security.keys import load_or_create_signer
-from tests.processes import ControllerProcess
-from tests.waiting import wait_for
+from tests.support.processes import ControllerProcess
+from tests.support.waiting import wait_for
 
 SHARE_GROUP = "edgefleet"
 

@@ -26,8 +26,8 @@ from fleet_protocol.messages import (
     EventKind,
     FrameDetections,
 )
-from tests.unit.controller.conftest import FakeTransport
-from tests.waiting import wait_for
+from tests.support.controller_app import FakeTransport
+from tests.support.waiting import wait_for
 
 TOPICS = Topics()
 DETS = 2  # detections per batch

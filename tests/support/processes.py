@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.mqtt_broker import free_port
-from tests.waiting import wait_for
+from tests.support.mqtt_broker import MosquittoBroker, free_port
+from tests.support.waiting import wait_for
 
 # The admin API token of in-process controllers (TestClient): high-entropy, made per test session.
 ADMIN_TOKEN = secrets.token_urlsafe(32)
@@ -95,6 +95,43 @@ class ControllerProcess:
             self.proc.send_signal(signal.SIGCONT)
 
 
+# The heartbeat timeout of the tests' controllers unless a test says otherwise: long enough that an agent
+# slowed down by a busy test machine is not marked offline in the middle of a test.
+HEARTBEAT_TIMEOUT_S = 30
+
+
+def start_controller(
+    workdir: Path,
+    broker: MosquittoBroker | str,
+    db: str | None = None,
+    *,
+    python: str | None = None,
+    timeout: float = 60,
+    **env: str,
+) -> ControllerProcess:
+    """A started controller on ``broker`` (or an MQTT URL, with credentials), its database ``db`` (a
+    URL; default: SQLite in its data folder), a heartbeat timeout of :data:`HEARTBEAT_TIMEOUT_S` and
+    ``env`` on top; ``python``: the interpreter (another release's venv). Stopped again when it does not
+    come up healthy within ``timeout`` s."""
+    c = ControllerProcess(
+        workdir,
+        broker if isinstance(broker, str) else broker.url,
+        **{
+            "EDGEFLEET_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
+            **({"EDGEFLEET_DATABASE_URL": db} if db else {}),
+            **env,
+        },
+    )
+    if python is not None:
+        c.python = python
+    try:
+        c.start(timeout)
+    except BaseException:
+        c.stop()
+        raise
+    return c
+
+
 def artifact_public_key(api_url: str, token: str) -> str:
     """The controller's artifact public key, as an operator gets it (``GET /api/v1/keys/artifacts``)."""
     r = httpx.get(f"{api_url}/api/v1/keys/artifacts", timeout=10, headers=bearer(token))
@@ -104,7 +141,8 @@ def artifact_public_key(api_url: str, token: str) -> str:
 
 
 class AgentProcess:
-    """``python -m edge_agent --config FILE`` with a YAML config written here.
+    """``python -m edge_agent --config FILE`` with a YAML config written here (``module``: another entry
+    point, e.g. ``edge_agent.supervisor`` as systemd runs it; ``cwd``: its working directory).
 
     The agent refuses unsigned models, so it must trust the controller's artifact key: pass
     ``public_key``, or ``controller`` and the key is fetched from its API when the agent starts (the
@@ -120,9 +158,13 @@ class AgentProcess:
         *,
         public_key: str | None = None,
         controller: ControllerProcess | None = None,
+        module: str = "edge_agent",
+        cwd: Path | None = None,
         **extra: Any,
     ):
         self.device_id = device_id
+        self.module = module
+        self.cwd = cwd
         self.workdir = workdir
         self.config = workdir / f"{device_id}.yaml"
         self.log = workdir / f"{device_id}.log"
@@ -144,6 +186,11 @@ class AgentProcess:
         # The interpreter (another release's venv, for the version skew tests).
         self.python = sys.executable
 
+    @property
+    def data(self) -> Path:
+        """The agent's data folder."""
+        return Path(self.cfg["data_dir"])
+
     def _write_config(self) -> None:
         self.config.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
 
@@ -153,10 +200,11 @@ class AgentProcess:
             self._write_config()
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "edge_agent", "--config", str(self.config)],
+                [self.python, "-m", self.module, "--config", str(self.config)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                cwd=self.cwd,
             )
 
     def alive(self) -> bool:
