@@ -33,7 +33,7 @@ def _absent(v: object) -> bool:
     return v is None
 
 
-# Bounds on what a peer may send (tests/unit/controller/test_controller_fuzz_topics.py pins payloads
+# Bounds on what a peer may send (tests/unit/controller/link/test_fuzz_topics.py pins payloads
 # that must be refused, independently of this module). Without them a hostile or broken sender got
 # values past decode that no column can hold or no reader should pay for, and each consumer had to
 # guard them on its own (or not): a counter of 2**70 or -1, a 70 kB agent version, NaN temperatures.

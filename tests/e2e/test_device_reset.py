@@ -1,4 +1,4 @@
-"""A reflashed device loses nothing (issue 14, point 1): a controller process and an agent process
+"""A reflashed device loses nothing: a controller process and an agent process
 running the real person detector on the real footage; the agent is stopped, its data folder deleted
 (its outbox with it) and started again. Its new outbox numbers from seq 1 in a new incarnation: every
 batch of both incarnations is stored, none taken for a duplicate, the device view shows the new

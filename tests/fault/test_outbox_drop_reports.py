@@ -1,8 +1,7 @@
 """The outbox bound at the smallest size, without a broker: drops are reported, never a crash.
 
-A full outbox used to recurse without end: appending the OUTBOX_DROPPED report dropped one more row,
-which was reported from inside the report (RecursionError on the publisher thread, seen in
-``test_outbox_bound_drops_oldest_counted_and_reported``). A report that is itself dropped before it
+Appending the OUTBOX_DROPPED report to a full outbox must not drop one more row that is then reported
+from inside the report (that recursion would end the publisher thread). A report that is itself dropped before it
 was sent, or a drop not yet reported at a kill -9, goes back into the pending span: nothing is left
 undeclared.
 """

@@ -1,7 +1,7 @@
 """On a GPU: the agent's real TensorRT runtime and onnxruntime's CUDA provider compute what onnxruntime's
 CPU provider computes.
 
-tests/unit/edge_agent/test_edge_trt.py checks the TensorRT path through a fake runtime. Here the real
+tests/unit/edge_agent/inference/test_tensorrt.py checks the TensorRT path through a fake runtime. Here the real
 one runs (``edge_agent.inference.tensorrt.runtime.TensorRtRuntime``: the TensorRT 10 builder, ``deserialize_cuda_engine``,
 cuda-python device and pinned host buffers, one stream, ``execute_async_v3``), on a tiny ONNX model:
 

@@ -1,4 +1,4 @@
-"""Agent rollouts over a real mosquitto (issue 14.3), the controller's side: devices (raw MQTT clients
+"""Agent rollouts over a real mosquitto, the controller's side: devices (raw MQTT clients
 speaking the protocol) get the signed agent ref in their retained desired state, fetch the package over
 the chunked artifact channel and find its sha256; a canary that reports its update rolled back fails
 the gate, later waves are never admitted, and the canary is sent its previous version again.

@@ -1,5 +1,5 @@
 """Two controller replicas on one PostgreSQL and one real Mosquitto serve concurrent changes to one
-device's model assignment (issue 13): every change gets its own version, the versions reach the broker
+device's model assignment: every change gets its own version, the versions reach the broker
 in order, one version never carries two contents, and the retained desired state ends as the database's."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A command result produced while the agent's link is down reaches the controller once the link is
-back, and is recorded once (issue 14, point 4).
+back, and is recorded once.
 
 Real processes and parts: a Mosquitto of the test's own, the real controller (``create_app``, its MQTT
 bridge, SQLite or PostgreSQL), the real agent (its MqttLink, commands thread and on-disk outbox) behind

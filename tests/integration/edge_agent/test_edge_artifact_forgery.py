@@ -1,7 +1,7 @@
-"""Review F6/F7 with real processes: forged chunks injected into a real transfer do not fail it, and a
+"""With real processes: forged chunks injected into a real transfer do not fail it, and a
 device asking for a model that is not in its desired state gets nothing.
 
-Real mosquitto (anonymous: any client may publish on a device's chunk topic, the case F7 is about), a
+Real mosquitto (anonymous: any client may publish on a device's chunk topic, which is all a forger needs), a
 real controller process serving nanodet_coco (15 MB, fp32 pinned, its ref signed with the chunk hashes)
 in 64 KiB chunks, and a real agent process trusting the controller's key. As soon as the agent asks
 for its first chunks, a forger floods well-formed frames for every index: other bytes, with the

@@ -1,10 +1,10 @@
-"""A minute-long engine build never stalls the agent (issue 11, point 3), at full length.
+"""A minute-long engine build never stalls the agent, at full length.
 
 A real build process (``python -m edge_agent.inference.engine_build.child``) runs a fake builder that holds its own
 GIL for 60 s in long stretches, as onnxruntime's TensorRT EP session creation does on a Jetson. The
 agent's process meanwhile works (matrix products on the main thread), reads progress (a thread) and
 ticks a heartbeat every 0.5 s (a thread, standing for MQTT keepalive, heartbeats and the watchdog).
-The fast version is tests/unit/edge_agent/test_edge_engine_build.py.
+The fast version is tests/unit/edge_agent/inference/test_engine_build.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Decommission and re-enrol on real processes (issue 14, point 5): a Mosquitto with the dynamic-security
+"""Decommission and re-enrol on real processes: a Mosquitto with the dynamic-security
 plugin, a controller process that administers it, a real agent on its issued credentials, and the
 operator's ``edgefleet devices decommission`` / ``enroll`` commands. Decommissioning cuts the agent off
 for good and keeps its history readable; enrolling the same id again and starting a freshly installed

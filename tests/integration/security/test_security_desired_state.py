@@ -1,4 +1,4 @@
-"""A device obeys only what the controller signed for it (security review F1, F2, F3, F12), on real
+"""A device obeys only what the controller signed for it, on real
 processes: a real mosquitto WITHOUT ACLs (anyone may publish on a device's desired topic: the attack's
 premise), a real controller, a real agent running a real model on real footage, and an attacker that is
 a plain MQTT client.
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.integration
 DEVICE = "sec-desired"
 OTHER = "sec-desired-other"
 TOPICS = Topics()
-OLD_MODEL = "nanodet_coco"  # what v1 ran: the rollback target of F2
+OLD_MODEL = "nanodet_coco"  # what v1 ran: the rollback target of a replayed state
 MODEL = "ped_ssdlite"  # what the device runs after the fixture
 
 
@@ -185,7 +185,7 @@ def _runs(site: Stack, version: int, model: str, threshold: float) -> None:
     assert cam["model"] == f"{model}:1" and cam["threshold"] == pytest.approx(threshold)
 
 
-def test_f1_forged_and_foreign_states_are_refused_and_the_next_real_state_applies(
+def test_forged_and_foreign_states_are_refused_and_the_next_real_state_applies(
     site: Stack, attacker: Attacker
 ) -> None:
     d = site.in_sync(DEVICE)
@@ -215,7 +215,7 @@ def test_f1_forged_and_foreign_states_are_refused_and_the_next_real_state_applie
     assert d["desired_version"] == version + 1
 
 
-def test_f2_an_old_signed_state_replayed_changes_nothing(site: Stack, attacker: Attacker) -> None:
+def test_an_old_signed_state_replayed_changes_nothing(site: Stack, attacker: Attacker) -> None:
     d = site.in_sync(DEVICE)
     version, threshold = d["desired_version"], d["models"]["cam1"]["threshold"]
     old = [(s, p) for s, p in attacker.states(DEVICE) if _model_of(s) == OLD_MODEL]
@@ -233,7 +233,7 @@ def test_f2_an_old_signed_state_replayed_changes_nothing(site: Stack, attacker: 
     _runs(site, version, MODEL, threshold)
 
 
-def test_f3_altered_settings_are_refused_and_reported_settings_that_differ_are_drift(
+def test_altered_settings_are_refused_and_reported_settings_that_differ_are_drift(
     site: Stack, attacker: Attacker
 ) -> None:
     d = site.in_sync(DEVICE)
@@ -271,7 +271,7 @@ def test_f3_altered_settings_are_refused_and_reported_settings_that_differ_are_d
     )
 
 
-def test_f12_a_refused_state_is_never_persisted_and_a_restart_runs_the_last_good_one(
+def test_a_refused_state_is_never_persisted_and_a_restart_runs_the_last_good_one(
     site: Stack, attacker: Attacker
 ) -> None:
     d = site.in_sync(DEVICE)

@@ -1,4 +1,4 @@
-"""Device ids never collide with a broker user that is not a device (security review F4), on a real
+"""Device ids never collide with a broker user that is not a device, on a real
 Mosquitto with the dynamic-security plugin administered by a real controller: enrolling the
 controller's own user name, or the name of another service's broker user, is refused and leaves that
 user, and the controller's connection, as they were."""
@@ -106,7 +106,7 @@ def test_a_non_device_broker_user_is_never_replaced(
 
 
 def test_a_running_controllers_data_is_owner_only(controller: ControllerProcess) -> None:
-    """Security review F13: the data folder 0700, the database and its WAL 0600 (umask 0o077)."""
+    """the data folder 0700, the database and its WAL 0600 (umask 0o077)."""
     data = controller.workdir / "controller"
     with controller.client() as api:  # something written, so the WAL exists
         assert api.post("/api/v1/devices", json={"id": "perm-1"}).status_code == 201
