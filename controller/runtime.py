@@ -24,7 +24,7 @@ from controller.link.bridge import MqttBridge, PahoTransport, Transport
 from controller.link.broker_auth import DynsecAdmin
 from controller.link.commands import CommandService
 from controller.link.ingest import IngestService, StoredBatch
-from controller.link.presence import StatusService
+from controller.link.presence import PresenceService
 from controller.observe.live import LiveHub
 from controller.observe.live_relay import LiveRelay
 from controller.observe.metrics import ControllerMetrics
@@ -163,7 +163,7 @@ class ControllerRuntime:
         self.rollouts = RolloutService(
             self.engine, self.twin, stop=self.stop_event, leadership=self.leadership
         )
-        self.status = StatusService(
+        self.status = PresenceService(
             self.engine,
             self.bridge,
             heartbeat_timeout_s=settings.heartbeat_timeout_s,

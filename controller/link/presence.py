@@ -94,7 +94,7 @@ class _Republish:
     """Queue marker: republish every device's desired state (after a (re)connect)."""
 
 
-class StatusService:
+class PresenceService:
     def __init__(
         self,
         engine: Engine,
@@ -130,7 +130,7 @@ class StatusService:
         return self._queue.qsize()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="controller-status", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="controller-presence", daemon=True)
         self._thread.start()
 
     def join(self, timeout: float = 10.0) -> None:

@@ -2,7 +2,7 @@
 
 What the agent writes (the outbox, the desired state) may meet a disk that takes no writes. Such a
 failure must not kill a thread, loop, or pass unnoticed: the part that met it tells the
-:class:`StorageGuard`, which reports it once as an ERROR event (``data["check"] == "storage"``,
+:class:`DiskGuard`, which reports it once as an ERROR event (``data["check"] == "storage"``,
 ``state`` ``failing``), retries the write once the disk takes writes again (the probe, on the
 publisher thread) and reports that too (``state`` ``recovered``, with what the part held or dropped
 meanwhile).
@@ -113,7 +113,7 @@ class _Trouble:
     retry: RetryFn | None = None
 
 
-class StorageGuard:
+class DiskGuard:
     """Storage failures by part, reported once each, retried by :meth:`probe` until they clear."""
 
     def __init__(

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_agent.core.disk_guard import Reserve, StorageGuard
+from edge_agent.core.disk_guard import DiskGuard, Reserve
 from edge_agent.core.queues import DropOldestQueue
 from edge_agent.core.settings import OutboxConfig
 from edge_agent.uplink.outbox import DroppedRange, Outbox, OutboxRow, StorageError
@@ -135,7 +135,7 @@ class Publisher:
         self.published = 0
         self.publish_failures = 0
         # Storage failures of any part (this outbox, the twin's desired state), reported and retried.
-        self.storage = StorageGuard(self._emit_storage_event, reserve=reserve)
+        self.storage = DiskGuard(self._emit_storage_event, reserve=reserve)
         # Messages waiting for a disk that refuses the outbox's writes. ``_holding`` from the first
         # refused write until the retry has written them all: meanwhile every new message waits too,
         # behind the older ones, instead of trying the disk at each frame.

@@ -24,7 +24,7 @@ from controller.fleet.gate import GateConfig
 from controller.fleet.rollouts import RolloutService
 from controller.fleet.twin import TwinService
 from controller.link.bridge import MqttBridge
-from controller.link.presence import StatusService
+from controller.link.presence import PresenceService
 from controller.registry.bundled import register_bundled_models
 from controller.security.keys import load_or_create_signer
 from fleet_protocol import TopicKind, Topics, decode
@@ -51,7 +51,7 @@ class Replica:
     twin: TwinService
     rollouts: RolloutService
     converger: TwinConverger
-    status: StatusService
+    status: PresenceService
     stop: threading.Event = field(default_factory=threading.Event)
 
     def desired_versions(self, device: str) -> list[int]:
@@ -88,7 +88,7 @@ def make_replica(
         twin=twin,
         rollouts=RolloutService(engine, twin, stop=stop, leadership=leadership),
         converger=TwinConverger(engine, twin, policy=POLICY, stop=stop, leadership=leadership),
-        status=StatusService(
+        status=PresenceService(
             engine,
             bridge,
             heartbeat_timeout_s=heartbeat_timeout_s,

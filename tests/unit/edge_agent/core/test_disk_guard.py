@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from edge_agent.core.disk_guard import Reserve, StorageGuard
+from edge_agent.core.disk_guard import DiskGuard, Reserve
 from edge_agent.core.queues import DropOldestQueue
 from edge_agent.core.settings import OutboxConfig
 from edge_agent.uplink.outbox import Outbox, StorageError
@@ -227,7 +227,7 @@ def test_the_publisher_thread_holds_batches_and_writes_them_back(tmp_path: Path)
 def test_the_reserve_is_released_to_report_and_restored_only_with_room_for_two(tmp_path: Path) -> None:
     reserve = Reserve(tmp_path / "storage.reserve", size=64 * 1024)
     emitted: list[tuple[EventKind, Severity, str, dict[str, Any]]] = []
-    guard = StorageGuard(lambda *e: emitted.append(e), reserve=reserve)
+    guard = DiskGuard(lambda *e: emitted.append(e), reserve=reserve)
     guard.start()
     assert reserve.present() and reserve.path.stat().st_size == 64 * 1024
     tries: list[int] = []
@@ -261,7 +261,7 @@ def test_the_reserve_is_released_to_report_and_restored_only_with_room_for_two(t
 
 def test_a_failure_during_the_retry_keeps_the_part_failing(tmp_path: Path) -> None:
     emitted: list[Any] = []
-    guard = StorageGuard(lambda *e: emitted.append(e))
+    guard = DiskGuard(lambda *e: emitted.append(e))
     boom = OSError(errno.EROFS, "Read-only file system")
 
     def retry() -> None:
