@@ -279,8 +279,9 @@ class ControllerSettings(BaseSettings):
         return f"sqlite:///{(self.data_dir / 'edgefleet.db').resolve()}"
 
     def admin_token_file_problem(self, token: str) -> str | None:
-        """Why the token read from ``admin_token_file`` is not fit for production (validation cannot
-        read the file, so the runtime asks once it has); None when it is, or when not in production."""
+        """Why the token read from ``admin_token_file`` is not fit for production (a model validator
+        reads no files: the command line asks before it starts anything, and the runtime again once it
+        has read it); None when it is, or when not in production."""
         if self.environment != "production":
             return None
         reason = _weak_secret(token, min_len=32)
@@ -377,7 +378,9 @@ KNOWN_DEFAULT_SECRETS = frozenset(
 
 
 def _is_loopback(host: str) -> bool:
-    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
+    """A literal loopback address, or ``localhost`` itself. Any other name (``broker.localhost``,
+    ``localhost.localdomain``) is up to the resolver, which in a container may ask DNS."""
+    if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -385,10 +388,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _repeats_a_default(word: str) -> bool:
+    return any(
+        len(word) % len(default) == 0 and word == default * (len(word) // len(default))
+        for default in KNOWN_DEFAULT_SECRETS
+    )
+
+
 def _weak_secret(value: str, *, min_len: int) -> str | None:
     """Why ``value`` is not fit for production, or None."""
     if value.strip().lower() in KNOWN_DEFAULT_SECRETS:
         return "is a well-known default"
+    # A default word repeated (``changeme-changeme-…``) is as guessable as the word, whatever its length.
+    words = [w for w in re.split(r"[^a-z0-9]+", value.lower()) if w]
+    if words and all(_repeats_a_default(w) for w in words):
+        return "is a well-known default repeated"
     if len(value) < min_len:
         return f"is shorter than {min_len} characters"
     if len(set(value)) < 8:

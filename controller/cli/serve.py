@@ -40,6 +40,11 @@ def controller(
     settings = _controller_settings(
         api_host=host, api_port=port, mqtt_url=mqtt_url, database_url=database_url, data_dir=data_dir
     )
+    if (why := _admin_token_file_problem(settings)) is not None:
+        # The same exit as any invalid setting, before anything starts: --validate-config and the
+        # real start agree.
+        typer.echo(f"invalid controller settings:\n  admin_token_file: {why}", err=True)
+        raise typer.Exit(2)
     if validate_config:
         typer.echo("controller settings OK")
         return
@@ -81,6 +86,22 @@ def _controller_settings(**options: Any) -> ControllerSettings:
         ]
         typer.echo("invalid controller settings:\n" + "\n".join(lines), err=True)
         raise typer.Exit(2) from None
+
+
+def _admin_token_file_problem(settings: ControllerSettings) -> str | None:
+    """Why the admin token file cannot serve (missing, readable by others, empty, or weak in
+    production), or None; nothing to check without EDGEFLEET_ADMIN_TOKEN_FILE."""
+    from controller.security.tokens import load_or_create_admin_token
+
+    if settings.admin_token_file is None:
+        return None
+    try:
+        token = load_or_create_admin_token(
+            settings.data_dir, None, token_file=settings.admin_token_file, create=False
+        )
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    return settings.admin_token_file_problem(token)
 
 
 def agent(

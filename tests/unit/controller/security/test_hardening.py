@@ -216,6 +216,79 @@ def test_the_cli_exits_2_naming_the_broker_settings(monkeypatch: pytest.MonkeyPa
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("host", ["broker.localhost", "localhost.localdomain", "localhost.example"])
+def test_production_counts_only_literal_loopback_and_localhost_itself_as_loopback(host: str) -> None:
+    """A name that only looks local is resolved by whatever resolver the container has, DNS included."""
+    with pytest.raises(ValidationError) as err:
+        ControllerSettings(**_production(mqtt_url=f"mqtt://controller:{STRONG}@{host}:1883"))
+    assert "EDGEFLEET_MQTT_URL" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("admin_token", "changeme-changeme-changeme-changeme"),
+        ("admin_token", "passwordpasswordpasswordpassword"),
+        ("admin_token", "admin_admin.admin-admin_admin.admin"),
+        ("mqtt_admin_password", "mqtt-mqtt-mqtt-mqtt"),
+    ],
+)
+def test_production_refuses_a_default_word_repeated(field: str, value: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        ControllerSettings(**_production(**{field: value}))
+    msg = str(err.value)
+    assert "default repeated" in msg and value not in msg
+
+
+def test_a_long_secret_that_only_contains_a_default_word_is_accepted() -> None:
+    s = ControllerSettings(**_production(admin_token="changeme-" + STRONG))
+    assert s.admin_token is not None
+
+
+def _production_env_with_token_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, token: str) -> Path:
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    for k, v in {
+        "EDGEFLEET_ENVIRONMENT": "production",
+        "EDGEFLEET_DATA_DIR": str(tmp_path / "data"),
+        "EDGEFLEET_DATABASE_URL": f"postgresql+psycopg://edgefleet:{STRONG}@db/edgefleet",
+        "EDGEFLEET_MQTT_URL": f"mqtts://controller:{STRONG}@broker.example:8883",
+        "EDGEFLEET_MQTT_ACL": "external",
+        "EDGEFLEET_ADMIN_TOKEN_FILE": str(token_file),
+    }.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("EDGEFLEET_ADMIN_TOKEN", raising=False)
+    return token_file
+
+
+def test_validate_config_reads_the_admin_token_file_and_exits_2_on_a_weak_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    token_file = _production_env_with_token_file(monkeypatch, tmp_path, "short")
+    result = CliRunner().invoke(cli_app, ["controller", "--validate-config"])
+    assert result.exit_code == 2, result.output
+    assert "admin_token_file" in result.output and str(token_file) in result.output
+    assert "shorter than 32" in result.output and "short\n" not in result.output
+    # The real start refuses the same way, before anything is opened.
+    result = CliRunner().invoke(cli_app, ["controller"])
+    assert result.exit_code == 2, result.output
+    assert not (tmp_path / "data").exists()
+
+
+def test_validate_config_names_a_token_file_others_can_read_and_accepts_a_strong_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    token_file = _production_env_with_token_file(monkeypatch, tmp_path, STRONG)
+    token_file.chmod(0o644)
+    result = CliRunner().invoke(cli_app, ["controller", "--validate-config"])
+    assert result.exit_code == 2 and "readable by others" in result.output, result.output
+    token_file.chmod(0o600)
+    result = CliRunner().invoke(cli_app, ["controller", "--validate-config"])
+    assert result.exit_code == 0, result.output
+    assert STRONG not in result.output
+
+
 # --------------------------------------------------------------------------- access-log redaction
 
 
