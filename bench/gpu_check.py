@@ -350,8 +350,7 @@ def score(
     """Decode ``infer``'s outputs on ``frames`` and match them with the reference detections."""
     threshold = model.manifest.default_threshold
     cand = []
-    for frame in frames:
-        x, geom = fidelity.preprocess(frame, model.manifest.input)
+    for x, geom in fidelity.preprocess_frames(frames, model.manifest.input):
         cand.append(fidelity.decode(model.manifest, infer(x), geom, threshold))
     f = fidelity.match(ref, cand)
     ok = f.f1 >= PASS_BAR and (f.mean_iou is None or f.mean_iou >= PASS_BAR)
@@ -548,8 +547,7 @@ def check_model(
     if ort is not None:
         sess = ort.InferenceSession(str(model.onnx), providers=["CPUExecutionProvider"])
         name, outs = sess.get_inputs()[0].name, [o.name for o in sess.get_outputs()]
-        for frame in frames:
-            x, geom = fidelity.preprocess(frame, model.manifest.input)
+        for x, geom in fidelity.preprocess_frames(frames, model.manifest.input):
             raw = dict(zip(outs, sess.run(None, {name: x}), strict=True))
             ref.append(fidelity.decode(model.manifest, raw, geom, model.manifest.default_threshold))
         res["reference_detections"] = sum(len(r) for r in ref)

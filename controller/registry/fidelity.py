@@ -88,12 +88,23 @@ def read_footage_frames(footage: Path, calib: int, evaluation: int) -> tuple[lis
 # --------------------------------------------------------------------------- the agent's pipeline
 
 
-def preprocess(frame_bgr: np.ndarray, spec: InputSpec) -> tuple[np.ndarray, FrameMeta]:
-    """One frame as a batch-of-one input tensor, prepared by the agent's own ``Preprocessor``."""
+def preprocess_frames(frames: Sequence[np.ndarray], spec: InputSpec) -> list[tuple[np.ndarray, FrameMeta]]:
+    """Each frame as a batch-of-one input tensor, prepared by the agent's own ``Preprocessor``: one
+    for all the frames, as in the agent, so its buffers are allocated once (each tensor it returns
+    is new, so keeping them all is safe)."""
     from fleet_protocol.vision.preprocess import Preprocessor
 
-    tensor, meta = Preprocessor(spec)(frame_bgr)
-    return tensor[None], meta
+    prepare = Preprocessor(spec)
+    out = []
+    for frame in frames:
+        tensor, meta = prepare(frame)
+        out.append((tensor[None], meta))
+    return out
+
+
+def preprocess(frame_bgr: np.ndarray, spec: InputSpec) -> tuple[np.ndarray, FrameMeta]:
+    """One frame as a batch-of-one input tensor (:func:`preprocess_frames` for several)."""
+    return preprocess_frames([frame_bgr], spec)[0]
 
 
 def decode(

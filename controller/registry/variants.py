@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from controller.registry.choice import VariantReport, cpu_isa
-from controller.registry.fidelity import Fidelity, decode, match, preprocess, read_footage_frames
+from controller.registry.fidelity import Fidelity, decode, match, preprocess_frames, read_footage_frames
 from fleet_protocol.messages import ModelManifest
 
 if TYPE_CHECKING:
@@ -132,8 +132,8 @@ def build_variants(
             f"footage {footage} gave {len(held_out)} evaluation frame(s); at least 2 are needed (one part "
             "chooses among the variants, the other gives the figures reported)"
         )
-    calib_inputs = [preprocess(f, manifest.input)[0] for f in calib]
-    evaluation = [preprocess(f, manifest.input) for f in held_out]
+    calib_inputs = [x for x, _ in preprocess_frames(calib, manifest.input)]
+    evaluation = preprocess_frames(held_out, manifest.input)
     # Contiguous parts (the held-out frames run in footage order), so the reported frames are later
     # footage than the choosing ones, as a camera's next hour of video would be.
     n_choose = len(evaluation) // 2

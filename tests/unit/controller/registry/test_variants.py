@@ -434,7 +434,7 @@ def _fake_build(
 
     boxes = [det(0, 0, 10, 10), det(50, 50, 90, 90)]
     monkeypatch.setattr(v, "read_footage_frames", lambda *_a: ([0], [0, 1, 2, 3]))
-    monkeypatch.setattr(v, "preprocess", lambda frame, _spec: (np.array([frame]), None))
+    monkeypatch.setattr(v, "preprocess_frames", lambda frames, _spec: [(np.array([f]), None) for f in frames])
     monkeypatch.setattr(v, "measure_latency", lambda *_a, **_k: {})
     monkeypatch.setattr(v, "_input_name", lambda _p: "images")
 
