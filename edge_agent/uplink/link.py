@@ -15,6 +15,7 @@ from functools import partial
 from typing import Protocol
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.reasoncodes import ReasonCode
 
 from fleet_protocol.codec import ProtocolError, decode, encode
 from fleet_protocol.endpoint import MqttEndpoint
@@ -101,6 +102,10 @@ class MqttLink:
         self._last_publish = threading.local()
         self._chunk_handler: ChunkHandler | None = None
         self._connected = threading.Event()
+        # Set by the broker's SUBACK for this connection's subscriptions: until then a message to the
+        # device may be dropped by the broker, which is what a sender that just saw us connect needs.
+        self._subscribed = threading.Event()
+        self._subscribe_mid: int | None = None
         self.fatal: str | None = None
         # Why the last connection attempt failed (TLS verification above all); None once connected.
         self.last_error: str | None = None
@@ -136,6 +141,7 @@ class MqttLink:
         client.on_disconnect = self._handle_disconnect
         client.on_connect_fail = self._handle_connect_fail
         client.on_message = self._handle_message
+        client.on_subscribe = self._handle_subscribe
         client.on_pre_connect = self._handle_pre_connect
         self._client = client
 
@@ -144,6 +150,11 @@ class MqttLink:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def subscribed(self) -> bool:
+        """Connected and the broker granted every subscription of this connection."""
+        return self._connected.is_set() and self._subscribed.is_set()
 
     def publish(self, kind: TopicKind, payload: bytes) -> bool:
         if not self._connected.is_set():
@@ -230,12 +241,28 @@ class MqttLink:
                 spec.qos,
                 spec.retain,
             )
-            client.subscribe(self._topics.agent_subscriptions(self._device_id))
+            self._subscribed.clear()
+            _, self._subscribe_mid = client.subscribe(self._topics.agent_subscriptions(self._device_id))
             self._connected.set()
             if self._on_connected is not None:
                 self._on_connected()
         except Exception:
             log.exception("on_connect failed")
+
+    def _handle_subscribe(
+        self, client: mqtt.Client, userdata: object, mid: int, reason_codes: list[ReasonCode], props: object
+    ) -> None:
+        if mid != self._subscribe_mid:
+            return
+        refused = [str(rc) for rc in reason_codes if rc.is_failure]
+        if refused:
+            # Connected but deaf: the broker's ACL does not let this device read its own topics.
+            self.last_error = (
+                f"the broker refused the device's subscriptions ({', '.join(refused)}): check the ACL"
+            )
+            log.error("%s", self.last_error)
+            return
+        self._subscribed.set()
 
     def _handle_pre_connect(self, client: mqtt.Client, userdata: object) -> None:
         self.connect_attempts += 1  # only paho's network thread writes it
@@ -260,6 +287,7 @@ class MqttLink:
     ) -> None:
         was = self._connected.is_set()
         self._connected.clear()
+        self._subscribed.clear()
         if was:
             log.warning("disconnected from %s: %s", self._endpoint, reason)
 

@@ -16,6 +16,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from edge_agent.agent import Agent
+from edge_agent.uplink.link import MqttLink
 from fleet_protocol.codec import decode
 from fleet_protocol.messages import Availability
 from fleet_protocol.topics import TopicKind, Topics
@@ -207,7 +208,10 @@ def test_garbage_on_every_agent_topic_is_dropped_and_the_agent_carries_on(
         agent = start(
             Agent.from_settings(agent_settings("site-g", broker, tmp_path / "g", cameras=False)), run_agent
         )
-        wait_for(lambda: agent.transport.connected, 10, "agent connected")
+        link = agent.transport
+        assert isinstance(link, MqttLink)
+        # Junk sent before the broker's SUBACK would be dropped by the broker, not by the agent.
+        wait_for(lambda: link.subscribed, 10, "agent subscribed to its topics")
         client = mqtt.Client(CallbackAPIVersion.VERSION2)
         client.connect(broker.host, broker.port)
         client.loop_start()
