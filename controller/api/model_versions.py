@@ -74,8 +74,8 @@ def list_models(session: SessionDep) -> list[ModelVersionPublic]:
         400: {"description": "not a usable ONNX model; the detail says why"},
         409: {"description": "name:version exists with other bytes"},
         413: {
-            "description": "over the size limit: the file, a form field, or the model's tensors when "
-            "dense (max_model_dense_bytes)"
+            "description": "over the size limit: the file, a form field, the model's weights when "
+            "dense, or a tensor its graph computes as shape inference sizes it (max_model_dense_bytes)"
         },
         422: {"description": "missing or invalid name/version"},
     },

@@ -4,7 +4,8 @@ Builds are jobs in the database (controller/registry/build_jobs.py): a version m
 one, and the worker of whichever replica polls first claims it, so builds spread over the replicas,
 and a replica that dies mid-build leaves a claim that another takes once its lease runs out. One named
 thread polls (every ``poll_s``, at once when ``submit`` wakes it), calls the builder
-(``controller.registry.variants.build_variants`` unless a test injects another), moves fit variant
+(``controller.registry.variants.build_variants`` in a child process capped at ``memory_bytes``,
+``controller/registry/build_child.py``, unless a test injects another), moves fit variant
 files into the artifact store by sha256 and records every report, only while the claim is still its
 own. Progress (stage and percent) is written to the version as the build goes; each write renews the
 claim, and a small thread renews it between writes, which may be minutes apart. The app's stop event
@@ -16,6 +17,7 @@ version submitted while that many others wait or build is not built: it serves f
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import threading
@@ -33,9 +35,10 @@ from controller.db import crud
 from controller.db.engine import session_scope
 from controller.db.states import ModelVersionStatus
 from controller.db.tables import ModelVariant, ModelVersion, utcnow
+from controller.registry.build_child import build_in_child
 from controller.registry.build_jobs import QUEUED, BuildJobs, Claim, fallback_rows
 from controller.registry.store import ArtifactStore
-from controller.registry.variants import build_variants
+from controller.settings import VARIANT_BUILD_MEMORY_BYTES
 from fleet_protocol.messages import ModelManifest
 
 log = logging.getLogger(__name__)
@@ -59,8 +62,9 @@ class VariantBuilder(Protocol):
     ) -> list[Any]: ...
 
 
-def default_builder() -> VariantBuilder:
-    return build_variants  # type: ignore[return-value]
+def default_builder(memory_bytes: int = VARIANT_BUILD_MEMORY_BYTES) -> VariantBuilder:
+    """The real build, in a child process whose address space is capped at ``memory_bytes``."""
+    return functools.partial(build_in_child, memory_bytes=memory_bytes)
 
 
 class _Stopped(Exception):
@@ -92,8 +96,10 @@ class VariantWorker:
         lease_s: float = 60.0,
         max_attempts: int = 3,
         clock: Callable[[], datetime] = utcnow,
+        memory_bytes: int = VARIANT_BUILD_MEMORY_BYTES,
     ) -> None:
         self._engine = engine
+        self._memory_bytes = memory_bytes
         self._store = store
         self._builder = builder
         self._footage = footage
@@ -277,7 +283,7 @@ class VariantWorker:
             name = f"{mv.name}:{mv.version}"
             model_path, sha, size = Path(mv.path), mv.sha256, mv.size
             manifest = ModelManifest.model_validate(mv.manifest)
-        builder = self._builder or default_builder()
+        builder = self._builder or default_builder(self._memory_bytes)
         last: dict[str, Any] = {"stage": None, "pct": -100.0}
         ended, lost = threading.Event(), threading.Event()
 

@@ -14,7 +14,7 @@ does without unless it builds variants, so it is imported where frames are touch
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,33 +56,42 @@ def read_footage_frames(footage: Path, calib: int, evaluation: int) -> tuple[lis
     """
     import cv2
 
-    cap = cv2.VideoCapture(str(footage))
-    if not cap.isOpened():
-        raise ValueError(f"cannot open footage {footage}")
-    try:
-        # Sequential reads: seeking in AVI/MP43 is slow and not frame-exact, and 800 frames decode
-        # in about a second.
-        frames = []
-        while True:
-            ok, frame = cap.read()
-            if not ok:
-                break
-            frames.append(frame)
-    finally:
-        cap.release()
-    n = len(frames)
+    # Sequential reads: seeking in AVI/MP43 is slow and not frame-exact, and 800 frames decode in
+    # about a second. Two passes (count, then keep the chosen frames) rather than one that keeps them
+    # all: a few minutes of footage decoded whole would take gigabytes of the build's memory limit.
+    n = 0
+    for _ in _frames(cv2, footage):
+        n += 1
     if n < 2:
         raise ValueError(f"footage {footage} has {n} frame(s); at least 2 are needed")
     half = n // 2
 
-    def spread(lo: int, hi: int, count: int) -> list[Any]:
+    def spread(lo: int, hi: int, count: int) -> list[int]:
         count = max(0, min(count, hi - lo))
         if count == 0:
             return []
-        idx = np.linspace(lo, hi - 1, count).round().astype(int)
-        return [frames[i] for i in idx]
+        return [int(i) for i in np.linspace(lo, hi - 1, count).round().astype(int)]
 
-    return spread(0, half, calib), spread(half, n, evaluation)
+    calib_idx, eval_idx = spread(0, half, calib), spread(half, n, evaluation)
+    wanted = set(calib_idx) | set(eval_idx)
+    kept = {i: frame for i, frame in enumerate(_frames(cv2, footage)) if i in wanted}
+    if len(kept) < len(wanted):
+        raise ValueError(f"footage {footage} gave fewer frames on its second reading")
+    return [kept[i] for i in calib_idx], [kept[i] for i in eval_idx]
+
+
+def _frames(cv2: Any, footage: Path) -> Iterator[np.ndarray]:
+    cap = cv2.VideoCapture(str(footage))
+    if not cap.isOpened():
+        raise ValueError(f"cannot open footage {footage}")
+    try:
+        while True:
+            ok, frame = cap.read()
+            if not ok:
+                return
+            yield frame
+    finally:
+        cap.release()
 
 
 # --------------------------------------------------------------------------- the agent's pipeline

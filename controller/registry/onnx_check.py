@@ -5,7 +5,8 @@ the dense size of its initializers and constants is under a cap (a few-KB file c
 tensor of 2^62 elements, which agents and the variant builder would materialise), ``onnx.checker``
 passes, shape inference passes, and its input/output layout is one a decoder knows (``tf_od``, ``gfl``,
 ``yolov5``, ``yolov8``), or, with a manifest, the names it declares exist and its input width/height
-match the graph's where the graph's input size is static.
+match the graph's where the graph's input size is static. Once the input size is known, every tensor
+the graph computes must fit under the same cap (:func:`check_computed_sizes`).
 Every failure is a :class:`ModelRejectedError` whose message names the problem.
 
 ``onnx`` is imported inside the functions: the controller's other parts start without it.
@@ -13,12 +14,15 @@ Every failure is a :class:`ModelRejectedError` whose message names the problem.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from controller.registry.bundled import ModelRejectedError
+
+log = logging.getLogger(__name__)
 
 TF_OD_OUTPUTS = ("num_detections", "detection_boxes", "detection_scores", "detection_classes")
 # TF-OD label maps are COCO's 90 ids (1-based): 91 generic labels when no manifest names them.
@@ -137,6 +141,109 @@ def _tensor_bytes(tensor: Any, dims: Any) -> int:
     except Exception:
         itemsize = 8  # an element type numpy does not know: count it at the widest
     return elements * max(1, itemsize)
+
+
+def check_computed_sizes(model: Any, spec: Any, *, max_dense_bytes: int) -> None:
+    """Every tensor the graph computes must fit in ``max_dense_bytes`` as shape inference sizes it.
+
+    A graph can compute far more than it stores (``ConstantOfShape`` of a constant ``[134217728]`` is
+    half a gigabyte from a few hundred bytes of file), and the variant builder and every device would
+    allocate it. The image input's free dimensions are first fixed to what the builder and the devices
+    feed (batch 1, the manifest's ``spec`` width and height, 3 channels), and inference runs with data
+    propagation, so a shape computed from constants or from the input's shape (``ConstantOfShape``,
+    ``Expand``, ``Tile``, ``Range``, ``Reshape``, ``Shape`` arithmetic) gets concrete dimensions.
+
+    A dimension that stays unknown depends on the input's values (``NonZero``, a shape computed from
+    pixels, a loop's trip count) and cannot be judged here: such a tensor is not counted, and what
+    holds it is the variant build's child process and its address-space limit
+    (``variant_build_memory_bytes``), which fails the build with that reason.
+    Raises :class:`ModelTooLargeError` naming the largest tensor over the cap.
+    """
+    import onnx
+
+    fixed = _without_weights(model)
+    _fix_image_dims(fixed, spec)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(
+            fixed, check_type=False, strict_mode=False, data_prop=True
+        )
+    except Exception as exc:  # strict inference passed in load_checked; this pass is the extra one
+        log.warning("shape inference with data propagation failed (%s); computed sizes not checked", exc)
+        return
+    name, dims, elem, size = max(_computed_sizes(inferred.graph), key=lambda t: t[3], default=("", [], 0, 0))
+    if size > max_dense_bytes:
+        kind = onnx.TensorProto.DataType.Name(elem).lower()
+        raise ModelTooLargeError(
+            f"the model computes tensor {name!r} of shape {dims} ({kind}): {size} bytes, over the limit "
+            f"of {max_dense_bytes} bytes (max_model_dense_bytes)"
+        )
+
+
+# Initializers larger than this are weights, not shapes: shape inference needs only their type and shape.
+_SHAPE_TENSOR_MAX_BYTES = 64 * 1024
+
+
+def _without_weights(model: Any) -> Any:
+    """A copy of ``model`` whose large top-level initializers are graph inputs of the same type and shape:
+    what data propagation reads (small shape tensors) stays, and the copies shape inference makes do
+    not hold the weights again."""
+    import onnx
+
+    light = onnx.ModelProto()
+    light.ir_version = model.ir_version
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    graph, g = model.graph, light.graph
+    g.name = graph.name
+    g.node.extend(graph.node)
+    g.input.extend(graph.input)
+    g.output.extend(graph.output)
+    g.value_info.extend(graph.value_info)
+    g.sparse_initializer.extend(graph.sparse_initializer)
+    inputs = {i.name for i in graph.input}
+    for t in graph.initializer:
+        if _tensor_bytes(t, t.dims) <= _SHAPE_TENSOR_MAX_BYTES:
+            g.initializer.append(t)
+        elif t.name not in inputs:
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return light
+
+
+def _fix_image_dims(model: Any, spec: Any) -> None:
+    inp = next((i for i in model.graph.input if i.name == spec.name), None)
+    if inp is None or len(inp.type.tensor_type.shape.dim) != 4:
+        return
+    order = (1, 3, spec.height, spec.width) if spec.layout == "NCHW" else (1, spec.height, spec.width, 3)
+    for dim, value in zip(inp.type.tensor_type.shape.dim, order, strict=True):
+        if not (dim.HasField("dim_value") and dim.dim_value > 0):
+            dim.dim_value = value
+
+
+def _computed_sizes(graph: Any) -> Iterator[tuple[str, list[int], int, int]]:
+    """``(name, dims, element type, bytes)`` of every value of ``graph`` and its subgraphs whose shape
+    shape inference fully knows."""
+    import onnx
+
+    for vi in (*graph.value_info, *graph.output):
+        tt = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type") or not tt.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+        if any(d is None or d < 0 for d in dims):
+            continue
+        known = [int(d) for d in dims if d is not None]
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).itemsize
+        except Exception:
+            itemsize = 8  # strings and types numpy does not know: counted at the widest
+        yield vi.name, known, tt.elem_type, math.prod(known) * max(1, itemsize)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _computed_sizes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _computed_sizes(g)
 
 
 def check_input_size(model: Any, spec: Any) -> None:

@@ -25,6 +25,7 @@ from controller.errors import ConflictError, ControllerError, InvalidError, Malf
 from controller.registry.bundled import ModelRejectedError
 from controller.registry.onnx_check import (
     ModelTooLargeError,
+    check_computed_sizes,
     check_input_size,
     check_manifest_names,
     infer_manifest,
@@ -213,6 +214,11 @@ def register_upload(
         manifest = _manifest(
             model, upload.fields.get("manifest"), name=name, version=version, sha=sha, size=size
         )
+        if max_dense_bytes is not None:
+            try:
+                check_computed_sizes(model, manifest.input, max_dense_bytes=max_dense_bytes)
+            except ModelTooLargeError as exc:
+                raise UploadOverLimitError(str(exc)) from None
         path = incoming.commit()
         incoming = None
         mv = ModelVersion(

@@ -28,6 +28,8 @@ The contract with what uses a report (``controller.registry.choice``, the API):
 The figures of both bundled models, and the recipes tried and not kept, are in BENCHMARKS.md ("Model
 variants"; ``bench/variants.py`` reruns them).
 
+The controller runs :func:`build_variants` whole in a child process under an address-space limit
+(``controller/registry/build_child.py``): what a graph allocates stays out of the controller's memory.
 Everything heavy (onnx, onnxruntime, onnxconverter-common, OpenCV, sympy: the ``optimize`` extra) is
 imported inside the functions, so the controller starts without them. No module state: a background
 worker may call :func:`build_variants` for several models one after another.
@@ -385,6 +387,11 @@ def _fp16_main(src: str, dst: str, memory_bytes: int | None = None) -> None:
     if memory_bytes is not None:
         import resource
 
+        # Under the build child's own limit (controller/registry/build_child.py) the hard limit is
+        # inherited, and a limit may only be lowered.
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            memory_bytes = min(memory_bytes, hard)
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     import onnx
     from onnxconverter_common import float16
