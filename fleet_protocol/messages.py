@@ -9,12 +9,22 @@ it and reports it, except inside a desired state, which keeps it because its sig
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from fleet_protocol.ids import CameraId, DeviceId, Name
 
@@ -49,6 +59,90 @@ Count = Annotated[int, Field(ge=0, le=MAX_WIRE_INT)]
 ShortText = Annotated[str, Field(max_length=256)]
 # Free text from a device (error messages): as long as an event's message.
 LongText = Annotated[str, Field(max_length=4096)]
+
+# Cameras and GPUs of one device (heartbeat lists, capabilities, the cameras of a desired or reported
+# state). A heartbeat is stored whole for every device every few seconds, so its lists are bounded
+# where a device reports them; an edge box runs a handful of streams and at most a few GPUs.
+MAX_CAMERAS = 64
+MAX_GPUS = 64
+# Other lists of names a peer reports or a manifest carries (execution providers, model outputs).
+MAX_NAMES = 256
+# A model's class labels, and a camera's label filter: LVIS, among the largest detection label sets,
+# has 1203. A label is as long as a detection's label may be (Detection.label).
+MAX_LABELS = 2048
+LABEL_CHARS = 64
+Label = Annotated[str, Field(max_length=LABEL_CHARS)]
+LabelList = Annotated[list[Label], Field(max_length=MAX_LABELS)]
+
+
+@dataclass(frozen=True)
+class FreeFormBounds:
+    """What a free-form JSON object of the contract may hold (``Event.data``, ``Command.args``,
+    ``CommandResult.result``, a manifest's ``decoder_params``): its fields are the sender's to choose,
+    their shape is not. Depth counts the object itself as 1; size is the compact JSON text's length."""
+
+    depth: int = 8
+    keys: int = 128
+    key_chars: int = 128
+    items: int = 1024
+    string_chars: int = 4096
+    size: int = 16 * 1024
+
+
+# Event data, command arguments and decoder parameters: small structured facts, never bulk data.
+FREE_FORM = FreeFormBounds()
+# A command's result may carry a snapshot's JPEG (base64, up to 400 KiB): its one long string and its
+# size are bounded by the payload limit (codec.MAX_JSON_BYTES) alone.
+RESULT_FREE_FORM = FreeFormBounds(string_chars=512 * 1024, size=512 * 1024)
+
+
+def _free_form_problem(value: Any, bounds: FreeFormBounds, depth: int, path: str) -> str | None:
+    """What in ``value`` is over ``bounds``, or None (walked once; every container level counted)."""
+    if isinstance(value, dict):
+        if depth > bounds.depth:
+            return f"{path or 'value'} is nested deeper than {bounds.depth} levels"
+        if len(value) > bounds.keys:
+            return f"{path or 'value'} has {len(value)} keys, over {bounds.keys}"
+        for key, item in value.items():
+            if not isinstance(key, str) or len(key) > bounds.key_chars:
+                return f"{path or 'value'} has a key longer than {bounds.key_chars} characters"
+            found = _free_form_problem(item, bounds, depth + 1, f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, list | tuple):
+        if depth > bounds.depth:
+            return f"{path or 'value'} is nested deeper than {bounds.depth} levels"
+        if len(value) > bounds.items:
+            return f"{path or 'value'} has {len(value)} items, over {bounds.items}"
+        for i, item in enumerate(value):
+            found = _free_form_problem(item, bounds, depth + 1, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, str) and len(value) > bounds.string_chars:
+        return f"{path or 'value'} is a string of {len(value)} characters, over {bounds.string_chars}"
+    return None
+
+
+def _bounded(bounds: FreeFormBounds) -> AfterValidator:
+    def check(value: dict[str, Any]) -> dict[str, Any]:
+        problem = _free_form_problem(value, bounds, 1, "")
+        if problem is None:
+            # Walked first, so this costs at most the payload's own size; default=str: a value built
+            # in-process (an enum, a path) is measured as the text it is sent as.
+            size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str))
+            if size > bounds.size:
+                problem = f"is {size} characters of JSON, over {bounds.size}"
+        if problem is not None:
+            raise ValueError(f"free-form object {problem}")
+        return value
+
+    return AfterValidator(check)
+
+
+FreeForm = Annotated[dict[str, Any], _bounded(FREE_FORM)]
+ResultFreeForm = Annotated[dict[str, Any], _bounded(RESULT_FREE_FORM)]
 
 
 class Strict(BaseModel):
@@ -133,7 +227,7 @@ class DecoderKind(StrEnum):
 
 
 class InputSpec(Signed):
-    name: str
+    name: ShortText
     layout: Literal["NHWC", "NCHW"]
     dtype: Literal["uint8", "float32"]
     color: Literal["RGB", "BGR"]
@@ -158,13 +252,13 @@ class ModelManifest(Signed):
     size: int = Field(gt=0, le=MAX_WIRE_INT)
     decoder: DecoderKind
     input: InputSpec
-    outputs: list[str] = Field(default_factory=list)
-    labels: list[str] = Field(min_length=1)
+    outputs: list[ShortText] = Field(default_factory=list, max_length=MAX_NAMES)
+    labels: list[Label] = Field(min_length=1, max_length=MAX_LABELS)
     default_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
     nms_iou: float = Field(default=0.5, gt=0.0, le=1.0)
-    decoder_params: dict[str, Any] = Field(default_factory=dict)
-    source: str = ""
-    licence: str = ""
+    decoder_params: FreeForm = Field(default_factory=dict)
+    source: LongText = ""
+    licence: LongText = ""
     # sha256 of each chunk of the file at its ref's ``chunk_size``, in order (PROTOCOL.md "Artifacts"):
     # signed with the rest of the manifest, so a chunk is checked against the controller's word before
     # it is written, not against the hash its own frame carries. None (left out of the JSON, so the
@@ -179,7 +273,7 @@ class ArtifactRef(Signed):
 
     manifest: ModelManifest
     chunk_size: int = Field(default=256 * 1024, ge=1024, le=4 * 1024 * 1024)
-    variant: str = "fp32"
+    variant: ShortText = "fp32"
     # Ed25519 over fleet_protocol.signing.canonical_bytes (base64) and the signing key's id. Optional
     # so that messages without them still parse; an agent with a key configured refuses such a ref.
     # Loosely typed on purpose: a malformed signature is refused per camera and reported, instead of
@@ -248,11 +342,11 @@ class Capabilities(Strict):
     cpu_model: ShortText = ""
     cpu_count: Count = 0
     memory_total_mb: float = 0.0
-    gpus: list[GpuInfo] = Field(default_factory=list)
-    execution_providers: list[ShortText] = Field(default_factory=list)
+    gpus: list[GpuInfo] = Field(default_factory=list, max_length=MAX_GPUS)
+    execution_providers: list[ShortText] = Field(default_factory=list, max_length=MAX_NAMES)
     onnxruntime_version: ShortText | None = None
     tensorrt_version: ShortText | None = None
-    cameras: list[CameraId] = Field(default_factory=list)
+    cameras: list[CameraId] = Field(default_factory=list, max_length=MAX_CAMERAS)
     # Instruction-set flags from KNOWN_CPU_FLAGS; None = not reported (an agent older than the field),
     # which the controller treats as "ISA unknown", unlike [] (reported: none of the known flags).
     cpu_flags: list[CpuFlag] | None = Field(default=None, max_length=64)
@@ -325,8 +419,8 @@ class Heartbeat(Msg):
     memory_used_mb: float | None = None
     disk_free_mb: float | None = None
     disk_pct: float | None = None
-    gpus: list[GpuStats] = Field(default_factory=list)
-    cameras: list[CameraStats] = Field(default_factory=list)
+    gpus: list[GpuStats] = Field(default_factory=list, max_length=MAX_GPUS)
+    cameras: list[CameraStats] = Field(default_factory=list, max_length=MAX_CAMERAS)
     inference_ms: float | None = None  # the highest per-camera median
     # CPU package energy from RAPL, cumulative joules since the agent started (None: not measured).
     cpu_energy_j: float | None = None
@@ -423,7 +517,7 @@ class Event(Msg):
     severity: Severity = Severity.INFO
     camera: CameraId | None = None
     message: str = Field(default="", max_length=4096)
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: FreeForm = Field(default_factory=dict)
 
 
 class CameraReported(Strict):
@@ -439,7 +533,7 @@ class CameraReported(Strict):
     # compare settings.
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
-    labels: list[str] | None = None
+    labels: LabelList | None = None
 
 
 class AgentUpdateState(OpenStrEnum):
@@ -469,7 +563,7 @@ class ReportedState(Msg):
     ts: float
     # A version the controller issued (DesiredState.version), so within the same bound.
     desired_version: int = Field(ge=0, le=MAX_DESIRED_VERSION)
-    cameras: dict[CameraId, CameraReported] = Field(default_factory=dict)
+    cameras: dict[CameraId, CameraReported] = Field(default_factory=dict, max_length=MAX_CAMERAS)
     agent_version: ShortText | None = None
     agent: AgentReported | None = Field(default=None, exclude_if=_absent)
 
@@ -500,7 +594,7 @@ class CommandResult(Msg):
     type: Literal["command_result"] = "command_result"
     id: str = Field(min_length=1, max_length=64)
     ok: bool
-    result: dict[str, Any] = Field(default_factory=dict)
+    result: ResultFreeForm = Field(default_factory=dict)
     error: LongText | None = None
 
 
@@ -511,7 +605,7 @@ class CameraDesired(Signed):
     model: ArtifactRef | None = None
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
-    labels: list[str] | None = None  # keep only these labels; None keeps all
+    labels: LabelList | None = None  # keep only these labels; None keeps all
 
 
 class AgentPackageRef(Signed):
@@ -549,7 +643,7 @@ class DesiredState(Msg, Signed):
     version: int = Field(ge=0, le=MAX_DESIRED_VERSION)
     issued_at: float = Field(allow_inf_nan=False)
     device_id: DeviceId | None = None
-    cameras: dict[CameraId, CameraDesired] = Field(default_factory=dict)
+    cameras: dict[CameraId, CameraDesired] = Field(default_factory=dict, max_length=MAX_CAMERAS)
     # The agent version this device should run; None leaves the agent as it is.
     agent: AgentPackageRef | None = Field(default=None, exclude_if=_absent)
     signature: str | None = Field(default=None, max_length=256)
@@ -566,7 +660,7 @@ class Command(Msg):
     type: Literal["command"] = "command"
     id: str = Field(min_length=1, max_length=64)
     name: CommandName
-    args: dict[str, Any] = Field(default_factory=dict)
+    args: FreeForm = Field(default_factory=dict)
 
 
 class Ack(Msg):

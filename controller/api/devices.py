@@ -40,6 +40,18 @@ def _cut_off(rt: ControllerRuntime, device_id: str) -> None:
     )
 
 
+def _clear_retained(rt: ControllerRuntime, device_id: str) -> None:
+    """Have the broker forget every retained message of a device, on every topic kind.
+
+    Not only the kinds the contract retains: a device may set the retain flag on any topic it publishes
+    to (Mosquitto's ACLs cannot refuse the flag), and the broker would hand such a message to every new
+    subscription, an id enrolled again on new hardware included. An empty retained publish deletes
+    whatever is there and costs nothing where there is none.
+    """
+    for kind in TopicKind:
+        rt.bridge.transport.publish(rt.bridge.topics.device(device_id, kind), b"", 1, True)
+
+
 @router.post(
     "",
     response_model=EnrolledDevice,
@@ -121,8 +133,8 @@ def revoke(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -> Revo
 @router.post(
     "/{device_id}/decommission",
     response_model=DevicePublic,
-    summary="Retire a device: its broker credentials are revoked (when the controller manages them), its "
-    "retained desired state and birth are cleared, deployments and rollouts leave it out, and whatever it "
+    summary="Retire a device: its broker credentials are revoked (when the controller manages them), every "
+    "retained message on its topics is cleared, deployments and rollouts leave it out, and whatever it "
     "still sends is refused and counted; its detections, events and health stay readable. Enrolling it "
     "again brings it back",
     responses={
@@ -147,10 +159,9 @@ def decommission(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -
     crud.decommission_device(session, device=dev, credentials_revoked=revoked)
     session.commit()
     # Refused here at once (other replicas within seconds), before the retained topics are cleared:
-    # the empty birth that clears one comes back to this controller's subscription.
+    # the empty messages that clear them come back to this controller's subscriptions.
     rt.bridge.refuse(dev.id)
-    rt.bridge.publish_raw(dev.id, TopicKind.TWIN_DESIRED, b"")
-    rt.bridge.publish_raw(dev.id, TopicKind.AVAILABILITY, b"")
+    _clear_retained(rt, dev.id)
     session.refresh(dev)
     return device_public(dev, rt.ingest.stats(dev.id))
 

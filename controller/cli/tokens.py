@@ -14,7 +14,13 @@ tokens_app = typer.Typer(help="API tokens (admin): create, ls, revoke.", no_args
 @tokens_app.command("create")
 def tokens_create(
     name: Annotated[str, typer.Option(help="who or what uses it, e.g. 'prometheus' or 'tech-anna'")],
-    role: Annotated[str, typer.Option(help="viewer (read only), operator (change the fleet) or admin")],
+    role: Annotated[
+        str,
+        typer.Option(
+            help="viewer (read only), operator (change the fleet), release (ship agent software: "
+            "packages, agent deployments, a device's agent version) or admin (everything)"
+        ),
+    ],
     api: ApiOption = DEFAULT_API,
 ) -> None:
     """Make a token and print it once (only its hash is kept: it cannot be shown again)."""

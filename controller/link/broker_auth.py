@@ -124,7 +124,13 @@ def _acl(acltype: str, topic: str, *, allow: bool = True, priority: int = 0) -> 
 
 
 def device_acls(topics: Topics, device_id: str) -> list[dict[str, Any]]:
-    """The dynsec ACLs of one device: its own topics, in the direction of each topic's spec."""
+    """The dynsec ACLs of one device: its own topics, in the direction of each topic's spec.
+
+    They cannot refuse the retain flag on the topics a device publishes to: a dynsec ACL matches a
+    topic and a direction only, and the broker's ``retain_available false`` would refuse the retained
+    birth and reported state as well. What a device retains where the contract retains nothing is
+    ignored by the controller, and a decommission clears every one of its topics.
+    """
     acls: list[dict[str, Any]] = []
     for kind, spec in SPECS.items():
         topic = topics.device(device_id, kind)

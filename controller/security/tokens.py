@@ -1,12 +1,18 @@
-"""API security: bearer tokens (kept as sha256 only), three roles, and the rule that gives each route
+"""API security: bearer tokens (kept as sha256 only), four roles, and the rule that gives each route
 its role (the dependency that applies it to every route is ``controller.api.deps.authorize``).
 
-Roles, each including the ones below it:
+Roles:
 
 - ``viewer``: reads (technicians): every GET, the live WebSocket, snapshots, ``/metrics``;
-- ``operator``: every other method: models, deployments, rollouts, enrollment, labels, assignments,
-  commands;
+- ``operator``: a viewer's reads and every other method except the two below: models, deployments,
+  rollouts, enrollment, labels, assignments, commands, revoking and decommissioning devices;
+- ``release``: a viewer's reads and shipping the edge agent's own software (``RELEASE_PATHS``:
+  agent packages, agent deployments, a device's agent version), which runs as code on every device
+  it reaches; nothing an operator does;
 - ``admin``: everything, including token management (``/api/v1/tokens``).
+
+Operator and release are apart on purpose: a model an operator deploys is data the agent's runtime
+loads, whereas an agent package is code that every device it reaches installs and runs.
 
 The required role is derived from the HTTP method and the path the router matched by
 ``required_role``, so a route added anywhere later is guarded without touching it; only the few public
@@ -64,22 +70,32 @@ TOKENS_PATH = "/api/v1/tokens"
 PUBLIC_PATHS = frozenset({"/healthz", "/"})
 PUBLIC_PAGE = re.compile(r"/devices/[^/]+")  # the technician page, /devices/{device_id}
 READ_METHODS = frozenset({"GET", "HEAD"})
+# Changes on these paths, or below them, need the release role: the agent software that devices
+# install and run (the device's id is one path segment).
+RELEASE_PATHS = (
+    re.compile(r"/api/v1/agent-packages(/.*)?"),
+    re.compile(r"/api/v1/agent-deployments(/.*)?"),
+    re.compile(r"/api/v1/devices/[^/]+/agent(/.*)?"),
+)
 
 
 class Role(StrEnum):
     VIEWER = "viewer"
     OPERATOR = "operator"
+    RELEASE = "release"
     ADMIN = "admin"
 
-    @property
-    def rank(self) -> int:
-        return _RANK[self]
-
     def allows(self, needed: Role) -> bool:
-        return self.rank >= needed.rank
+        return needed in _GRANTS[self]
 
 
-_RANK = {Role.VIEWER: 0, Role.OPERATOR: 1, Role.ADMIN: 2}
+# Not a ladder: operator and release each add their own changes to a viewer's reads.
+_GRANTS: dict[Role, frozenset[Role]] = {
+    Role.VIEWER: frozenset({Role.VIEWER}),
+    Role.OPERATOR: frozenset({Role.VIEWER, Role.OPERATOR}),
+    Role.RELEASE: frozenset({Role.VIEWER, Role.RELEASE}),
+    Role.ADMIN: frozenset(Role),
+}
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,8 @@ def required_role(method: str | None, path: str) -> Role | None:
         return Role.ADMIN
     if method is None or method.upper() in READ_METHODS:
         return Role.VIEWER
+    if any(p.fullmatch(path) for p in RELEASE_PATHS):
+        return Role.RELEASE
     return Role.OPERATOR
 
 

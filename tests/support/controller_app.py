@@ -136,6 +136,8 @@ class Fleet:
     def acks(self, device: str) -> list[Ack]:
         out: list[Ack] = []
         for p in self.transport.on_topic(self.topics.device(device, TopicKind.ACKS)):
+            if not p.payload and p.retain:
+                continue  # a decommission clearing the topic on the broker, not an ack
             msg = decode(TopicKind.ACKS, p.payload)
             assert isinstance(msg, Ack)
             out.append(msg)

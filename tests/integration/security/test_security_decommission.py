@@ -1,8 +1,9 @@
 """Decommission and re-enrol on real processes: a Mosquitto with the dynamic-security
 plugin, a controller process that administers it, a real agent on its issued credentials, and the
 operator's ``edgefleet devices decommission`` / ``enroll`` commands. Decommissioning cuts the agent off
-for good and keeps its history readable; enrolling the same id again and starting a freshly installed
-agent (an empty data folder) stores its new incarnation from seq 1, beside the old history."""
+for good and keeps its history readable, and leaves no retained message of the device on the broker;
+enrolling the same id again and starting a freshly installed agent (an empty data folder) stores its
+new incarnation from seq 1, beside the old history."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from edge_agent.agent import EXIT_FATAL_LINK
-from tests.support.dynsec import Device
+from fleet_protocol import TopicKind, Topics, encode
+from fleet_protocol.messages import Availability, CameraReported, ReportedState
+from fleet_protocol.topics import SPECS
+from tests.support.dynsec import ADMIN_PASSWORD, ADMIN_USER, Device
 from tests.support.mqtt_broker import MosquittoBroker
 from tests.support.paths import FOOTAGE
 from tests.support.processes import AgentProcess, ControllerProcess
@@ -88,7 +94,7 @@ def test_a_decommissioned_agent_is_cut_off_and_comes_back_cleanly_when_enrolled_
                 return items
 
             stored_before = wait_for(
-                lambda: agent.alive() and detections(),
+                lambda: detections() if agent.alive() else None,
                 timeout=90,
                 what=f"the agent's detections stored (log: {agent.log})",
             )
@@ -138,3 +144,71 @@ def test_a_decommissioned_agent_is_cut_off_and_comes_back_cleanly_when_enrolled_
             ]
         finally:
             agent.stop()
+
+
+TOPICS = Topics()
+
+
+def retained_of(broker: MosquittoBroker, device_id: str) -> list[tuple[str, bytes]]:
+    """What a fresh subscriber to every topic of ``device_id`` is handed on subscribing.
+
+    The broker sends a new subscription's retained messages right after its SUBACK, ahead of anything
+    published later; so everything that arrives before the probe's own marker (published after the
+    SUBACK, on a topic under the same filter that no one else uses) was retained, or live traffic.
+    """
+    probe = Device(broker, ADMIN_USER, ADMIN_PASSWORD, client_id=f"retain-probe-{uuid.uuid4().hex[:8]}")
+    assert probe.connect() == 0
+    try:
+        assert probe.subscribe(f"{TOPICS.prefix}/devices/{device_id}/#")
+        marker = f"{TOPICS.prefix}/devices/{device_id}/probe-marker"
+        probe.publish(marker, b"marker")
+        wait_for(lambda: probe.got(marker), timeout=10, what="the probe's marker back")
+        return [(t, p) for t, p in probe.received if t != marker]
+    finally:
+        probe.close()
+
+
+def test_decommission_clears_every_retained_message_of_the_device(
+    controller: ControllerProcess, secured_broker: MosquittoBroker
+) -> None:
+    device_id = "retained-dev"
+    with controller.client() as api:
+        r = api.post("/api/v1/devices", json={"id": device_id})
+        assert r.status_code == 201, r.text
+        device = Device(secured_broker, device_id, r.json()["mqtt_password"])
+        assert device.connect() == 0
+        try:
+            stale = ReportedState(
+                ts=time.time(),
+                desired_version=0,
+                cameras={"cam1": CameraReported(model="stale:1", state="running")},
+            )
+            sent = {
+                TopicKind.AVAILABILITY: encode(Availability(state="online", ts=time.time())),
+                TopicKind.TWIN_REPORTED: encode(stale),
+            }
+            # The ACL lets a device set retain on any topic it may publish to, not only on the two
+            # kinds the contract retains.
+            for kind, spec in SPECS.items():
+                if spec.from_agent:
+                    payload = sent.get(kind, b'{"retained": "by the device"}')
+                    device.publish(TOPICS.device(device_id, kind), payload, retain=True)
+        finally:
+            device.close()
+        wait_for(
+            lambda: api.get(f"/api/v1/devices/{device_id}").json()["status"] == "online",
+            timeout=20,
+            what="the device's birth stored",
+        )
+        before = retained_of(secured_broker, device_id)
+        retained_kinds = {t.rsplit(f"/{device_id}/", 1)[1] for t, _ in before}
+        assert retained_kinds >= {k.value for k, s in SPECS.items() if s.from_agent}
+        assert any(b"stale:1" in p for _, p in before)
+
+        r = api.post(f"/api/v1/devices/{device_id}/decommission")
+        assert r.status_code == 200, r.text
+        wait_for(
+            lambda: not retained_of(secured_broker, device_id),
+            timeout=30,
+            what="no retained message of the decommissioned device",
+        )

@@ -1,5 +1,6 @@
-"""API security: bearer tokens stored hashed, roles viewer < operator < admin, the live WebSocket, the
-bootstrap admin token, production's refusal of default secrets, and secrets kept out of logs and answers."""
+"""API security: bearer tokens stored hashed, the roles (viewer, operator, release, admin), the live
+WebSocket, the bootstrap admin token, production's refusal of default secrets, and secrets kept out of
+logs and answers."""
 
 from __future__ import annotations
 
