@@ -102,7 +102,8 @@ def agent_deploy(
 ) -> None:
     """Roll an agent version out to the devices a selector matches, wave by wave with health gates.
 
-    A failed gate rolls the rollout back: the devices it reached get their previous agent version.
+    A failed gate fails the rollout: the devices it reached get the agent version each ran before
+    (never one it refused or rolled back). The progress line ends before the rollout is printed.
     """
     body: dict[str, Any] = {
         "version": version,
@@ -136,7 +137,8 @@ def agent_rollback(
     deployment: Annotated[str, typer.Argument(help="agent deployment name or id")],
     api: ApiOption = DEFAULT_API,
 ) -> None:
-    """Roll an agent deployment back: every device it reached gets its previous agent version."""
+    """Roll an agent deployment back: every device it reached gets the agent version it ran before
+    (never one it refused or rolled back; `edgefleet devices show` names it as the fallback)."""
     dep = request(api, "POST", f"/api/v1/deployments/{deployment}/rollback")
     print_rollout(dep)
 

@@ -106,6 +106,15 @@ def deploy(
         raise typer.Exit(1)
 
 
+def _what(dep: dict[str, Any]) -> str:
+    """What a deployment deploys: ``agent 1.1`` or ``model:version``."""
+    return (
+        f"agent {dep.get('agent_version')}"
+        if dep.get("kind") == "agent"
+        else f"{dep['model']}:{dep['version']}"
+    )
+
+
 @deployments_app.command("ls")
 def deployments_ls(api: ApiOption = DEFAULT_API) -> None:
     """List deployments with their layer (selector, priority) and their rollout's state."""
@@ -117,7 +126,7 @@ def deployments_ls(api: ApiOption = DEFAULT_API) -> None:
         table.add_row(
             d["name"],
             str(d["id"]),
-            f"agent {d.get('agent_version')}" if d.get("kind") == "agent" else f"{d['model']}:{d['version']}",
+            _what(d),
             d["selector"] or "(all)",
             str(d["priority"]),
             d["state"],
@@ -137,7 +146,7 @@ def deployments_delete(
     dep = request(api, "GET", f"/api/v1/deployments/{deployment}")
     if not yes:
         typer.confirm(
-            f"delete {dep['name']} ({dep['model']}:{dep['version']}, select '{dep['selector']}')? "
+            f"delete {dep['name']} ({_what(dep)}, select '{dep['selector']}')? "
             "its devices fall back to their next layer",
             abort=True,
         )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TextIO
 
 import typer
 
@@ -17,24 +19,49 @@ rollouts_app = typer.Typer(
 FINISHED = ("succeeded", "failed", "cancelled", "rolled_back")
 
 
-def follow_rollout(api: str, dep: dict[str, Any]) -> dict[str, Any]:
-    """Show a deployment's rollout live until it finishes; the deployment as it ended."""
-    from rich.live import Live
-    from rich.text import Text
+def progress_line(ro: dict[str, Any]) -> str:
+    return f"rollout {ro['state']}  wave {ro['current_wave']}/{len(ro['plan'])}  " + "  ".join(
+        f"{k} {v}" for k, v in ro["progress"].items()
+    )
 
-    with Live(Text(""), refresh_per_second=2) as live:
+
+def follow_rollout(
+    api: str,
+    dep: dict[str, Any],
+    *,
+    get: Callable[[str], Any] | None = None,
+    out: TextIO | None = None,
+    interval_s: float = 1.0,
+) -> dict[str, Any]:
+    """Show a deployment's rollout live until it finishes; the deployment as it ended.
+
+    On a terminal one line is rewritten in place (``\r``) and ended with a newline when the rollout
+    ends (or the wait is interrupted), so what is printed next starts on a line of its own; into a
+    pipe or a file each change is a line of its own. ``get`` and ``out`` stand in for the API and
+    stdout."""
+    fetch = get if get is not None else (lambda path: request(api, "GET", path))
+    stream = out if out is not None else sys.stdout
+    tty = stream.isatty()
+    last = ""
+    try:
         while True:
-            dep = request(api, "GET", f"/api/v1/deployments/{dep['id']}")
+            dep = fetch(f"/api/v1/deployments/{dep['id']}")
             ro = dep["rollout"]
-            live.update(
-                Text(
-                    f"rollout {ro['state']}  wave {ro['current_wave']}/{len(ro['plan'])}  "
-                    + "  ".join(f"{k} {v}" for k, v in ro["progress"].items())
-                )
-            )
+            line = progress_line(ro)
+            if tty:
+                # Padded so that a shorter line leaves nothing of the longer one before it.
+                stream.write("\r" + line.ljust(len(last)))
+            elif line != last:
+                stream.write(line + "\n")
+            stream.flush()
+            last = line
             if ro["state"] in FINISHED:
                 return dep
-            time.sleep(1.0)
+            time.sleep(interval_s)
+    finally:
+        if tty and last:
+            stream.write("\n")
+            stream.flush()
 
 
 def print_rollout(dep: dict[str, Any]) -> None:
@@ -74,17 +101,31 @@ def print_rollout(dep: dict[str, Any]) -> None:
                 g.get("reason") or "",
             )
         console.print(gates)
-    table = Table("device", "wave", "state", "target", "reported", "progress", "reason")
-    for d in ro.get("devices") or []:
-        table.add_row(
-            d["device_id"],
-            str(d["wave"]),
-            d["state"],
-            "-" if d.get("target_version") is None else f"v{d['target_version']}",
-            "-" if d.get("reported_version") is None else f"v{d['reported_version']}",
-            "-" if d.get("progress_pct") is None else f"{d['progress_pct']:.0f}%",
-            d.get("reason") or "",
-        )
+    if dep.get("kind") == "agent":
+        # The agent versions matter here; desired-state numbers would say nothing of them.
+        table = Table("device", "wave", "state", "agent target", "agent runs", "update", "reason")
+        for d in ro.get("devices") or []:
+            table.add_row(
+                d["device_id"],
+                str(d["wave"]),
+                d["state"],
+                dep.get("agent_version") or "-",
+                d.get("agent_version") or "-",
+                d.get("agent_state") or "-",
+                d.get("reason") or "",
+            )
+    else:
+        table = Table("device", "wave", "state", "target", "reported", "progress", "reason")
+        for d in ro.get("devices") or []:
+            table.add_row(
+                d["device_id"],
+                str(d["wave"]),
+                d["state"],
+                "-" if d.get("target_version") is None else f"v{d['target_version']}",
+                "-" if d.get("reported_version") is None else f"v{d['reported_version']}",
+                "-" if d.get("progress_pct") is None else f"{d['progress_pct']:.0f}%",
+                d.get("reason") or "",
+            )
     console.print(table)
 
 

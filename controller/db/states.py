@@ -14,17 +14,23 @@ from enum import StrEnum
 class DeploymentState(StrEnum):
     """``Deployment.state``: which devices a deployment applies to (``controller.fleet.deployments``).
 
-    Transitions:
+    A failed rollout is ``failed`` here as on its rollout, one word for one outcome; ``rolled_back``
+    is the operator's roll back alone. Transitions:
 
     - created ``rolling_out``;
-    - ``rolling_out`` → ``active`` (its rollout succeeded), ``rolled_back`` (its rollout failed) or
-      ``cancelled`` (the operator cancelled the rollout);
-    - ``rolling_out`` / ``active`` / ``cancelled`` → ``rolled_back`` (the operator rolled it back);
+    - ``rolling_out`` → ``active`` (its rollout succeeded), ``failed`` (its rollout failed: a wave's
+      gate failed and the devices it reached were sent back) or ``cancelled`` (the operator cancelled
+      the rollout);
+    - ``rolling_out`` / ``active`` / ``cancelled`` → ``rolled_back`` (the operator rolled it back;
+      ``failed`` stays ``failed``, its devices already sent back);
     - any but ``deleted`` → ``deleted`` (the operator deleted it; terminal, the row stays as history).
+
+    Neither ``failed`` nor ``rolled_back`` applies to any device.
     """
 
     ROLLING_OUT = "rolling_out"
     ACTIVE = "active"
+    FAILED = "failed"
     CANCELLED = "cancelled"
     ROLLED_BACK = "rolled_back"
     DELETED = "deleted"
@@ -37,7 +43,8 @@ class RolloutState(StrEnum):
 
     - created ``running``; ``running`` ⇄ ``paused`` (the operator pauses / resumes);
     - ``running`` / ``paused`` → ``succeeded`` (every wave passed its gate, or no device left to
-      admit) or ``failed`` (a wave's gate failed; the deployment is rolled back);
+      admit) or ``failed`` (a wave's gate failed; the devices it reached are sent back and the
+      deployment is ``failed`` too);
     - ``running`` / ``paused`` → ``cancelled`` (the operator cancelled or deleted the deployment);
     - any but ``failed`` → ``rolled_back`` (the operator rolled it back; ``failed`` stays ``failed``).
 

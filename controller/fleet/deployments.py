@@ -7,7 +7,7 @@ A deployment applies to a device when its selector matches the device's labels a
 - it is ``active``: every matching device, also ones that start to match later;
 - it is ``rolling_out``: only devices its rollout admitted (``applying`` or ``active``);
 - it is ``cancelled``: only devices on which its rollout had already become ``active``;
-- ``rolled_back`` / ``deleted``: none.
+- ``failed`` / ``rolled_back`` / ``deleted``: none.
 
 A deployment of kind ``agent`` carries an agent version instead of a model: the same
 selector, states and rollout, but it makes the device's agent layer (:func:`agent_layer`), not a

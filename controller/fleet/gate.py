@@ -210,6 +210,33 @@ def _crash_loop(m: MemberView, dev: DeviceView) -> Settle | None:
 # Agent update states (fleet_protocol AgentUpdateState) that end an attempt without the new version.
 AGENT_FAILED_STATES = ("failed", "rolled_back")
 AGENT_SETTLED_STATE = "idle"
+# The state of a version on trial: it runs, but the supervisor has not confirmed it healthy yet.
+AGENT_TRIAL_STATE = "restarting"
+
+
+@dataclass(frozen=True)
+class AgentAttempt:
+    """An update the device's agent says failed: the version it tried, how it ended, and why."""
+
+    version: str
+    state: str  # "failed" (refused or could not install) or "rolled_back"
+    error: str | None
+
+
+def failed_attempt(agent: Mapping[str, Any] | None) -> AgentAttempt | None:
+    """The failed update a reported agent (AgentReported as stored, the agent's JSON) tells of, or None.
+
+    The version tried is the one it names as its target or, once rolled back, as ``previous``; the
+    version it runs is never the one that failed."""
+    a = agent or {}
+    state = a.get("state")
+    if state not in AGENT_FAILED_STATES:
+        return None
+    tried = a.get("target") or (a.get("previous") if state == "rolled_back" else None)
+    if not isinstance(tried, str) or not tried or tried == a.get("version"):
+        return None
+    error = a.get("error")
+    return AgentAttempt(version=tried, state=str(state), error=error if isinstance(error, str) else None)
 
 
 def _agent_failure(dev: DeviceView, target: str) -> str | None:

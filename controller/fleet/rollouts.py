@@ -387,7 +387,7 @@ class RolloutService:
                         dep.state = DeploymentState.ACTIVE
                         touched.update(d.id for d in matching_devices(s, dep))
                     else:
-                        dep.state = DeploymentState.ROLLED_BACK
+                        dep.state = DeploymentState.FAILED
                         touched.update(self._revert(s, rollout_id, a.reason))
                     log.info("rollout %d %s: %s", rollout_id, a.state, a.reason)
             ro.updated_at = at
@@ -497,14 +497,14 @@ class RolloutService:
 
         The same waves, gates, operator actions and leader ticks as a model deployment; a member is
         active once it reports running ``version`` idle, failed when its agent reports the update
-        failed or rolled back, and a failed gate sends the wave's devices back to their previous
-        agent version (controller.fleet.twin ``TwinService._agent``).
+        failed or rolled back, and a failed gate sends the devices it reached back to the agent version
+        each ran before, never one it refused or rolled back (controller.fleet.twin ``TwinService._agent``).
         """
         plan_in = _checked_plan(selector, waves)
         with self._lock, Session(self._engine) as s:
             if get_package(s, version) is None:
                 raise DeploymentAgentNotFoundError(
-                    f"agent version {version!r} is not uploaded (edgefleet agent upload FILE)"
+                    f"agent version {version!r} is not uploaded (edgefleet agent-packages upload FILE)"
                 )
             if get_deployment(s, name) is not None:
                 raise DeploymentConflictError(f"a deployment named {name!r} exists")
@@ -585,14 +585,13 @@ class RolloutService:
             touched = {d.id for d in matching_devices(s, dep)}
             touched |= self._revert(s, ro.id, "rolled back by the operator")
             touched |= {m.device_id for m in rollout_devices(s, ro.id)}
-            if dep.state != DeploymentState.ROLLED_BACK or ro.state not in (
-                RolloutState.FAILED,
-                RolloutState.ROLLED_BACK,
-            ):
-                if ro.state != RolloutState.FAILED:
-                    ro.state = RolloutState.ROLLED_BACK
-                    ro.reason = "rolled back by the operator"
-                ro.finished_at = ro.finished_at or utcnow()
+            # A failed rollout stays failed (its devices were sent back already); the rest is the
+            # operator's roll back, once.
+            if ro.state not in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
+                ro.state = RolloutState.ROLLED_BACK
+                ro.reason = "rolled back by the operator"
+            ro.finished_at = ro.finished_at or utcnow()
+            if dep.state not in (DeploymentState.FAILED, DeploymentState.ROLLED_BACK):
                 dep.state = DeploymentState.ROLLED_BACK
             return touched
 

@@ -22,7 +22,7 @@ from controller.db import crud
 from controller.db.engine import session_scope
 from controller.db.leader import ALWAYS_LEADER, Leadership
 from controller.db.states import DeviceStatus, SyncState
-from controller.db.tables import Device, Event, ModelVersion, utcnow
+from controller.db.tables import AgentPackage, Device, Event, ModelVersion, utcnow
 from controller.errors import ConflictError, NotFoundError
 from controller.fleet.deployments import (
     AGENT_HEALTH_TIMEOUT_S,
@@ -32,6 +32,7 @@ from controller.fleet.deployments import (
     applied_deployments,
     layers,
 )
+from controller.fleet.gate import AGENT_TRIAL_STATE, failed_attempt
 from controller.fleet.sync import device_sync
 from controller.link.artifacts import artifact_file, ref_chunk_size, with_chunk_hashes
 from controller.link.bridge import MqttBridge
@@ -211,43 +212,46 @@ class TwinService:
     def _agent(self, s: Session, dev: Device, layer: AgentLayer | None) -> AgentPackageRef | None:
         """The agent ref of ``dev``'s desired state, keeping ``dev.agent_desired`` up to date.
 
-        ``current`` is the ref sent now, ``previous`` the one before the last change of version (or,
-        the first time, the package of the version the device reports running, when it was uploaded).
-        When the deployment that set ``current`` no longer applies (its rollout failed, was rolled
-        back or cancelled before the device was active, it was deleted) and no other layer names a
-        version, the device goes back to ``previous``: leaving the agent as it is would not be a roll
-        back. Without a ``previous`` there is nothing to go back to, and the agent is left as it is.
+        ``current`` is the ref sent now; ``previous`` the version a roll back sends the device to: the
+        latest version it was seen running (``ran``) other than ``current``, never one it refused or
+        rolled back (``refused``), and only while its package is uploaded. The desired version alone
+        proves nothing: a device sent 1.2 that rolled it back, then sent 1.1 again, goes back to what ran
+        before 1.1, not to 1.2. When the deployment that set ``current`` no longer applies (its rollout
+        failed, was rolled back or cancelled before the device was active, it was deleted) and no other
+        layer names a version, the device goes back to that version: leaving the agent as it is would
+        not be a roll back. Without one there is nothing to go back to, and the agent is left as it is.
+
+        Every pass also keeps the last failed update (``last_failure``: version, outcome, error), so
+        the device view still says why once the desired version has moved on and the agent, no longer
+        asked for that version, reports idle.
         """
         state = dict(dev.agent_desired or {})
         cur: dict[str, Any] | None = state.get("current")
         prev: dict[str, Any] | None = state.get("previous")
+        if layer is not None or dev.agent_desired is not None:
+            _observe(s, dev, state)
         if layer is not None:
             pkg = get_package(s, layer.version)
             if pkg is None:
                 # Deleting a package someone needs is refused; a row gone all the same keeps what was sent.
                 log.warning("agent %s for %s is not uploaded; desired agent unchanged", layer.version, dev.id)
             else:
-                want = {
-                    "version": pkg.version,
-                    "sha256": pkg.sha256,
-                    "size": pkg.size,
-                    "chunk_size": ref_chunk_size(pkg.size, self._chunk_size),
-                    "health_timeout_s": layer.health_timeout_s,
+                cur = {
+                    **_package_entry(pkg, self._chunk_size, layer.health_timeout_s),
                     "source": layer.source,
                     "deployment": layer.deployment,
                 }
-                if cur is None or cur.get("version") != want["version"]:
-                    prev = cur if cur is not None else _running_package(s, dev, self._chunk_size)
-                cur = want
+            prev = _fallback(s, state, cur, prev, self._chunk_size) if cur is not None else None
         elif cur is not None and cur.get("source") == "deployment":
+            back = _fallback(s, state, cur, prev, self._chunk_size)
             log.info(
                 "agent %s of %s: its deployment %s no longer applies; back to %s",
                 cur.get("version"),
                 dev.id,
                 cur.get("deployment"),
-                (prev or {}).get("version") or "what it runs (no earlier package known)",
+                (back or {}).get("version") or "what it runs (no earlier package known)",
             )
-            cur = {**prev, "source": "rollback", "deployment": None} if prev is not None else None
+            cur = {**back, "source": "rollback", "deployment": None} if back is not None else None
             prev = None
         state.update(current=cur, previous=prev)
         # A device no agent layer ever named keeps NULL (most of a fleet, most of the time).
@@ -479,21 +483,97 @@ def _agent_json(ref: AgentPackageRef | None) -> dict[str, Any] | None:
     return ref.model_dump(mode="json", exclude={"signature", "key_id"}) if ref is not None else None
 
 
-def _running_package(s: Session, dev: Device, chunk_size: int) -> dict[str, Any] | None:
-    """The uploaded package of the agent version ``dev`` reports running, as a ``current`` entry: what
-    a first agent change goes back to. None when that version was never uploaded (a base install)."""
-    reported = ((dev.reported or {}).get("agent") or {}).get("version") or dev.agent_version
-    pkg = get_package(s, str(reported)) if reported else None
-    if pkg is None:
-        return None
+# Versions a device was seen running, kept per device (oldest first): enough to go back past a few
+# failed attempts, small enough to rewrite with the row.
+RAN_KEPT = 8
+
+
+def _observe(s: Session, dev: Device, state: dict[str, Any]) -> None:
+    """Fold what ``dev`` reports of its agent into ``state`` (its ``agent_desired``, being rewritten).
+
+    The version it runs joins ``ran`` unless it is on trial (``restarting``: not confirmed healthy);
+    a failed update puts its version in ``refused`` and becomes ``last_failure``; a version seen running
+    is no longer refused, nor the last failure. New lists and dicts throughout: ``state`` is compared with the stored row.
+    """
+    got = (dev.reported or {}).get("agent")
+    rep: dict[str, Any] = got if isinstance(got, dict) else {}
+    running = rep.get("version") or dev.agent_version
+    refused: dict[str, Any] = dict(state.get("refused") or {})
+    attempt = failed_attempt(rep)
+    if attempt is not None:
+        cur = state.get("current") or {}
+        if cur.get("version") == attempt.version:
+            sha = cur.get("sha256")
+        else:
+            pkg = get_package(s, attempt.version)
+            sha = pkg.sha256 if pkg is not None else None
+        refused[attempt.version] = sha
+        last = state.get("last_failure") or {}
+        if (last.get("version"), last.get("state"), last.get("error")) != (
+            attempt.version,
+            attempt.state,
+            attempt.error,
+        ):
+            state["last_failure"] = {
+                "version": attempt.version,
+                "state": attempt.state,
+                "error": attempt.error,
+                "at": utcnow().isoformat(),
+            }
+    if isinstance(running, str) and running and rep.get("state") != AGENT_TRIAL_STATE:
+        ran = [v for v in state.get("ran") or [] if v != running]
+        state["ran"] = [*ran, running][-RAN_KEPT:]
+        refused.pop(running, None)
+        if (state.get("last_failure") or {}).get("version") == running:
+            # It runs now (a transfer retried, a new package of the version): the failure is over.
+            state["last_failure"] = None
+    if refused or "refused" in state:
+        state["refused"] = refused
+
+
+def _is_refused(state: dict[str, Any], version: str, sha256: str) -> bool:
+    refused = state.get("refused") or {}
+    # A version refused under another sha256 (deleted, uploaded again) is a new package.
+    return version in refused and refused[version] in (None, sha256)
+
+
+def _fallback(
+    s: Session,
+    state: dict[str, Any],
+    cur: dict[str, Any],
+    stored: dict[str, Any] | None,
+    chunk_size: int,
+) -> dict[str, Any] | None:
+    """Where a roll back from ``cur`` sends the device, as a ``current`` entry: the latest version it
+    was seen running other than ``cur``, never a refused one, whose package is uploaded; else the
+    ``previous`` stored before the device's versions were watched, under the same rules; else None."""
+    for version in reversed(state.get("ran") or []):
+        if version == cur.get("version"):
+            continue
+        pkg = get_package(s, version)
+        if pkg is not None and not _is_refused(state, pkg.version, pkg.sha256):
+            return {
+                **_package_entry(pkg, chunk_size, AGENT_HEALTH_TIMEOUT_S),
+                "source": "running",
+                "deployment": None,
+            }
+    if (
+        stored is not None
+        and stored.get("version") != cur.get("version")
+        and not _is_refused(state, str(stored.get("version")), str(stored.get("sha256")))
+        and get_package(s, str(stored.get("version"))) is not None
+    ):
+        return stored
+    return None
+
+
+def _package_entry(pkg: AgentPackage, chunk_size: int, health_timeout_s: float) -> dict[str, Any]:
     return {
         "version": pkg.version,
         "sha256": pkg.sha256,
         "size": pkg.size,
         "chunk_size": ref_chunk_size(pkg.size, chunk_size),
-        "health_timeout_s": AGENT_HEALTH_TIMEOUT_S,
-        "source": "running",
-        "deployment": None,
+        "health_timeout_s": health_timeout_s,
     }
 
 

@@ -185,7 +185,7 @@ def test_model_that_fails_to_activate_stops_at_the_canary_and_rolls_it_back(site
             what="canary gate fails",
         )
         ro = body["rollout"]
-        assert body["state"] == "rolled_back"
+        assert body["state"] == "failed"
         assert "NaN" in ro["reason"] and site.devices[0] in ro["reason"], ro["reason"]
         assert len(ro["gates"]) == 1 and ro["gates"][0]["passed"] is False
         assert ro["gates"][0]["failed"] == [site.devices[0]]
@@ -262,7 +262,7 @@ def test_model_that_activates_but_runs_far_slower_fails_the_canary_gate_and_roll
             what="canary gate fails",
         )
         ro = body["rollout"]
-        assert body["state"] == "rolled_back"
+        assert body["state"] == "failed"
         assert "wave 1 gate failed" in ro["reason"] and canary in ro["reason"], ro["reason"]
         assert "latency" in ro["reason"] or "FPS" in ro["reason"], ro["reason"]
         (gate,) = ro["gates"]

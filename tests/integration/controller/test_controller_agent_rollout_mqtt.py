@@ -1,7 +1,9 @@
 """Agent rollouts over a real mosquitto, the controller's side: devices (raw MQTT clients
 speaking the protocol) get the signed agent ref in their retained desired state, fetch the package over
 the chunked artifact channel and find its sha256; a canary that reports its update rolled back fails
-the gate, later waves are never admitted, and the canary is sent its previous version again.
+the gate, later waves are never admitted, and the canary is sent its previous version again; rolling
+back the version before then sends every device to what it ran first, never to the one the canary
+rolled back, and the canary's view keeps why that one failed.
 
 The agent's own side (install, supervisor, restart, real roll back) is tests/integration/edge_agent/
 test_agent_self_update.py."""
@@ -181,3 +183,31 @@ def test_agent_rollout_over_mqtt_ships_a_verifiable_package_and_a_failed_canary_
     )
     # What a device still needs cannot be deleted.
     assert client.delete("/api/v1/agent-packages/1.1").status_code == 409
+
+    # 3. Back on 1.1 and no longer asked for 1.2, the canary's agent reports idle without the error; the
+    # view keeps why 1.2 failed, and 1.2 is not where a roll back of 1.1 would send it.
+    _report(fakes[canary], "1.1", AgentUpdateState.IDLE)
+    view = wait_for(
+        lambda: (v := client.get(f"/api/v1/devices/{canary}").json()["agent"])["state"] == "idle" and v,
+        timeout=10,
+        what="the canary reports idle on 1.1",
+    )
+    assert view["fallback"] == "1.0", view
+    assert view["last_failure"]["version"] == "1.2" and view["last_failure"]["state"] == "rolled_back", view
+    assert view["last_failure"]["error"] == "not healthy within 120 s", view
+
+    # 4. The operator rolls 1.1 back: every device, the canary included, is sent the 1.0 it ran first.
+    sent_12 = sum(_names(raw, "1.2") for raw in fakes[canary].got(TopicKind.TWIN_DESIRED))
+    r = client.post("/api/v1/deployments/ring-11/rollback")
+    assert r.status_code == 200, r.text
+    for d in devices:
+        back = wait_for(lambda d=d: _wants(fakes[d], "1.0"), timeout=20, what=f"{d} sent 1.0")  # type: ignore[misc]
+        verify_desired(back, key)
+    assert sum(_names(raw, "1.2") for raw in fakes[canary].got(TopicKind.TWIN_DESIRED)) == sent_12
+    assert _rollout(client, "ring-12")["state"] == "failed"
+    assert client.get("/api/v1/deployments/ring-12").json()["state"] == "failed"
+
+
+def _names(raw: bytes, version: str) -> bool:
+    msg = decode(TopicKind.TWIN_DESIRED, raw)
+    return isinstance(msg, DesiredState) and msg.agent is not None and msg.agent.version == version

@@ -283,7 +283,7 @@ def test_a_canary_that_rolls_back_fails_the_gate_and_its_device_is_sent_the_prev
     ro = deployment(fleet, "agent-11")["rollout"]
     assert "agent 1.1 rolled back: exit code 1: ImportError: boom" in ro["reason"]
     assert [d["device_id"] for d in ro["devices"]] == ["d1"]  # the later wave was never admitted
-    assert deployment(fleet, "agent-11")["state"] == "rolled_back"
+    assert deployment(fleet, "agent-11")["state"] == "failed"
     # Back to what it ran: the 1.0 package, signed, not "leave as is".
     wait_for(lambda: desired_agent(fleet, "d1") == "1.0", timeout=15, what="d1 sent back to 1.0")
     assert fleet.device("d1")["agent"]["desired_source"] == "rollback"

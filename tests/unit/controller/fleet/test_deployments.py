@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from controller.db.tables import Deployment, Device
-from controller.fleet.deployments import Layer, layers
+from controller.fleet.deployments import Layer, agent_layer, layers
 from tests.support.controller_app import (
     MODEL_BYTES,
     Fleet,
@@ -68,6 +68,20 @@ def test_higher_priority_wins_and_direct_assignment_is_the_bottom_layer() -> Non
     out = layers(dev, deps, {})
     assert _versions(out) == {"cam1": "2:dep1", "cam2": "3:dep2", "cam9": "1:direct"}
     assert out["cam2"].threshold == 0.7
+
+
+def test_of_equal_priority_the_newer_deployment_wins_whatever_the_order_they_come_in() -> None:
+    dev = _device({"site": "a"})
+    old, new = _dep(1, "site=a", "2", 5), _dep(2, "site=a", "3", 5)
+    for order in ([old, new], [new, old]):
+        assert _versions(layers(dev, order, {})) == {"cam1": "3:dep2", "cam2": "3:dep2"}
+    old_agent, new_agent = (
+        Deployment(id=i, name=name, model="", version="", kind="agent", agent_version=v, state="active")
+        for i, name, v in ((1, "old", "1.1"), (2, "new", "1.2"))
+    )
+    for order in ([old_agent, new_agent], [new_agent, old_agent]):
+        layer = agent_layer(dev, order, {})
+        assert layer is not None and (layer.version, layer.deployment) == ("1.2", "new")
 
 
 def test_rolling_out_applies_only_to_admitted_devices_and_cancelled_only_where_active() -> None:
@@ -170,7 +184,7 @@ def test_failed_canary_rolls_back_and_others_are_never_touched(fleet: Fleet) -> 
         timeout=15,
         what="gate fails",
     )
-    assert body["state"] == "rolled_back"
+    assert body["state"] == "failed"
     assert "non-finite" in body["rollout"]["reason"]
     gate = body["rollout"]["gates"][0]
     assert gate["passed"] is False and gate["failed"] == ["d1"]

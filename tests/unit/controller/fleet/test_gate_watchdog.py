@@ -162,7 +162,7 @@ def test_a_canary_whose_new_model_hangs_is_rolled_back(fleet: Fleet) -> None:
         timeout=15,
         what="gate fails long before its 600 s soak",
     )
-    assert body["state"] == "rolled_back"
+    assert body["state"] == "failed"
     (g,) = body["rollout"]["gates"]
     assert g["passed"] is False and g["watchdog"] == {"d1": {"restarts": 1, "failures": 1, "reason": why}}
     assert f"d1 failed after 1 restart: {why}" in body["rollout"]["reason"]
