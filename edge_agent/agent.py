@@ -251,6 +251,15 @@ class Agent:
         art = settings.artifacts
         key = load_public_key(settings.artifact_public_key) if settings.artifact_public_key else None
         upd = settings.update
+        fetch_options: dict[str, Any] = {
+            "window": art.window,
+            "window_bytes": art.window_bytes,
+            "request_timeout_s": art.request_timeout_s,
+            "max_retries": art.max_retries,
+            "unused_grace_s": art.unused_grace_s,
+            "partial_grace_s": art.partial_grace_s,
+            "collect_interval_s": art.collect_interval_s,
+        }
         updater = AgentUpdater(
             data_dir=data_dir,
             request=request_chunks,
@@ -262,23 +271,9 @@ class Agent:
             install_timeout_s=upd.install_timeout_s,
             retry_min_s=upd.retry_min_s,
             retry_max_s=upd.retry_max_s,
-            fetcher=PackageFetcher(
-                data_dir,
-                request_chunks,
-                window=art.window,
-                window_bytes=art.window_bytes,
-                request_timeout_s=art.request_timeout_s,
-                max_retries=art.max_retries,
-            ),
+            fetcher=PackageFetcher(data_dir, request_chunks, **fetch_options),
         )
-        fetcher = ArtifactFetcher(
-            data_dir / "models",
-            request_chunks,
-            window=art.window,
-            window_bytes=art.window_bytes,
-            request_timeout_s=art.request_timeout_s,
-            max_retries=art.max_retries,
-        )
+        fetcher = ArtifactFetcher(data_dir / "models", request_chunks, **fetch_options)
         twin = Twin(
             pipeline=pipeline,
             publisher=publisher,
@@ -293,6 +288,7 @@ class Agent:
             agent_update=updater,
         )
         updater.report = twin.report
+        fetcher.keep = twin.needed_models  # the models' store is collected on the twin thread
         # Wired last: a watchdog step changes the twin's reported state, and the twin needs the pipeline.
         pipeline.watchdog.on_note = WatchdogReports(
             publisher=publisher, twin=twin, pipeline=pipeline, hang_timeout_s=inf.hang_timeout_s

@@ -17,6 +17,16 @@ thread, the only thread that loads models, one camera after another:
   the old model keeps serving (a TensorRT engine build can take minutes; its steps are reported through
   :class:`EngineBuilds`), and only then swapped in. A failure keeps the old model and is reported.
 
+A newer desired state that no longer names the model being fetched cancels that fetch (its chunks stay
+on disk, so a later state naming it again resumes it) and is applied at once: going back to a model in
+the store never waits behind a large download. Within a state, the cameras whose model needs no
+download are applied first.
+
+The models' store is collected (:meth:`ArtifactFetcher.collect`, on the twin thread): what the twin
+needs (:meth:`Twin.needed_models`) stays, that is the models of the desired state, of the state being
+applied, of the last state fully in effect (``applied.json``) and of the one before it whose models
+differ (``previous.json``: what a rollback goes back to), and every model running.
+
 The reported state names, per camera, the model and its state, and the desired version last applied.
 """
 
@@ -80,6 +90,28 @@ _REFUSAL_EVENTS_MAX = 20
 # Why a desired state is refused as a whole (Event data["reason"]; PROTOCOL.md "What is signed").
 # The part name in storage events (edge_agent.core.disk_guard) when desired.json cannot be written.
 DESIRED_STATE = "desired_state"
+
+
+class _Superseded(Exception):
+    """A newer desired state took over while this one was applied (its fetch was cancelled)."""
+
+
+def _read_state(path: Path) -> DesiredState | None:
+    """A state file as written, unchecked (for what the store keeps only), or None."""
+    try:
+        return decode_as(DesiredState, path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ProtocolError) as exc:
+        log.warning("ignoring unreadable %s: %s", path, exc)
+        return None
+
+
+def _models_of(desired: DesiredState | None) -> set[str]:
+    """The sha256 of every model ``desired`` names."""
+    if desired is None:
+        return set()
+    return {cd.model.manifest.sha256 for cd in desired.cameras.values() if cd.model is not None}
 
 
 @dataclass
@@ -172,6 +204,9 @@ class Twin:
         # The last state fully in effect (every camera ran what it asked): what a restart serves from
         # the store while a newer desired state is still being fetched or loaded.
         self._applied_path = data_dir / "applied.json"
+        # The last state fully in effect before the applied one whose models differ: the models a
+        # rollback goes back to, kept in the store.
+        self._previous_path = data_dir / "previous.json"
         self._warm: DesiredState | None = None
         self.device_id = device_id
         self.artifact_key = artifact_key
@@ -192,6 +227,17 @@ class Twin:
         self._reported: dict[str, CameraReported] = {c: CameraReported() for c in pipeline.cameras}
         self._slot: LatestSlot[DesiredState] = LatestSlot()
         self._wake = threading.Event()
+        # What the store must keep (needed_models), read by the twin thread's collection: the state
+        # being applied, and the last two in effect (from disk, unchecked: they only keep files).
+        self._applying: DesiredState | None = None
+        self._applied: DesiredState | None = _read_state(self._applied_path)
+        self._previous: DesiredState | None = _read_state(self._previous_path)
+        # The fetch in progress on the twin thread: (sha256, its cancel event), under _lock.
+        self._fetching: tuple[str, threading.Event] | None = None
+        # report(): a thread publishing the reported state, and whether one more was asked for.
+        self._report_lock = threading.Lock()
+        self._reporting = False
+        self._report_due = False
 
     # ------------------------------------------------------------------ desired state in
 
@@ -212,11 +258,15 @@ class Twin:
         except ValueError as exc:  # only reachable without a key: a signed state has a canonical form
             self._refuse(desired, REFUSED_SIGNATURE, str(exc))
             return False
+        cancelled = False
         with self._lock:
             problem = self._order_problem(desired, content)
             if problem is None:
                 self._taken, self._taken_bytes = desired, content
                 self._received_version = desired.version
+                cancelled = self._cancel_unwanted_fetch(desired)
+        if problem is None and cancelled:
+            self.fetcher.wake()
         if problem is not None:
             if problem[0]:
                 self._refuse(desired, *problem)
@@ -232,6 +282,36 @@ class Twin:
             # is checked again by the updater before a byte of it is fetched.
             self._agent_update.want(desired.agent)
         return True
+
+    def _cancel_unwanted_fetch(self, desired: DesiredState) -> bool:
+        """Cancel the fetch in progress if ``desired`` (just taken) no longer names its model, so the
+        twin thread applies ``desired`` now instead of after the download. Caller holds ``_lock``."""
+        if self._fetching is None:
+            return False
+        sha, cancel = self._fetching
+        if sha in _models_of(desired) or cancel.is_set():
+            return False
+        log.info(
+            "desired v%s no longer names %s: its download stops (kept for a resume)",
+            desired.version,
+            sha[:12],
+        )
+        cancel.set()
+        return True
+
+    def needed_models(self) -> set[str]:
+        """The sha256s the models' store must keep: desired, being applied, running, the last state in
+        effect and the one before it (a rollback's)."""
+        with self._lock:
+            states = (self._taken, self._applying, self._warm, self._applied, self._previous)
+        needed: set[str] = set()
+        for state in states:
+            needed |= _models_of(state)
+        for cam in self.pipeline.cameras:
+            model = self.pipeline.model_of(cam)
+            if model is not None:
+                needed.add(model.sha256)
+        return needed
 
     def _trust_problem(self, desired: DesiredState) -> tuple[str, str] | None:
         """Why ``desired`` is not the controller's word for this device, as (reason, message), or None.
@@ -343,7 +423,7 @@ class Twin:
     # ------------------------------------------------------------------ the twin thread
 
     def run(self) -> None:
-        warm, self._warm = self._warm, None
+        warm = self._warm
         if warm is not None:
             log.info("serving v%s from the store until the newer desired state is ready", warm.version)
             try:
@@ -352,11 +432,14 @@ class Twin:
                 return
             except Exception:
                 log.exception("serving the last applied state v%s failed", warm.version)
+            with self._lock:
+                self._warm = None
         while not self._stop.is_set():
             self._wake.wait(0.5)
             self._wake.clear()
             desired = self._slot.take()
             if desired is None:
+                self._collect()
                 continue
             try:
                 self._apply(desired)
@@ -368,14 +451,30 @@ class Twin:
             except Exception:
                 log.exception("applying desired version %s failed", desired.version)
 
+    def _collect(self) -> None:
+        # Between states, on this thread: never while one of its own fetches or loads is under way.
+        try:
+            self.fetcher.collect_if_due()
+        except Exception:
+            log.exception("collecting the model store failed")
+
     def _apply(self, desired: DesiredState, *, local_only: bool = False) -> None:
         """``local_only``: only models already in the store (verified), never a fetch; a camera whose
         model is not there is left as it is."""
         log.info("applying desired state version %s", desired.version)
-        for cam_id in self.pipeline.cameras:
-            if self._stop.is_set():
-                return
-            self._apply_camera(cam_id, desired.cameras.get(cam_id), local_only=local_only)
+        with self._lock:
+            self._applying = desired
+        try:
+            for cam_id in sorted(self.pipeline.cameras, key=lambda c: self._needs_download(desired, c)):
+                if self._stop.is_set():
+                    return
+                self._apply_camera(cam_id, desired.cameras.get(cam_id), local_only=local_only)
+        except _Superseded:
+            log.info("desired v%s superseded while it was applied; the newer one follows", desired.version)
+            return
+        finally:
+            with self._lock:
+                self._applying = None
         with self._lock:
             for cam_id in desired.cameras:
                 if cam_id not in self.pipeline.cameras:
@@ -387,6 +486,15 @@ class Twin:
         # After the report: the controller hears of the version without waiting for this disk write.
         if not local_only and self._in_effect(desired):
             self._save_applied(desired)
+
+    def _needs_download(self, desired: DesiredState, cam: str) -> bool:
+        """Whether ``cam``'s model in ``desired`` is neither running nor in the store (sort key: the
+        cameras that need no download are applied first)."""
+        cd = desired.cameras.get(cam)
+        if cd is None or cd.model is None:
+            return False
+        sha = cd.model.manifest.sha256
+        return self.pipeline.loaded(sha) is None and not self.fetcher.has(sha)
 
     def _in_effect(self, desired: DesiredState) -> bool:
         """Whether every camera runs exactly the model ``desired`` asks of it (none where none)."""
@@ -402,7 +510,15 @@ class Twin:
         # Best effort: without it a restart mid-swap only runs nothing until the new model is ready.
         try:
             with self._save_lock:
+                with self._lock:
+                    before = self._applied
+                if before is not None and _models_of(before) != _models_of(desired):
+                    self._write_state(self._previous_path, before)
+                    with self._lock:
+                        self._previous = before
                 self._write_state(self._applied_path, desired)
+                with self._lock:
+                    self._applied = desired
         except OSError as exc:
             log.warning("could not save %s: %s", self._applied_path.name, exc)
 
@@ -447,7 +563,9 @@ class Twin:
             self.pipeline.activate(cam, model, params)
             swap_ms = (time.perf_counter() - swap_start) * 1000.0
         except FetchCancelled:
-            return
+            if self._stop.is_set():
+                return
+            raise _Superseded from None
         except (FetchError, ModelLoadError, OSError) as exc:
             if self._stop.is_set():
                 return  # a build abandoned because the agent stops is not a model failure
@@ -555,7 +673,16 @@ class Twin:
                 },
             )
 
-        path = self.fetcher.fetch(ref, self._stop, progress)
+        cancel = threading.Event()
+        with self._lock:
+            if sha not in _models_of(self._taken):
+                raise _Superseded  # a newer state came before this fetch could start
+            self._fetching = (sha, cancel)
+        try:
+            path = self.fetcher.fetch(ref, self._stop, progress, cancel=cancel)
+        finally:
+            with self._lock:
+                self._fetching = None
         self.set_reported(cam, CameraReported(model=key, sha256=sha, state="verifying"))
         self.publisher.emit_event(
             EventKind.MODEL_VERIFY, camera=cam, message=f"{key}: sha256 verified", data={"sha256": sha}
@@ -647,7 +774,33 @@ class Twin:
             )
 
     def report(self) -> None:
-        self._publish(TopicKind.TWIN_REPORTED, encode(self.reported_state()))
+        """Publish the reported state as it is now.
+
+        Called from several threads (this one, the link's at each connect, the updater's). One thread
+        publishes at a time and, before it stops, again while a report was asked for meanwhile: each
+        state is built right before its publish, so the last one published (and retained by the
+        broker) is the newest, never an older one built first and published last. A caller that finds
+        a publish under way returns at once: its state goes out with the next one.
+        """
+        with self._report_lock:
+            self._report_due = True
+            if self._reporting:
+                return
+            self._reporting = True
+        try:
+            while True:
+                with self._report_lock:
+                    if not self._report_due:
+                        # In the same hold as the check: a report asked for after it finds none
+                        # under way and publishes itself.
+                        self._reporting = False
+                        return
+                    self._report_due = False
+                self._publish(TopicKind.TWIN_REPORTED, encode(self.reported_state()))
+        except BaseException:
+            with self._report_lock:
+                self._reporting = False
+            raise
 
     def report_failed(
         self, camera: str, model: LoadedModel | None, reason: str, *, publish: bool = True

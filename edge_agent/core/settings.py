@@ -25,6 +25,7 @@ from pydantic import (
 
 from fleet_protocol.endpoint import MqttEndpoint, check_tls_files
 from fleet_protocol.ids import CameraId
+from fleet_protocol.messages import MAX_CAMERAS
 from fleet_protocol.signing import SignatureError, load_public_key
 from fleet_protocol.topics import DEFAULT_PREFIX, valid_device_id
 
@@ -180,6 +181,16 @@ class ArtifactConfig(_Strict):
     chunks' time at the measured rate, when that is longer): while chunks keep arriving the others are
     queued on the link, not lost."""
     max_retries: int = Field(default=6, ge=0)
+    unused_grace_s: float = Field(default=86_400.0, ge=0.0)
+    """A verified model (or agent package) that is neither desired, nor running, nor the one the last
+    swap replaced (what a rollback goes back to) is deleted from the agent's store once it has been
+    unneeded this long; at once when a download needs the disk room."""
+    partial_grace_s: float = Field(default=86_400.0, ge=0.0)
+    """A partial download (``.part`` and ``.bitmap``) that nothing fetches any more and no desired state
+    names is deleted once it was last written this long ago; at once when a download needs the room.
+    Until then asking for it again resumes it."""
+    collect_interval_s: float = Field(default=600.0, gt=0.0)
+    """How often the stores of models and agent packages are looked over for what may be deleted."""
 
 
 class UpdateConfig(_Strict):
@@ -218,7 +229,8 @@ class AgentSettings(_Strict):
     topic_prefix: str = DEFAULT_PREFIX
     data_dir: Path
     heartbeat_interval_s: float = Field(default=5.0, gt=0.0)
-    cameras: list[CameraConfig] = Field(default_factory=list)
+    # As many as a heartbeat and a reported state may carry: one more would make both undecodable.
+    cameras: list[CameraConfig] = Field(default_factory=list, max_length=MAX_CAMERAS)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     outbox: OutboxConfig = Field(default_factory=OutboxConfig)
     artifacts: ArtifactConfig = Field(default_factory=ArtifactConfig)

@@ -120,6 +120,9 @@ class AgentUpdater:
         self._connected = False
         self._awaiting_promotion = False
         self._healthy_written = False
+        # Downloads no desired state names any more (a superseded version's partial or package) are
+        # collected on this thread, between steps.
+        self.fetcher.keep = self._downloads_needed
 
     @classmethod
     def running_slot_from_env(cls) -> str | None:
@@ -210,7 +213,17 @@ class AgentUpdater:
             except Exception:
                 log.exception("agent update step failed")
 
+    def _downloads_needed(self) -> set[str]:
+        # A fetch under way is kept by the fetcher itself, even for a version no longer wanted.
+        with self._lock:
+            wanted = self._wanted
+        return {wanted.sha256} if wanted is not None else set()
+
     def _step(self) -> None:
+        try:
+            self.fetcher.collect_if_due()
+        except Exception:
+            log.exception("collecting the agent's downloads failed")
         with self._lock:
             connected, wanted = self._connected, self._wanted
         if connected and not self._healthy_written:

@@ -4,6 +4,12 @@ Store layout under ``data_dir/models``: ``<sha256>.onnx`` once verified; while f
 ``<sha256>.part`` (pre-sized, chunks written in place) and ``<sha256>.bitmap`` (which chunks are on
 disk, made durable by fsync), so a restarted agent asks only for what it still lacks.
 
+The store is collected (:meth:`ArtifactFetcher.collect`): a verified file that its owner (``keep``)
+no longer needs goes once it has been unneeded for ``unused_grace_s``, a partial download that
+nothing fetches any more and its owner does not need once it was last written ``partial_grace_s``
+ago; both go at once when a download lacks the disk room. A fetch may be cancelled by its caller
+(``cancel``): what arrived stays on disk, so asking for it again resumes.
+
 Who does what: paho's network thread only parses a chunk frame and hands the bytes over (no hashing,
 no disk). The fetch thread asks for more first, then checks each chunk's sha256, writes it and feeds
 the whole-file sha256 in file order (so the final check does not read the file back). A sync thread
@@ -32,7 +38,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -86,6 +92,25 @@ class TransferError(FetchError):
 
 class _WholeFileMismatch(FetchError):
     pass
+
+
+# Collection: kinds of file in a store, by name suffix (the verified file's own suffix aside).
+_PARTIAL_SUFFIXES = (".part", ".bitmap")
+_SHA256_HEX = frozenset("0123456789abcdef")
+# Grace periods and interval of the collection (edge_agent.core.settings.ArtifactConfig).
+UNUSED_GRACE_S = 86_400.0
+PARTIAL_GRACE_S = 86_400.0
+COLLECT_INTERVAL_S = 600.0
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What one collection deleted: sha256s of verified files and of partial downloads, and the sum of
+    their sizes (a partial file is pre-sized, so it may have held less on disk)."""
+
+    files: tuple[str, ...] = ()
+    partials: tuple[str, ...] = ()
+    freed_bytes: int = 0
 
 
 class _Pace:
@@ -221,7 +246,13 @@ class ArtifactFetcher:
         sync_bytes: int | None = None,
         sync_interval_s: float = SYNC_INTERVAL_S,
         whole_file_attempts: int = 3,
+        unused_grace_s: float = UNUSED_GRACE_S,
+        partial_grace_s: float = PARTIAL_GRACE_S,
+        collect_interval_s: float = COLLECT_INTERVAL_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``unused_grace_s``, ``partial_grace_s``, ``collect_interval_s``: see :meth:`collect`;
+        ``clock``: the wall clock file times are compared with."""
         self.store = store_dir
         self.whole_file_attempts = max(1, whole_file_attempts)
         self.store.mkdir(parents=True, exist_ok=True)
@@ -239,6 +270,17 @@ class ArtifactFetcher:
         self.bad_chunks = 0
         self.whole_file_mismatches = 0
         self.syncs = 0  # fsyncs of part files, for tests and benches
+        # The sha256s whose files the owner needs (set by it: the twin, the updater); None: the store
+        # is never collected.
+        self.keep: Callable[[], Collection[str]] | None = None
+        self.unused_grace_s = unused_grace_s
+        self.partial_grace_s = partial_grace_s
+        self.collect_interval_s = collect_interval_s
+        self._clock = clock
+        # Not at start: the owner learns what it needs (the desired state it kept, the one the
+        # controller holds for it) only once it runs.
+        self._next_collect = time.monotonic() + collect_interval_s
+        self._collect_lock = threading.Lock()
 
     def path_for(self, sha256: str) -> Path:
         return self.store / f"{sha256}.onnx"
@@ -248,8 +290,16 @@ class ArtifactFetcher:
 
     # ------------------------------------------------------------------ fetch (caller's thread)
 
-    def fetch(self, ref: ArtifactRef, stop: threading.Event, progress: ProgressFn | None = None) -> Path:
-        """Fetch, verify and store ``ref``; returns the verified file. Raises FetchError with a reason."""
+    def fetch(
+        self,
+        ref: ArtifactRef,
+        stop: threading.Event,
+        progress: ProgressFn | None = None,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> Path:
+        """Fetch, verify and store ``ref``; returns the verified file. Raises FetchError with a reason,
+        FetchCancelled once ``stop`` or ``cancel`` is set (what arrived stays on disk for a resume)."""
         final = self.path_for(ref.manifest.sha256)
         if final.exists():
             return final
@@ -261,7 +311,7 @@ class ArtifactFetcher:
         attempt = 1
         while True:
             try:
-                return self._fetch_once(ref, stop, progress)
+                return self._fetch_once(ref, stop, progress, cancel)
             except _WholeFileMismatch as exc:
                 with self._cond:
                     self.whole_file_mismatches += 1
@@ -274,11 +324,27 @@ class ArtifactFetcher:
                 log.warning("%s; fetching it again from scratch (attempt %d)", exc, attempt + 1)
                 attempt += 1
 
-    def _fetch_once(self, ref: ArtifactRef, stop: threading.Event, progress: ProgressFn | None) -> Path:
+    def _fetch_once(
+        self,
+        ref: ArtifactRef,
+        stop: threading.Event,
+        progress: ProgressFn | None,
+        cancel: threading.Event | None,
+    ) -> Path:
         sha = ref.manifest.sha256
         tr = self._open_transfer(ref)
         need = ref.manifest.size - tr.bytes_have()
         free = self._disk_free(self.store)
+        if need + DISK_MARGIN_BYTES > free and self.keep is not None:
+            # What nothing needs goes now rather than after its grace: a wanted model comes first.
+            try:
+                gone = self.collect(force=True, also=(sha,))
+            except Exception:
+                log.exception("making room for %s failed", sha[:12])
+                gone = Collected()
+            if gone.files or gone.partials:
+                log.info("deleted unneeded artifacts to make room for %s", sha[:12])
+                free = self._disk_free(self.store)
         if need + DISK_MARGIN_BYTES > free:
             raise FetchError(
                 f"not enough disk for {ref.manifest.name}: need {(need + DISK_MARGIN_BYTES) / 2**20:.1f} MB, "
@@ -287,7 +353,7 @@ class ArtifactFetcher:
         with self._cond:
             self._transfers[sha] = tr
         try:
-            self._loop(tr, stop, progress)
+            self._loop(tr, stop, progress, cancel)
         finally:
             with self._cond:
                 self._transfers.pop(sha, None)
@@ -413,13 +479,19 @@ class ArtifactFetcher:
         if record:
             self._save_bitmap(tr)
 
-    def _loop(self, tr: _Transfer, stop: threading.Event, progress: ProgressFn | None) -> None:
+    def _loop(
+        self,
+        tr: _Transfer,
+        stop: threading.Event,
+        progress: ProgressFn | None,
+        cancel: threading.Event | None,
+    ) -> None:
         fd = os.open(tr.part, os.O_RDWR)
         syncer = _Syncer(lambda: self._sync(tr, fd), name=f"artifact-sync-{tr.ref.manifest.sha256[:8]}")
         try:
             syncer.start()
             try:
-                self._fetch_chunks(tr, fd, stop, progress, syncer)
+                self._fetch_chunks(tr, fd, stop, progress, syncer, cancel)
             finally:
                 # A stop keeps what arrived: the restart asks only for the rest.
                 with self._cond:
@@ -439,6 +511,7 @@ class ArtifactFetcher:
         stop: threading.Event,
         progress: ProgressFn | None,
         syncer: _Syncer,
+        cancel: threading.Event | None,
     ) -> None:
         size = tr.ref.manifest.size
         sync_bytes = self._sync_threshold(tr)
@@ -449,6 +522,8 @@ class ArtifactFetcher:
         while True:
             if stop.is_set():
                 raise FetchCancelled("stopped")
+            if cancel is not None and cancel.is_set():
+                raise FetchCancelled("no longer wanted")
             if syncer.error is not None:
                 raise syncer.error
             with self._cond:
@@ -527,6 +602,83 @@ class ArtifactFetcher:
         log.info("artifact %s verified and stored", sha[:12])
         return final
 
+    def wake(self) -> None:
+        """Have every fetch look at its stop and cancel events now rather than at its next poll."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ collection (owner's thread)
+
+    def collect_if_due(self) -> Collected | None:
+        """:meth:`collect`, at most once per ``collect_interval_s``; None when not due or not enabled."""
+        now = time.monotonic()
+        if self.keep is None or now < self._next_collect:
+            return None
+        self._next_collect = now + self.collect_interval_s
+        return self.collect()
+
+    def collect(self, *, force: bool = False, also: Collection[str] = ()) -> Collected:
+        """Delete from the store what no one needs: a verified file whose sha256 ``keep`` does not name,
+        unneeded for ``unused_grace_s``; a partial download that no transfer is writing and ``keep``
+        does not name, last written ``partial_grace_s`` ago. ``force``: both at once, whatever their
+        age (a download needs the room). ``also``: sha256s kept beside ``keep`` (the fetch making room).
+
+        A needed file has its time set to now at each collection, so the grace of one the owner stops
+        needing counts from then, also across restarts. Names the store does not know are left alone.
+        A file that cannot be deleted is logged and tried again at the next collection.
+        """
+        with self._collect_lock:
+            keep = set(self.keep() if self.keep is not None else ()) | set(also)
+            with self._cond:
+                keep |= set(self._transfers)
+            now = self._clock()
+            done = self.path_for("0" * 64).name[64:]  # the verified file's suffix
+            files: dict[str, Path] = {}
+            partials: dict[str, list[Path]] = {}
+            try:
+                entries = list(self.store.iterdir())
+            except OSError as exc:
+                log.warning("cannot list the artifact store %s: %s", self.store, exc)
+                return Collected()
+            for path in entries:
+                sha, suffix = path.name[:64], path.name[64:]
+                if len(sha) != 64 or not set(sha) <= _SHA256_HEX:
+                    continue
+                if suffix == done:
+                    files[sha] = path
+                elif suffix in _PARTIAL_SUFFIXES:
+                    partials.setdefault(sha, []).append(path)
+            gone_files: list[str] = []
+            gone_partials: list[str] = []
+            freed = 0
+            for sha, path in sorted(files.items()):
+                if sha in keep:
+                    _touch(path, now)
+                    continue
+                if force or now - _mtime(path, now) >= self.unused_grace_s:
+                    size = _remove(path)
+                    if size is not None:
+                        freed += size
+                        gone_files.append(sha)
+            for sha, paths in sorted(partials.items()):
+                if sha in keep:
+                    continue
+                last_written = max(_mtime(p, now) for p in paths)
+                if force or now - last_written >= self.partial_grace_s:
+                    sizes = [_remove(p) for p in paths]
+                    if all(n is not None for n in sizes):
+                        gone_partials.append(sha)
+                    freed += sum(n for n in sizes if n is not None)
+        if gone_files or gone_partials:
+            log.info(
+                "collected %s: %d unneeded files, %d abandoned partial downloads, %.1f MB",
+                self.store,
+                len(gone_files),
+                len(gone_partials),
+                freed / 2**20,
+            )
+        return Collected(tuple(gone_files), tuple(gone_partials), freed)
+
     # ------------------------------------------------------------------ chunks (link thread)
 
     def on_chunk(self, payload: bytes) -> None:
@@ -578,6 +730,33 @@ class ArtifactFetcher:
             tr.outstanding.pop(header.index, None)
             tr.pace.arrived(header.index, len(data), time.monotonic())
             self._cond.notify_all()
+
+
+def _mtime(path: Path, default: float) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return default  # gone or unreadable: not old enough to be taken for abandoned
+
+
+def _touch(path: Path, now: float) -> None:
+    try:
+        os.utime(path, (now, now))
+    except OSError as exc:
+        log.debug("cannot mark %s as needed: %s", path.name, exc)
+
+
+def _remove(path: Path) -> int | None:
+    """Delete ``path``; its size, 0 when it was already gone, None when it could not be deleted."""
+    try:
+        size = path.stat().st_size
+        path.unlink()
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        log.warning("cannot delete %s from the artifact store: %s", path, exc)
+        return None
+    return size
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
