@@ -33,8 +33,18 @@ With ``--link RATE:RTT`` (e.g. ``100mbit:40ms``, ``20mbit:100ms``; tc's units) i
       1-minute load average before and after each run are printed (and in ``--json``). (a)-(d) are
       not run in this mode.
 
+With ``--cap BYTES_PER_S`` it measures instead
+  (f) a push to ONE agent whose device has a byte-rate cap on the controller (``EDGEFLEET_ARTIFACT_DEVICE_
+      BYTES_PER_S``, with ``--cap-burst`` bytes at once, default 1 MiB), on localhost: a fresh device
+      (a full bucket) per run. A token bucket lets ``size - burst`` bytes through in ``(size - burst) /
+      cap`` seconds at best, so the ratio printed is that over the time from the agent's first chunk
+      request to the verified file (1.00: the transfer ran at the cap). Also per run: the chunks the
+      controller sent (a spy on the broker; the file's chunk count when none went twice), and the
+      controller's chunk outcomes (``delayed_bytes_cap``, ``dropped_bytes_cap``, ``already_in_line``,
+      from ``/metrics``). (a)-(d) are not run in this mode.
+
 Usage (from the repository root): ``python -m bench.transfer [--chunk-size BYTES] [--agents N] [--window N] [--model NAME] [--runs 3]
-[--link RATE:RTT] [--smoke] [--json]`` (without ``--chunk-size`` / ``--window`` the controller's chunk size
+[--link RATE:RTT] [--cap BYTES_PER_S [--cap-burst BYTES]] [--smoke] [--json]`` (without ``--chunk-size`` / ``--window`` the controller's chunk size
 and the agent's window are used; ``--smoke``: a quick check that it runs, 1 run and 2 agents).
 """
 
@@ -57,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
@@ -74,7 +85,7 @@ from fleet_protocol.messages import (
 from fleet_protocol.signing import SignatureError, load_public_key, verify
 from tests.support.linkproxy import LinkProxy, LinkSpec
 from tests.support.mqtt_broker import MosquittoBroker
-from tests.support.processes import ControllerProcess, artifact_public_key
+from tests.support.processes import ControllerProcess, artifact_public_key, bearer
 from tests.support.transfer_helpers import TransferSpy, bitmap_have
 from tests.support.waiting import wait_for
 
@@ -525,6 +536,103 @@ def print_link(r: dict[str, Any]) -> None:
     )
 
 
+# --------------------------------------------------------------------------- (f) a capped device
+
+
+CAP_OUTCOMES = ("delayed_bytes_cap", "dropped_bytes_cap", "already_in_line")
+
+
+def chunk_outcomes(controller: ControllerProcess) -> dict[str, float]:
+    """The controller's ``artifacts/chunk`` counters, from its Prometheus text."""
+    text = httpx.get(f"{controller.url}/metrics", headers=bearer(controller.token), timeout=10).text
+    out: dict[str, float] = {}
+    prefix = 'edgefleet_mqtt_messages_total{kind="artifacts/chunk",outcome="'
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            outcome, _, value = line[len(prefix) :].partition('"} ')
+            out[outcome] = float(value)
+    return out
+
+
+def run_cap(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """(f): ``args.runs`` pushes to one fresh capped device each, on localhost."""
+    config = ArtifactConfig(window=args.window) if args.window else ArtifactConfig()
+    broker = MosquittoBroker(workdir / "mosquitto", extra_conf="set_tcp_nodelay true\n")
+    broker.start()
+    env = {
+        "EDGEFLEET_ARTIFACT_DEVICE_BYTES_PER_S": str(args.cap),
+        "EDGEFLEET_ARTIFACT_DEVICE_BURST_BYTES": str(args.cap_burst),
+        **({"EDGEFLEET_CHUNK_SIZE": str(args.chunk_size)} if args.chunk_size else {}),
+    }
+    controller = ControllerProcess(workdir, broker.url, EDGEFLEET_HEARTBEAT_TIMEOUT_S="120", **env)
+    runs: list[dict[str, Any]] = []
+    load = [os.getloadavg()[0]]
+    try:
+        controller.start()
+        key = artifact_public_key(controller.url, controller.token)
+        with controller.client() as api:
+            for i in range(args.runs):
+                device = f"bench-cap-{i}"
+                spy = TransferSpy(broker.host, broker.port, device)
+                before = chunk_outcomes(controller)
+                try:
+                    p = push(broker, api, args.model, workdir, [device], config, key, timeout=1800)
+                finally:
+                    spy.close()
+                after = chunk_outcomes(controller)
+                best_s = max(0, p.size - args.cap_burst) / args.cap
+                runs.append(
+                    {
+                        "transfer_s": p.transfer_seconds,
+                        "push_s": p.seconds,
+                        "best_s": best_s,
+                        "ratio": best_s / p.transfer_seconds,
+                        "chunks_sent": len(spy.served),
+                        "chunks": math.ceil(p.size / p.chunk_size),
+                        **{k: after.get(k, 0.0) - before.get(k, 0.0) for k in CAP_OUTCOMES},
+                    }
+                )
+                load.append(os.getloadavg()[0])
+    finally:
+        controller.stop()
+        broker.stop()
+    ratios = [r["ratio"] for r in runs]
+    return {
+        "cap_bytes_per_s": args.cap,
+        "cap_burst_bytes": args.cap_burst,
+        "model": args.model,
+        "size_bytes": p.size,
+        "chunk_size": p.chunk_size,
+        "window": config.window,
+        "window_bytes": config.window_bytes,
+        "runs": runs,
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "loadavg_1m": load,
+    }
+
+
+def print_cap(r: dict[str, Any]) -> None:
+    print(
+        f"{r['model']}: {r['size_bytes'] / MB:.1f} MB in chunks of {r['chunk_size'] // 1024} KiB to a device "
+        f"capped at {r['cap_bytes_per_s'] / 1024:g} KiB/s ({r['cap_burst_bytes'] / 2**20:g} MiB at once), agent "
+        f"window {r['window']} / {r['window_bytes'] // 2**20} MiB, mosquitto on localhost, {os.cpu_count()} CPUs"
+    )
+    for i, run in enumerate(r["runs"]):
+        print(
+            f"  run {i + 1}: first request -> verified {run['transfer_s']:.2f} s (best at the cap "
+            f"{run['best_s']:.2f} s), ratio {run['ratio']:.3f}; chunks sent {run['chunks_sent']} of "
+            f"{run['chunks']}; delayed {run['delayed_bytes_cap']:g}, dropped {run['dropped_bytes_cap']:g}, "
+            f"asked again while in line {run['already_in_line']:g}"
+        )
+    load = ", ".join(f"{x:.2f}" for x in r["loadavg_1m"])
+    print(
+        f"(f) achieved rate / cap                                 {r['ratio']:8.3f}       (median; range "
+        f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f} over {len(r['runs'])} runs; load average {load})"
+    )
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -599,6 +707,20 @@ def main() -> None:
         metavar="RATE:RTT",
         help="push over an emulated site link instead (e.g. 100mbit:40ms; RTT = round trip)",
     )
+    ap.add_argument(
+        "--cap",
+        type=float,
+        default=0.0,
+        metavar="BYTES_PER_S",
+        help="push to one device capped at this byte rate on the controller instead",
+    )
+    ap.add_argument(
+        "--cap-burst",
+        type=int,
+        default=2**20,
+        metavar="BYTES",
+        help="the capped device's burst (default 1 MiB)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     ap.add_argument("--raw-publisher", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -615,12 +737,20 @@ def main() -> None:
             LinkSpec.parse(args.link)
         except ValueError as exc:
             ap.error(str(exc))
+    if args.cap < 0 or (args.cap and args.link):
+        ap.error("--cap takes a positive byte rate, and not with --link")
     # The links' "disconnected" warnings at each simulated agent's close are expected here.
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="edgefleet-bench-transfer-") as tmp:
-        r = run_link(args, Path(tmp)) if args.link else run(args, Path(tmp))
+        if args.cap:
+            r = run_cap(args, Path(tmp))
+        else:
+            r = run_link(args, Path(tmp)) if args.link else run(args, Path(tmp))
     if args.json:
         print(json.dumps(r))
+        return
+    if args.cap:
+        print_cap(r)
         return
     if args.link:
         print_link(r)

@@ -8,6 +8,10 @@
 #
 # Base: CUDA 12.8 runtime + cuDNN 9 (what onnxruntime-gpu 1.26's CUDA provider links) on Ubuntu 24.04,
 # whose Python 3.12 meets requires-python >= 3.11 (the NGC 24.xx TensorRT images have Python 3.10).
+# That Python is Ubuntu's 3.12.3 with Ubuntu's own security patches, upstream older than 3.12.11, where
+# tarfile's extraction-filter bypasses (CVE-2025-4517 and related) were fixed: treat it as affected. The
+# agent unpacks an agent package itself and refuses links, devices and escaping names
+# (edge_agent/update/install.py), so it does not depend on tarfile's filters.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv libgl1 libglib2.0-0 \

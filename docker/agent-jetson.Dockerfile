@@ -10,6 +10,12 @@
 #   docker build -f docker/agent-jetson.Dockerfile -t edgefleet-agent:jetson .
 #   docker run --runtime nvidia -v /data:/data -v $PWD/agent.yaml:/config/agent.yaml edgefleet-agent:jetson
 # The L4T release of the image must match the device's (r36.x). Never built in this project's CI.
+#
+# Its python3.11 is Ubuntu 22.04's (universe, upstream 3.11.0 with Ubuntu's patches), older than 3.11.13,
+# where tarfile's extraction-filter bypasses (CVE-2025-4517 and related) were fixed, and than 3.11.4,
+# where the filters themselves arrived: treat it as affected. The agent unpacks an agent package itself
+# and refuses links, devices and escaping names (edge_agent/update/install.py), so it does not depend
+# on tarfile's filters.
 ARG L4T_JETPACK=nvcr.io/nvidia/l4t-jetpack:r36.4.0
 FROM ${L4T_JETPACK}
 ARG TENSORRT_TAR=https://developer.nvidia.com/downloads/compute/machine-learning/tensorrt/10.4.0/tars/TensorRT-10.4.0.26.l4t.aarch64-gnu.cuda-12.6.tar.gz

@@ -1,5 +1,7 @@
 # edgefleet edge agent, CPU build (onnxruntime CPU execution provider).
-FROM python:3.11-slim
+# A pinned patch release: tarfile's extraction filters had bypasses (CVE-2025-4517 and others) fixed in
+# 3.11.13 and later 3.11 releases. The agent does not rely on them (it refuses links in a package itself).
+FROM python:3.11.18-slim
 RUN apt-get update && apt-get install -y --no-install-recommends libgl1 libglib2.0-0 && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./

@@ -1,5 +1,7 @@
 # edgefleet controller: REST API, MQTT bridge, ingest. Not built in CI (no Docker engine there).
-FROM python:3.11-slim
+# A pinned patch release: tarfile's extraction filters had bypasses (CVE-2025-4517 and others) fixed in
+# 3.11.13 and later 3.11 releases.
+FROM python:3.11.18-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY fleet_protocol fleet_protocol

@@ -7,11 +7,16 @@ A device gets only the artifacts of its own desired state: the current one, or t
 device still fetching for it when the next one is published), at the chunk size of the signed ref.
 Anything else is refused, counted and logged once per device and artifact. Per device, a
 token bucket caps requests per second (checked on paho's thread, before the request takes a place in
-the shared queue) and another the bytes sent (in flight: at most a burst, refilled at a rate). Chunks
-over the byte cap are sent later, when the bucket will hold them, if that is within
-``DeviceCaps.max_delay_s`` (a cap then paces a transfer at its rate instead of cutting it to a burst
-per agent timeout); beyond that, as requests over the request cap, they are dropped and the agent asks
-again after its request timeout.
+the shared queue) and another the bytes sent (in flight: at most a burst, refilled at a rate).
+
+Chunks over the byte cap wait in line, per device, and are sent when the bucket holds them: a capped
+transfer then runs at its cap, whatever the chunk size. A device's line is bounded by
+``DeviceCaps.max_wait_bytes`` (twice the agent's default window), by ``DeviceCaps.max_delay_s`` of
+waiting at its cap, and by ``device_waiting_max`` requests (a tenth of the shared heap by default, so one
+device never fills it for the others). Past a bound the chunk and the rest of its request are dropped
+and counted, and the agent asks again after its request timeout; a chunk asked for again while it
+waits in line is not queued twice. Waiting costs no worker and no thread: the rest of a request goes
+into a heap by the time its first chunk is due, and workers serve other devices meanwhile.
 
 The chunk hashes that go into a signed manifest (``ModelManifest.chunk_hashes``) are
 computed here too (:class:`ChunkHashes`), once per artifact and chunk size.
@@ -45,6 +50,7 @@ from controller.link.bridge import (
     MqttBridge,
     RateLimitedLog,
 )
+from controller.link.budget import TokenBucket
 from controller.registry.agent_packages import package_by_sha
 from fleet_protocol import TopicKind, encode_chunk
 from fleet_protocol.messages import MAX_CHUNK_HASHES, AgentPackageRef, ArtifactRef, ArtifactRequest, Message
@@ -63,6 +69,7 @@ DELAYED_BYTES = "delayed_bytes_cap"  # the rest of the request is sent later, wi
 # Chunk outcomes (``artifacts/chunk``) of chunks not sent at once because of the byte cap.
 CHUNK_DROPPED = "dropped_bytes_cap"
 CHUNK_DELAYED = "delayed_bytes_cap"
+CHUNK_IN_LINE = "already_in_line"  # asked for again while waiting for the byte cap: not queued twice
 
 MAX_CHUNK_SIZE = 4 * 1024 * 1024  # ArtifactRef.chunk_size's bound
 
@@ -75,38 +82,18 @@ class DeviceCaps:
     and again as chunks arrive, in batches of a quarter window) and cap what a misbehaving one gets:
     ``requests_per_s``/``request_burst`` requests, and ``bytes_per_s`` with at most ``burst_bytes``
     at once (a chunk larger than the burst still goes, alone, from a full bucket). Chunks over the
-    byte cap wait for it up to ``max_delay_s``; longer, they are dropped.
+    byte cap wait in line for it, up to ``max_wait_bytes`` per device and as long as each will be sent
+    within ``max_delay_s``; past that they are dropped. The byte bound holds an agent's whole window
+    (8 MiB by default), so a well-behaved agent is paced, never dropped: it asks again only when
+    chunks stop arriving, and while they wait in line they keep arriving at the cap.
     """
 
     requests_per_s: float = 50.0
     request_burst: int = 100
     bytes_per_s: float = 64 * 2**20
     burst_bytes: int = 16 * 2**20
-    max_delay_s: float = 1.0
-
-
-class TokenBucket:
-    """``rate`` tokens a second up to ``burst``; :meth:`take` spends them or says no. Not locked."""
-
-    def __init__(self, rate: float, burst: float, now: float) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.tokens = burst
-        self.at = now
-
-    def take(self, n: float, now: float) -> bool:
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        n = min(n, self.burst)  # larger than the burst: only from a full bucket
-        if self.tokens < n:
-            return False
-        self.tokens -= n
-        return True
-
-    def wait_s(self, n: float, now: float) -> float:
-        """Seconds until :meth:`take` of ``n`` would succeed, if nothing else takes meanwhile."""
-        tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        return max(0.0, (min(n, self.burst) - tokens) / self.rate)
+    max_wait_bytes: int = 16 * 2**20
+    max_delay_s: float = 120.0
 
 
 # --------------------------------------------------------------------------- chunk hashes
@@ -250,6 +237,11 @@ class _DeviceLimits:
     requests: TokenBucket
     nbytes: TokenBucket
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Requests (rests of them) waiting in the heap for this device's byte cap, their bytes, and their
+    # chunks as (sha256, chunk size, index).
+    waiting: int = 0
+    waiting_bytes: int = 0
+    in_line: set[tuple[str, int, int]] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -316,6 +308,7 @@ class ArtifactServer:
         allow_ttl_s: float = 2.0,
         allow_refresh_s: float = 0.02,
         clock: Callable[[], float] = time.monotonic,
+        device_waiting_max: int | None = None,
     ) -> None:
         self._engine = engine
         self.caps = caps or DeviceCaps()
@@ -332,10 +325,11 @@ class ArtifactServer:
         self._bridge = bridge
         # Drop when full: the agent asks again for chunks it did not get within its timeout.
         self._queue: queue.Queue[tuple[str, ArtifactRequest]] = queue.Queue(maxsize=queue_max)
-        # Rests of requests waiting for their device's byte cap: (due, order, device, request), a
-        # heap bounded like the queue (full: dropped, as over a longer delay).
-        self._delayed: list[tuple[float, int, str, ArtifactRequest]] = []
+        # Rests of requests waiting for their device's byte cap: (due, order, device, request, bytes),
+        # a heap bounded like the queue and per device (full: dropped, as over a longer delay).
+        self._delayed: list[tuple[float, int, str, ArtifactRequest, int]] = []
         self._delayed_max = queue_max
+        self._device_waiting_max = device_waiting_max or max(1, queue_max // 10)
         self._delayed_lock = threading.Lock()
         self._delayed_order = itertools.count()
         self._stop = stop
@@ -453,39 +447,109 @@ class ArtifactServer:
             self._cache[sha256] = art
         return art
 
-    def _delay(self, device_id: str, req: ArtifactRequest, due: float) -> bool:
-        with self._delayed_lock:
-            if len(self._delayed) >= self._delayed_max:
-                return False
-            heapq.heappush(self._delayed, (due, next(self._delayed_order), device_id, req))
-            return True
+    def _wait_in_line(
+        self,
+        device_id: str,
+        limits: _DeviceLimits,
+        rest: ArtifactRequest,
+        lengths: list[int],
+        now: float,
+        *,
+        head: bool,
+    ) -> int:
+        """Put the longest head of ``rest`` (chunk lengths ``lengths``) that will be sent within
+        ``max_delay_s`` behind the device's chunks already waiting into the heap; how many chunks.
 
-    def _next(self) -> tuple[str, ArtifactRequest] | None:
+        ``head``: ``rest`` was at the head of the line and the bucket had not yet refilled for its next
+        chunk; it keeps its place (due when that chunk fits) and its admission (no bound again)."""
+        # A chunk larger than the burst is taken from a full bucket: it counts as a burst.
+        sizes = [min(length, int(limits.nbytes.burst)) for length in lengths]
+        with limits.lock:
+            if head:
+                n = len(sizes)
+                nbytes = sum(sizes)
+                due = now + limits.nbytes.backlog_s(sizes[0], now)
+                self._push_delayed(device_id, limits, rest, n, nbytes, due, bounded=False)
+                return n
+            if limits.waiting >= self._device_waiting_max:
+                return 0
+            ahead = limits.waiting_bytes
+            n = 0
+            for size in sizes:
+                if ahead + size > self.caps.max_wait_bytes and ahead > 0:
+                    break  # alone in line, a chunk may wait even if larger than the byte bound
+                if limits.nbytes.backlog_s(ahead + size, now) > self.caps.max_delay_s:
+                    break
+                ahead += size
+                n += 1
+            if n == 0:
+                return 0
+            nbytes = ahead - limits.waiting_bytes
+            # Due when the bucket has given what waits ahead of it plus its first chunk: the device's
+            # rests then wake in their order in line, each once.
+            due = now + limits.nbytes.backlog_s(limits.waiting_bytes + sizes[0], now)
+            return n if self._push_delayed(device_id, limits, rest, n, nbytes, due, bounded=True) else 0
+
+    def _push_delayed(
+        self,
+        device_id: str,
+        limits: _DeviceLimits,
+        rest: ArtifactRequest,
+        n: int,
+        nbytes: int,
+        due: float,
+        *,
+        bounded: bool,
+    ) -> bool:
+        """The first ``n`` chunks of ``rest`` into the heap (``limits.lock`` held); ``bounded``: not when
+        the heap is full (a rest already admitted goes in regardless, its place was counted)."""
+        with self._delayed_lock:
+            if bounded and len(self._delayed) >= self._delayed_max:
+                return False
+            part = rest if n == len(rest.chunks) else rest.model_copy(update={"chunks": rest.chunks[:n]})
+            heapq.heappush(self._delayed, (due, next(self._delayed_order), device_id, part, nbytes))
+        limits.waiting += 1
+        limits.waiting_bytes += nbytes
+        limits.in_line.update((rest.sha256, rest.chunk_size, i) for i in rest.chunks[:n])
+        return True
+
+    def _next(self) -> tuple[str, ArtifactRequest, bool] | None:
         """A delayed request now due, else the next new one (waiting at most until a delayed one is
         due, and 0.2 s, so a stop is seen)."""
         now = self._clock()
+        popped = None
         with self._delayed_lock:
             if self._delayed and self._delayed[0][0] <= now:
-                _, _, device_id, req = heapq.heappop(self._delayed)
-                return device_id, req
+                popped = heapq.heappop(self._delayed)
             wait = min(0.2, self._delayed[0][0] - now) if self._delayed else 0.2
+        if popped is not None:
+            _, _, device_id, req, nbytes = popped
+            limits = self._limits_for(device_id)
+            with limits.lock:  # out of line: served now, or put back in line behind the others
+                limits.waiting = max(0, limits.waiting - 1)
+                limits.waiting_bytes = max(0, limits.waiting_bytes - nbytes)
+                limits.in_line.difference_update((req.sha256, req.chunk_size, i) for i in req.chunks)
+            return device_id, req, True
         try:
-            return self._queue.get(timeout=max(0.001, wait))
+            device_id, req = self._queue.get(timeout=max(0.001, wait))
         except queue.Empty:
             return None
+        return device_id, req, False
 
     def _run(self) -> None:
         while not self._stop.is_set():
             item = self._next()
             if item is None:
                 continue
-            device_id, req = item
+            device_id, req, in_line = item
             try:
-                self._serve(device_id, req)
+                self._serve(device_id, req, in_line=in_line)
             except Exception:
                 log.exception("serving artifact %s to %s failed", req.sha256[:12], device_id)
 
-    def _serve(self, device_id: str, req: ArtifactRequest) -> None:
+    def _serve(self, device_id: str, req: ArtifactRequest, *, in_line: bool = False) -> None:
+        """Send the chunks of ``req``; ``in_line``: it is the rest of a request that waited for the
+        device's byte cap and is now at the head of the device's line."""
         counters = self._bridge.counters
         sizes = self.allowed_chunk_sizes(device_id, req.sha256)
         if sizes is None:
@@ -526,12 +590,20 @@ class ArtifactServer:
                 total,
             )
         good = [i for i in wanted if i < total]
+        limits = self._limits_for(device_id)
+        if not in_line:
+            # Asked again (the agent's timer ran out) while they wait for the cap: sent once, in line.
+            with limits.lock:
+                queued = [i for i in good if (req.sha256, req.chunk_size, i) in limits.in_line]
+            if queued:
+                counters.add(CHUNK_KIND, CHUNK_IN_LINE, len(queued))
+                skip = set(queued)
+                good = [i for i in good if i not in skip]
         if not good:
             return
         sent = 0
         dropped = 0
         delayed = 0
-        limits = self._limits_for(device_id)
         f = None
         try:
             for n, i in enumerate(good):
@@ -540,14 +612,15 @@ class ArtifactServer:
                 length = min(req.chunk_size, art.size - i * req.chunk_size)
                 now = self._clock()
                 with limits.lock:
-                    fits = limits.nbytes.take(length, now)
-                    wait = 0.0 if fits else limits.nbytes.wait_s(length, now)
+                    # A new request goes behind the device's chunks already waiting, not before them.
+                    fits = (in_line or limits.waiting == 0) and limits.nbytes.take(length, now)
                 if not fits:
                     rest = req.model_copy(update={"chunks": good[n:]})
-                    if wait <= self.caps.max_delay_s and self._delay(device_id, rest, now + wait):
-                        delayed = len(good) - n  # served again from here when the bucket holds them
-                    else:
-                        dropped = len(good) - n  # the agent asks again for these after its timeout
+                    lengths = [min(req.chunk_size, art.size - j * req.chunk_size) for j in good[n:]]
+                    # A rest that was at the head of the line keeps its place (and its admission)
+                    # when the bucket has not refilled for its next chunk yet.
+                    delayed = self._wait_in_line(device_id, limits, rest, lengths, now, head=in_line)
+                    dropped = len(good) - n - delayed  # the agent asks again for these after its timeout
                     break
                 key = (req.sha256, req.chunk_size, i)
                 frame = self.frames.get(key)
@@ -571,21 +644,25 @@ class ArtifactServer:
                 f.close()
         counters.add(CHUNK_KIND, "sent", sent)
         if delayed:
-            counters.add(REQUEST_KIND, DELAYED_BYTES)
-            counters.add(CHUNK_KIND, CHUNK_DELAYED, delayed)
-            return
+            counters.add(REQUEST_KIND, DELAYED_BYTES)  # each wait
+            if not in_line:
+                counters.add(CHUNK_KIND, CHUNK_DELAYED, delayed)  # each chunk that waited, once
         if dropped:
             counters.add(REQUEST_KIND, DROPPED_BYTES)
             counters.add(CHUNK_KIND, CHUNK_DROPPED, dropped)
             self._bad.warning(
                 f"bytes:{device_id}",
-                "%s is over its byte cap (%g MiB/s, %g MiB at once); dropped %d chunks of %s",
+                "%s is over its byte cap (%g MiB/s, %g MiB at once) and its line for it is full (%g MiB "
+                "or %g s); dropped %d chunks of %s",
                 device_id,
                 self.caps.bytes_per_s / 2**20,
                 self.caps.burst_bytes / 2**20,
+                self.caps.max_wait_bytes / 2**20,
+                self.caps.max_delay_s,
                 dropped,
                 req.sha256[:12],
             )
+        if delayed or dropped:
             return
         counters.add(REQUEST_KIND, "ok")
         log.debug("sent %d chunks of %s to %s", sent, req.sha256[:12], device_id)

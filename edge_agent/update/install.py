@@ -98,11 +98,65 @@ def _run_pip(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess[st
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
+# An agent package holds a JSON file and a few wheels; these bound what a hostile one may unpack.
+_MAX_MEMBERS = 1000
+_MAX_UNPACKED_BYTES = 1 << 30
+
+
+def _member_parts(name: str) -> tuple[str, ...]:
+    """The path of a member as parts below the target, or InstallError: no absolute path, no "..",
+    nothing that is not a plain relative name."""
+    if not name or name.startswith("/") or "\\" in name or "\0" in name:
+        raise InstallError(f"the package holds a member with an unsafe name: {name!r}")
+    parts = tuple(p for p in name.split("/") if p not in ("", "."))
+    if not parts or ".." in parts:
+        raise InstallError(f"the package holds a member with an unsafe name: {name!r}")
+    return parts
+
+
 def _safe_extract(tarball: Path, dest: Path) -> None:
+    """Unpack regular files and folders only, each written by this function below ``dest``.
+
+    Every member is checked before anything is written: a symlink, a hardlink, a device, a FIFO, an
+    absolute name or one with ".." refuses the whole package. The files are then written with
+    ``O_EXCL | O_NOFOLLOW`` rather than by ``TarFile.extractall``: its ``filter="data"`` has had
+    bypasses in some Python patch releases, and a package has no use for links at all.
+    """
     try:
         with tarfile.open(tarball, "r:gz") as tar:
-            # "data": no absolute paths, no "..", no links out, no devices (PEP 706).
-            tar.extractall(dest, filter="data")
+            members: list[tuple[tarfile.TarInfo, tuple[str, ...]]] = []
+            total = 0
+            for m in tar:
+                if len(members) >= _MAX_MEMBERS:
+                    raise InstallError(f"the package holds more than {_MAX_MEMBERS} members")
+                parts = _member_parts(m.name)
+                if m.issym() or m.islnk():
+                    raise InstallError(
+                        f"the package holds a link ({m.name!r} -> {m.linkname!r}); links are refused"
+                    )
+                if not (m.isreg() or m.isdir()):
+                    raise InstallError(
+                        f"the package holds {m.name!r}, which is neither a file nor a folder; refused"
+                    )
+                total += m.size if m.isreg() else 0
+                if total > _MAX_UNPACKED_BYTES:
+                    raise InstallError(f"the package unpacks to more than {_MAX_UNPACKED_BYTES} bytes")
+                members.append((m, parts))
+            for m, parts in members:
+                target = dest.joinpath(*parts)
+                if m.isdir():
+                    target.mkdir(mode=0o755, parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+                src = tar.extractfile(m)
+                if src is None:
+                    raise InstallError(f"cannot read {m.name!r} from the package")
+                try:
+                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                except FileExistsError:
+                    raise InstallError(f"the package holds {m.name!r} twice (or as a folder too)") from None
+                with os.fdopen(fd, "wb") as out:
+                    shutil.copyfileobj(src, out)
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise InstallError(f"not a readable gzip tarball: {exc}") from None
 

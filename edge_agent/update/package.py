@@ -113,7 +113,7 @@ def build_package(
 
     ``prepare`` edits the temporary copy before the build (tests: a version that crashes at start).
     ``build_isolation`` False builds with this environment's setuptools (offline build hosts; needs
-    setuptools >= 68).
+    setuptools >= 77, for the licence expression in pyproject.toml).
     """
     PackageInfo(format=PACKAGE_FORMAT, version=version, python="3.11", wheel="wheels/x.whl")  # validates
     out.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument(
         "--no-build-isolation",
         action="store_true",
-        help="build with this environment's setuptools (>= 68) instead of fetching one",
+        help="build with this environment's setuptools (>= 77) instead of fetching one",
     )
     args = parser.parse_args(argv)
     try:

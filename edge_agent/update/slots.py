@@ -169,6 +169,31 @@ class SlotStore:
     def clear_healthy(self) -> None:
         self.healthy_path.unlink(missing_ok=True)
 
+    def tidy(self) -> SlotState:
+        """Clear what a kill can leave half done (only while no agent runs: at the supervisor's start):
+        slot folders no state names (an install cut short, a prune not reached) and the temporary files
+        of writes that never reached their rename. Returns the state it kept to. With a ``slots.json``
+        that cannot be read, the slot folders stay: the state that names them is unknown."""
+        with self.locked():
+            state = self.load()
+            if self._readable():
+                keep = [s.slot for s in (state.current, state.previous, state.pending) if s is not None]
+                self.prune(keep)
+            for name in (self.path.name, self.healthy_path.name):
+                for tmp in self.root.glob(f"{name}.tmp*"):
+                    tmp.unlink(missing_ok=True)
+            return state
+
+    def _readable(self) -> bool:
+        """``slots.json`` is absent or holds a state (what :meth:`load` reads without falling back)."""
+        try:
+            SlotState.from_json(json.loads(self.path.read_text()))
+        except FileNotFoundError:
+            return True
+        except (OSError, ValueError, TypeError, KeyError):
+            return False
+        return True
+
     def prune(self, keep: Sequence[str]) -> None:
         """Remove slot folders other than ``keep`` (current, previous, pending): disk is bounded."""
         if not self.slots_dir.is_dir():

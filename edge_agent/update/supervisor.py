@@ -15,6 +15,9 @@ install's code and stays so (a new agent version never replaces the supervisor t
   than the base that crashes 3 times within 10 minutes without ever becoming healthy is given up:
   the previous slot (or the base install) becomes current, ``rolled_back`` recorded.
 - SIGTERM/SIGINT is passed to the agent; the supervisor waits for it and exits 0.
+- Killed itself (SIGKILL under the unit's ``KillMode=mixed``: systemd then stops the agent and starts
+  the supervisor again), it starts from what is on disk: the pending slot gets its trial again, else
+  the current slot runs; slot folders no state names and temporary files are removed first.
 """
 
 from __future__ import annotations
@@ -173,6 +176,9 @@ class Supervisor:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
+        # A supervisor killed with its agent (kill -9, power cut) may have left an install, a prune or a
+        # write half done; no agent runs yet, so nothing else is writing.
+        self.store.tidy()
         while not self.stop.is_set():
             state = self.store.load()
             pending = state.pending

@@ -455,3 +455,23 @@ def test_docker_compose_accepts_the_file() -> None:
         env=env,
     )
     assert done.returncode == 0, done.stderr
+
+
+# The first releases whose tarfile extraction filters have the known bypasses fixed (CVE-2025-4517 and
+# related): an image on an older patch release, or on a floating tag, may ship an affected one.
+PATCHED_PYTHON = {(3, 11): 13, (3, 12): 11, (3, 13): 4}
+
+
+@pytest.mark.parametrize("dockerfile", ["agent.Dockerfile", "controller.Dockerfile"])
+def test_python_base_images_pin_a_patch_release_with_tarfile_filter_fixes(dockerfile: str) -> None:
+    froms = re.findall(r"^FROM\s+(\S+)", (DOCKER / dockerfile).read_text(), re.MULTILINE)
+    pythons = [f for f in froms if f.startswith("python:")]
+    assert pythons, f"{dockerfile} is not built on a python image"
+    for image in pythons:
+        m = re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)(-[a-z0-9-]+)?", image)
+        assert m, f"{dockerfile}: {image} does not pin a patch release"
+        major, minor, patch = int(m[1]), int(m[2]), int(m[3])
+        assert (major, minor) in PATCHED_PYTHON, f"{dockerfile}: {image}: no known patched release"
+        assert patch >= PATCHED_PYTHON[(major, minor)], (
+            f"{dockerfile}: {image} predates {major}.{minor}.{PATCHED_PYTHON[(major, minor)]}"
+        )

@@ -177,14 +177,15 @@ def test_a_pending_version_never_healthy_is_stopped_and_rolled_back_after_its_bo
 
 
 def test_exit_75_starts_the_pending_slot_at_once(tmp_path: Path) -> None:
-    store = store_with(tmp_path, SlotState(current=BASE_REF), slots=("1.1",))
+    store = store_with(tmp_path, SlotState(current=BASE_REF))
 
     sim = Sim(store, [Script(exit_at=3.0, code=EXIT_UPDATE, healthy_at=1.0), Script(healthy_at=1.0)])
     real_start = sim.start
 
     def start(ref: SlotRef) -> FakeChild:
         child = real_start(ref)
-        if len(sim.children) == 1:  # the running agent writes pending before it exits with 75
+        if len(sim.children) == 1:  # the running agent installs, writes pending, then exits with 75
+            store_with(tmp_path, slots=("1.1",))
             store.update(lambda s: SlotState(current=s.current, pending=PENDING))
         return child
 
@@ -272,3 +273,30 @@ def test_a_real_child_s_stderr_tail_is_kept_for_the_reason(tmp_path: Path) -> No
     child = ProcessChild(proc)
     assert child.wait(30) == 3
     assert child.stderr_tail().splitlines()[-2:] == ["line one", "RuntimeError: boom"]
+
+
+def test_a_supervisor_starting_after_a_kill_keeps_the_named_slots_and_clears_what_was_half_done(
+    tmp_path: Path,
+) -> None:
+    state = SlotState(current=SlotRef("1.0", "1.0"), previous=BASE_REF, pending=PENDING)
+    store = store_with(tmp_path, state, slots=("1.0", "1.1", "0.9"))
+    (store.slots_dir / ".install-1.2-x" / "package").mkdir(parents=True)  # an install cut short
+    (store.root / "slots.json.tmp77.1").write_text("{")  # a write that never reached its rename
+    (store.root / "healthy.tmp77.1").write_text("{")
+    sim = Sim(store, [Script(healthy_at=1.0, exit_at=2.0)])  # then no script left: the run ends
+    sup = sim.run()
+    assert sup.starts[0] == SlotRef("1.1", "1.1", "a" * 64)  # the pending slot gets its trial
+    assert sorted(p.name for p in store.slots_dir.iterdir()) == ["1.0", "1.1"]
+    assert not list(store.root.glob("*.tmp*"))
+
+
+def test_a_supervisor_starting_on_an_unreadable_state_runs_the_base_and_deletes_no_slot(
+    tmp_path: Path,
+) -> None:
+    store = store_with(tmp_path, slots=("1.1",))
+    store.root.mkdir(parents=True, exist_ok=True)
+    store.path.write_text('{"current": {"version": "1.1", "sl')
+    sim = Sim(store, [Script(healthy_at=1.0, exit_at=2.0)])
+    sup = sim.run()
+    assert sup.starts[0] == BASE_REF
+    assert store.exists("1.1")  # what an operator may still recover
