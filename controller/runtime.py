@@ -22,6 +22,7 @@ from controller.fleet.twin import TwinService
 from controller.link.artifacts import ArtifactServer, DeviceCaps
 from controller.link.bridge import MqttBridge, PahoTransport, Transport
 from controller.link.broker_auth import DynsecAdmin
+from controller.link.budget import device_budgets
 from controller.link.commands import CommandService
 from controller.link.ingest import IngestService, StoredBatch
 from controller.link.presence import PresenceService
@@ -90,7 +91,10 @@ class ControllerRuntime:
         if transport is None:
             transport = PahoTransport(settings.mqtt_target(), client_id=settings.controller_client_id())
         self.bridge = MqttBridge(
-            transport, Topics(settings.topic_prefix), share_group=settings.mqtt_share_group
+            transport,
+            Topics(settings.topic_prefix),
+            share_group=settings.mqtt_share_group,
+            budgets=device_budgets(settings),
         )
         # Per-device broker credentials (off unless EDGEFLEET_MQTT_BROKER_AUTH=dynsec).
         self.broker_admin: DynsecAdmin | None = None
@@ -141,6 +145,8 @@ class ControllerRuntime:
             linger_s=settings.commit_linger_s,
             stop=self.stop_event,
             on_stored=self._on_stored,
+            device_queue_max=settings.ingest_device_queue_max,
+            incarnations_per_hour=settings.device_incarnations_per_hour,
         )
         self.twin = TwinService(
             self.engine,
@@ -173,6 +179,9 @@ class ControllerRuntime:
             on_capabilities=self.twin.recompute,
             leadership=self.leadership,
             linger_s=settings.commit_linger_s,
+            health_interval_s=settings.health_sample_interval_s,
+            device_queue_max=settings.status_device_queue_max,
+            incarnations_per_hour=settings.device_incarnations_per_hour,
         )
         self.artifacts = ArtifactServer(
             self.engine,
@@ -206,6 +215,7 @@ class ControllerRuntime:
             poll_s=settings.variant_build_poll_s,
             lease_s=settings.variant_build_lease_s,
             max_attempts=settings.variant_build_max_attempts,
+            memory_bytes=settings.variant_build_memory_bytes,
         )
         # Started in this order, joined in reverse after the stop event: the replica's row and the
         # leadership first (leader-only workers ask it from their first round), and last to go.

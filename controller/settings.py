@@ -22,6 +22,11 @@ def _default_models_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "models"
 
 
+# Address space a build of a bundled model takes, with room for larger models (RELIABILITY.md, "What
+# an upload can cost the controller").
+VARIANT_BUILD_MEMORY_BYTES = 4 * 1024**3
+
+
 class ControllerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EDGEFLEET_", extra="forbid")
 
@@ -73,13 +78,33 @@ class ControllerSettings(BaseSettings):
     # per-transaction cost at moderate load (bench/fleet.py).
     commit_linger_s: float = Field(default=0.05, ge=0.0, le=1.0)
     status_queue_max: int = Field(default=10000, ge=1)
+    # What one device may send (controller/link/budget.py), checked on receipt before decoding; over
+    # it a message is dropped and counted (detections and events are sent again by the agent's outbox).
+    # ingest: detections and events; status: births, heartbeats, reported state, command results.
+    ingest_device_messages_per_s: float = Field(default=300.0, gt=0)
+    ingest_device_message_burst: int = Field(default=3000, ge=1)
+    ingest_device_bytes_per_s: float = Field(default=4 * 2**20, gt=0)
+    ingest_device_burst_bytes: int = Field(default=16 * 2**20, ge=1024)
+    status_device_messages_per_s: float = Field(default=5.0, gt=0)
+    status_device_message_burst: int = Field(default=50, ge=1)
+    status_device_bytes_per_s: float = Field(default=128 * 1024, gt=0)
+    status_device_burst_bytes: int = Field(default=2**20, ge=1024)
+    # The most messages of one device waiting in the ingest / status queue; unset: a tenth of the queue.
+    ingest_device_queue_max: int | None = Field(default=None, ge=1)
+    status_device_queue_max: int | None = Field(default=None, ge=1)
+    # New incarnations (seq spaces) a device may start in an hour, each only by a birth naming it.
+    device_incarnations_per_hour: int = Field(default=6, ge=1)
+    # A device's heartbeats are stored as health history at most this often (its current health is
+    # always its last heartbeat): a little under the agent's 5 s interval, so no regular one is skipped.
+    health_sample_interval_s: float = Field(default=4.0, ge=0)
     artifact_queue_max: int = Field(default=1000, ge=1)
     artifact_workers: int = Field(default=2, ge=1, le=32)
     chunk_size: int = Field(default=256 * 1024, ge=1024, le=4 * 1024 * 1024)
     # Per device, what the artifact server does for it (controller/link/artifacts.py DeviceCaps): chunk
     # requests a second (and at once), and bytes a second (and at once). A request over the request
-    # cap is dropped; chunks over the byte cap wait for it up to DeviceCaps.max_delay_s (1 s) and are
-    # dropped beyond that. The agent asks again for what it did not get after its request timeout.
+    # cap is dropped; chunks over the byte cap wait for it in a line per device (DeviceCaps: up to
+    # max_wait_bytes, 16 MiB, and max_delay_s, 120 s) and are dropped beyond that. The agent asks again
+    # for what it did not get after its request timeout.
     artifact_device_requests_per_s: float = Field(default=50.0, gt=0)
     artifact_device_request_burst: int = Field(default=100, ge=1)
     artifact_device_bytes_per_s: float = Field(default=256 * 2**20, gt=0)
@@ -90,10 +115,19 @@ class ControllerSettings(BaseSettings):
     # Dense bytes of all of a model's initializers and constants (sparse ones at their dense size): what
     # agents and the variant builder materialise; over it an upload is refused (413).
     max_model_dense_bytes: int = Field(default=2 * 1024**3, ge=1024)
+    # Agent packages are unpacked block by block to disk, never into memory: a file inside the package
+    # (or inside its wheel) over the first cap, or a package unpacking to more than the second, is
+    # refused (413) before it is inflated.
+    max_package_member_bytes: int = Field(default=512 * 1024**2, ge=1024)
+    max_package_unpacked_bytes: int = Field(default=1024**3, ge=1024)
     # Variant builds (fp16/int8 with figures) on a background worker.
     build_variants_on_start: bool = True
     # False: uploads are registered without variant builds (fp32 everywhere), e.g. for quick tests.
     build_variants_on_upload: bool = True
+    # A variant build (fp32 reference, calibration, fidelity, fp16, int8) runs in a child process whose
+    # address space (RLIMIT_AS) is capped at this: a model that needs more fails its build with a reason
+    # naming this setting, and the controller's own memory is untouched.
+    variant_build_memory_bytes: int = Field(default=VARIANT_BUILD_MEMORY_BYTES, ge=256 * 1024**2)
     calibration_footage: Path | None = None  # default models_dir/footage/vtest.avi
     variant_calib_frames: int = Field(default=100, ge=1, le=10000)
     # Held-out frames: half choose among the INT8 candidates, the other half give the figures shown.

@@ -64,7 +64,10 @@ def _package_or_404(session: Session, version: str) -> AgentPackage:
     responses={
         400: {"description": "not a valid agent package; the detail says why"},
         409: {"description": "this agent version was already uploaded"},
-        413: {"description": "over the upload size limit"},
+        413: {
+            "description": "over a size limit: the upload, a file inside it once unpacked "
+            "(max_package_member_bytes), or the whole package unpacked (max_package_unpacked_bytes)"
+        },
         422: {"description": "no file, or bad notes"},
     },
 )
@@ -80,7 +83,15 @@ async def upload_package(
     parsed = await parse_multipart(
         request.headers.get("content-type", ""), request.stream(), rt.store, limit=limit
     )
-    pkg = await run_in_threadpool(register_package, rt.engine, rt.store, parsed.file, notes=notes)
+    pkg = await run_in_threadpool(
+        register_package,
+        rt.engine,
+        rt.store,
+        parsed.file,
+        notes=notes,
+        max_member_bytes=rt.settings.max_package_member_bytes,
+        max_unpacked_bytes=rt.settings.max_package_unpacked_bytes,
+    )
     return _public(pkg)
 
 

@@ -1,10 +1,12 @@
 """``/api/v1/events``: what devices reported (camera up/down, model download and activation, disk
-low, watchdog restarts), newest first; ``/events/search`` adds until and severity filters."""
+low, watchdog restarts) and what the controller recorded about them (decommission, a new incarnation,
+command results, re-sends), newest first, each with its ``source``; ``/events/search`` adds until and
+severity filters."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 
@@ -17,6 +19,10 @@ from fleet_protocol.messages import Severity
 router = APIRouter(prefix="/api/v1/events", tags=["events"])
 
 KindQuery = Annotated[str | None, Query(max_length=32, pattern=NO_NUL_PATTERN)]
+SourceQuery = Annotated[
+    Literal["device", "controller"] | None,
+    Query(description="device: sent by the device; controller: written by the controller"),
+]
 
 
 @router.get("", response_model=list[EventPublic], summary="Device events, newest first")
@@ -24,10 +30,13 @@ def list_events(
     session: SessionDep,
     device: FilterQuery = None,
     kind: KindQuery = None,
+    source: SourceQuery = None,
     since: Annotated[datetime | None, Query(description="ISO 8601 or unix seconds")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> list[Any]:
-    return list(crud.list_events(session, device_id=device, kind=kind, since=since, limit=limit))
+    return list(
+        crud.list_events(session, device_id=device, kind=kind, source=source, since=since, limit=limit)
+    )
 
 
 @router.get(

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, Response, status
 from controller.api.deps import FilterQuery, RuntimeDep, SessionDep, time_window
 from controller.api.schemas import ArtifactKey, Health, IngestStats, IngestTotals
 from controller.db import crud
-from controller.observe.energy import device_energy, fleet_summary, load_payloads
+from controller.observe.energy import fleet_summary, window_energy
 from controller.observe.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["fleet"])
@@ -57,6 +57,7 @@ def ingest_stats(rt: RuntimeDep, session: SessionDep) -> IngestStats:
         status_queue_depth=rt.status.queue_depth,
         mqtt_connected=rt.bridge.connected,
         fleet=IngestTotals(**totals._asdict()),
+        over_budget=rt.bridge.budgets.over() if rt.bridge.budgets is not None else {},
     )
 
 
@@ -74,9 +75,8 @@ def energy(
     device: FilterQuery = None,
 ) -> dict[str, Any]:
     since_, until_ = time_window(since, until, timedelta(hours=1))
-    per = load_payloads(rt.engine, since=since_, until=until_, device=device)
     ids = crud.device_ids(session, device_id=device)
-    devs = [device_energy(d, per.get(d, [])) for d in sorted(set(ids) | set(per))]
+    devs = window_energy(rt.engine, device_ids=ids, since=since_, until=until_, device=device)
     return {
         "since": since_.isoformat(),
         "until": until_.isoformat(),

@@ -14,6 +14,7 @@ from sqlmodel import Session
 
 from controller.api.errors import invalid_query
 from controller.api.schemas import (
+    AgentFailure,
     BoxOut,
     CameraAssignment,
     DeploymentPublic,
@@ -39,7 +40,7 @@ from controller.db.tables import (
     Rollout,
 )
 from controller.fleet.deployments import rollout_devices, rollout_of
-from controller.fleet.gate import GateConfig
+from controller.fleet.gate import GateConfig, failed_attempt
 from controller.fleet.sync import twin_sync
 from controller.link.seqtrack import SeqStats
 from controller.security.tokens import Role
@@ -142,12 +143,18 @@ def device_public(dev: Device, stats: SeqStats) -> DevicePublic:
                 )
                 for x in stats.incarnations
             ],
+            incarnation_count=stats.spaces,
         ),
         incarnation=dev.incarnation,
         incarnation_started_at=dev.incarnation_started_at,
         decommissioned_at=dev.decommissioned_at,
         created_at=dev.created_at,
     )
+
+
+def _text(v: object) -> str | None:
+    """A scalar of the agent's JSON as text; anything else as absent."""
+    return str(v) if isinstance(v, str | int | float) and not isinstance(v, bool) else None
 
 
 def device_agent(dev: Device) -> DeviceAgent | None:
@@ -159,24 +166,44 @@ def device_agent(dev: Device) -> DeviceAgent | None:
     cur, prev = want.get("current") or {}, want.get("previous") or {}
     if not rep and not cur and not dev.agent_version:
         return None
-
-    def text(v: object) -> str | None:
-        return str(v) if isinstance(v, str | int | float) and not isinstance(v, bool) else None
-
     pct = rep.get("progress_pct")
     return DeviceAgent(
-        version=text(rep.get("version")) or dev.agent_version,
-        slot=text(rep.get("slot")),
-        state=text(rep.get("state")),
-        target=text(rep.get("target")),
+        version=_text(rep.get("version")) or dev.agent_version,
+        slot=_text(rep.get("slot")),
+        state=_text(rep.get("state")),
+        target=_text(rep.get("target")),
         progress_pct=float(pct) if isinstance(pct, int | float) and not isinstance(pct, bool) else None,
-        error=text(rep.get("error")),
-        previous=text(rep.get("previous")),
-        desired=text(cur.get("version")),
-        desired_source=text(cur.get("source")),
-        deployment=text(cur.get("deployment")),
-        fallback=text(prev.get("version")),
+        error=_text(rep.get("error")),
+        previous=_text(rep.get("previous")),
+        desired=_text(cur.get("version")),
+        desired_source=_text(cur.get("source")),
+        deployment=_text(cur.get("deployment")),
+        fallback=_text(prev.get("version")),
+        last_failure=_agent_failure(rep, want.get("last_failure")),
     )
+
+
+def _agent_failure(rep: dict[str, Any], kept: object) -> AgentFailure | None:
+    """The failure the agent reports now, else the last one the controller kept (the agent stops
+    reporting it once its desired version moves on)."""
+    stored: AgentFailure | None = None
+    if isinstance(kept, dict):
+        try:
+            stored = AgentFailure.model_validate(kept)
+        except ValueError:
+            stored = None
+    now = failed_attempt(rep)
+    if now is None:
+        # A version it runs now failed only before (a transfer retried): that is over.
+        return stored if stored is not None and stored.version != rep.get("version") else None
+    live = AgentFailure(version=now.version, state=now.state, error=now.error)
+    if stored is not None and (stored.version, stored.state, stored.error) == (
+        live.version,
+        live.state,
+        live.error,
+    ):
+        return stored
+    return live
 
 
 # --------------------------------------------------------------------------- deployments / rollouts
@@ -189,6 +216,8 @@ def rollout_public(session: Session, dep: Deployment, ro: Rollout) -> RolloutPub
     for m in members:
         dev = crud.get_device(session, device_id=m.device_id)
         reported = ((dev.reported if dev else None) or {}).get("cameras") or {}
+        got = ((dev.reported if dev else None) or {}).get("agent") if dep.kind == "agent" else None
+        agent = got if isinstance(got, dict) else {}
         progress = [
             float(reported[c]["progress_pct"])
             for c in m.cameras
@@ -208,6 +237,9 @@ def rollout_public(session: Session, dep: Deployment, ro: Rollout) -> RolloutPub
                 admitted_at=m.admitted_at,
                 settled_at=m.settled_at,
                 reason=m.reason,
+                agent_version=_text(agent.get("version"))
+                or (dev.agent_version if dev and dep.kind == "agent" else None),
+                agent_state=_text(agent.get("state")),
             )
         )
     counted = (MemberState.APPLYING, MemberState.ACTIVE, MemberState.FAILED, MemberState.ROLLED_BACK)

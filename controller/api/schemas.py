@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from controller.fleet.gate import GateConfig
 from controller.fleet.sync import SyncState
 from controller.types import CAMERA_OR_ANY_PATTERN, ID_MAX, ID_PATTERN, NO_NUL_PATTERN, check_labels
-from fleet_protocol.messages import CameraReported, CameraStats, Name
+from fleet_protocol.messages import CameraReported, CameraStats, LabelList, Name
 
 
 class IncarnationStats(BaseModel):
@@ -42,7 +42,12 @@ class DeviceStats(BaseModel):
     )
     max_seq: int = Field(description="the highest seq stored or declared dropped (the current incarnation)")
     incarnations: list[IncarnationStats] = Field(
-        default_factory=list, description="per sequence space the device has sent in, oldest first"
+        default_factory=list,
+        description="per sequence space the device has sent in, oldest first: the 10 newest at most "
+        "(the figures above count every one)",
+    )
+    incarnation_count: int = Field(
+        default=0, description="how many sequence spaces the device has, listed or not"
     )
 
 
@@ -58,6 +63,17 @@ class CameraAssignment(BaseModel):
     reason: str = Field(default="", description="why this variant was chosen")
     source: str = Field(default="direct", description="the layer that won: direct or deployment")
     deployment: str | None = Field(default=None, description="the deployment that won, if one did")
+
+
+class AgentFailure(BaseModel):
+    """An agent update that did not take: the version tried, how it ended, and why."""
+
+    version: str = Field(description="the agent version the device tried")
+    state: str = Field(description="failed (refused or could not install) or rolled_back")
+    error: str | None = Field(default=None, description="the agent's reason")
+    at: datetime | None = Field(
+        default=None, description="when the controller recorded it; null while the agent still reports it"
+    )
 
 
 class DeviceAgent(BaseModel):
@@ -79,7 +95,13 @@ class DeviceAgent(BaseModel):
     )
     deployment: str | None = Field(default=None, description="the agent deployment that set it, if one did")
     fallback: str | None = Field(
-        default=None, description="the version a failed agent rollout sends this device back to"
+        default=None,
+        description="the version a failed agent rollout sends this device back to: the latest it ran "
+        "before, never one it refused or rolled back",
+    )
+    last_failure: AgentFailure | None = Field(
+        default=None,
+        description="the last update that failed or was rolled back, kept after the desired version moves on",
     )
 
 
@@ -194,7 +216,7 @@ class AssignModel(BaseModel):
     version: Name = Field(description="registered model version")
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0)
-    labels: list[str] | None = Field(default=None, description="keep only these labels; null keeps all")
+    labels: LabelList | None = Field(default=None, description="keep only these labels; null keeps all")
     variant: VariantChoice = Field(
         default="auto",
         description="auto: chosen from the device's capabilities; or pin fp32, fp16 or int8 (must be fit)",
@@ -227,6 +249,11 @@ class IngestStats(BaseModel):
     status_queue_depth: int
     mqtt_connected: bool
     fleet: IngestTotals
+    over_budget: dict[str, int] = Field(
+        default_factory=dict,
+        description="device → messages dropped before decoding because the device was over its "
+        "per-device budget, since this process started (the 100 devices with the most)",
+    )
 
 
 class Health(BaseModel):
@@ -265,7 +292,7 @@ class DeploymentCamera(BaseModel):
     )
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0)
-    labels: list[str] | None = None
+    labels: LabelList | None = None
 
 
 class DeploymentCreate(BaseModel):
@@ -331,6 +358,12 @@ class RolloutDevicePublic(BaseModel):
     admitted_at: datetime | None
     settled_at: datetime | None
     reason: str | None
+    agent_version: str | None = Field(
+        default=None, description="an agent rollout: the agent version the device reports running"
+    )
+    agent_state: str | None = Field(
+        default=None, description="an agent rollout: the device's agent update state (idle, fetching, …)"
+    )
 
 
 class RolloutPublic(BaseModel):
@@ -369,7 +402,7 @@ class DeploymentPublic(BaseModel):
 
 # --------------------------------------------------------------------------- API tokens
 
-TokenRole = Literal["viewer", "operator", "admin"]
+TokenRole = Literal["viewer", "operator", "release", "admin"]
 
 
 class TokenCreate(BaseModel):
@@ -378,7 +411,9 @@ class TokenCreate(BaseModel):
     name: str = Field(
         min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.@-]*$", description="who uses it"
     )
-    role: TokenRole = Field(description="viewer (read only), operator (change the fleet) or admin")
+    role: TokenRole = Field(
+        description="viewer (read only), operator (change the fleet), release (ship agent software) or admin"
+    )
 
 
 class TokenPublic(BaseModel):

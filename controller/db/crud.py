@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from functools import cache
 from typing import Any, NamedTuple, cast
 
@@ -18,6 +18,7 @@ from controller.db.tables import (
     Device,
     DeviceCreate,
     DeviceSeq,
+    DroppedRange,
     Event,
     HealthSample,
     IngestedSeq,
@@ -168,13 +169,21 @@ def health_history(
 
 
 def list_events(
-    session: Session, *, device_id: str | None, kind: str | None, since: datetime | None, limit: int
+    session: Session,
+    *,
+    device_id: str | None,
+    kind: str | None,
+    since: datetime | None,
+    limit: int,
+    source: str | None = None,
 ) -> Sequence[Event]:
     q = select(Event)
     if device_id is not None:
         q = q.where(col(Event.device_id) == device_id)
     if kind is not None:
         q = q.where(col(Event.kind) == kind)
+    if source is not None:
+        q = q.where(col(Event.source) == source)
     if since is not None:
         q = q.where(col(Event.ts) >= since)
     return session.exec(q.order_by(col(Event.ts).desc(), col(Event.id).desc()).limit(limit)).all()
@@ -462,7 +471,8 @@ def record_new_incarnations(session: Session, *, created: Iterable[Space], now: 
     controller-made ``device_reset`` event says so. Returns the events added. The device rows are
     locked after the ``device_seq`` rows, as every ingest transaction does.
     """
-    new = sorted((d, i) for d, i in set(created) if i != LEGACY)
+    # By device (the order rows are locked in), each device's in the order given: the last is current.
+    new = sorted((sp for sp in dict.fromkeys(created) if sp[1] != LEGACY), key=lambda sp: sp[0])
     if not new:
         return []
     t = device_seq_table()
@@ -525,6 +535,56 @@ def device_seqs(session: Session, *, device_ids: Iterable[str] | None = None) ->
         # The legacy space (no start time: it predates incarnations) first, then by when each began.
         rows.sort(key=lambda r: (r.started_at is not None, r.started_at or datetime.min, r.incarnation))
     return out
+
+
+class SpaceTotals(NamedTuple):
+    """A device's figures summed over every one of its spaces."""
+
+    spaces: int
+    stored: int
+    dropped: int
+    duplicates: int
+    lost: int
+
+
+def recent_device_seqs(
+    session: Session, *, device_ids: Iterable[str] | None, recent: int
+) -> tuple[dict[str, list[SeqRow]], dict[str, SpaceTotals]]:
+    """Per device, its ``recent`` newest spaces' rows (oldest of them first) and its totals over all of
+    them, in two statements whatever the number of spaces (every device's when ``device_ids`` is None)."""
+    t = device_seq_table()
+    ids = sorted(set(device_ids)) if device_ids is not None else None
+    # The legacy space (no start time: it predates incarnations) is the oldest.
+    newest_first = (
+        sa.case((t.c.started_at.is_(None), 1), else_=0),
+        t.c.started_at.desc(),
+        t.c.incarnation.desc(),
+    )
+    rank = sa.func.row_number().over(partition_by=t.c.device_id, order_by=newest_first).label("rank")
+    inner = sa.select(t, rank)
+    missing = t.c.max_seq - t.c.stored - t.c.dropped
+    sums = sa.select(
+        t.c.device_id,
+        sa.func.count(),
+        sa.func.coalesce(sa.func.sum(t.c.stored), 0),
+        sa.func.coalesce(sa.func.sum(t.c.dropped), 0),
+        sa.func.coalesce(sa.func.sum(t.c.duplicates), 0),
+        sa.func.coalesce(sa.func.sum(sa.case((missing > 0, missing), else_=0)), 0),
+    ).group_by(t.c.device_id)
+    if ids is not None:
+        inner = inner.where(t.c.device_id.in_(ids))
+        sums = sums.where(t.c.device_id.in_(ids))
+    sub = inner.subquery()
+    rows: dict[str, list[SeqRow]] = {}
+    for r in session.execute(sa.select(sub).where(sub.c.rank <= recent)).all():
+        rows.setdefault(str(r.device_id), []).append(_seq_row(r))
+    for spaces in rows.values():
+        spaces.sort(key=lambda r: (r.started_at is not None, r.started_at or datetime.min, r.incarnation))
+    totals = {
+        str(d): SpaceTotals(int(n), int(st), int(dr), int(du), int(lo))
+        for d, n, st, dr, du, lo in session.execute(sums).all()
+    }
+    return rows, totals
 
 
 def save_device_seqs(session: Session, *, rows: Iterable[SeqRow]) -> None:
@@ -637,6 +697,132 @@ def _islands_stmt(postgres: bool) -> sa.Select[Any]:
         .group_by(tail.c.device_id, tail.c.incarnation, tail.c.grp)
         .order_by(tail.c.device_id, tail.c.incarnation, sa.func.min(tail.c.seq))
     )
+
+
+# --------------------------------------------------------------------------- declared-dropped runs
+
+
+def dropped_range_table() -> sa.Table:
+    return cast(sa.Table, DroppedRange.__table__)  # type: ignore[attr-defined]
+
+
+def dropped_ranges(session: Session, *, device_ids: Iterable[str]) -> dict[Space, list[tuple[int, int]]]:
+    """Per space of the devices, its declared-dropped runs above the ``upto`` its ``device_seq`` row
+    holds in this transaction, lowest first."""
+    t = dropped_range_table()
+    d = device_seq_table()
+    q = (
+        sa.select(t.c.device_id, t.c.incarnation, t.c.first, t.c.last)
+        .select_from(d)
+        .join(
+            t,
+            sa.and_(t.c.device_id == d.c.device_id, t.c.incarnation == d.c.incarnation, t.c.last > d.c.upto),
+        )
+        .where(_ids_match(d.c.device_id, _is_postgres(session)))
+        .order_by(t.c.device_id, t.c.incarnation, t.c.first)
+    )
+    out: dict[Space, list[tuple[int, int]]] = {}
+    for dev, inc, a, b in session.connection().execute(q, {"ids": sorted(set(device_ids))}):
+        out.setdefault((str(dev), str(inc)), []).append((int(a), int(b)))
+    return out
+
+
+def add_dropped_ranges(
+    session: Session, *, space: Space, runs: Iterable[tuple[int, int]], now: datetime
+) -> None:
+    """Record runs declared dropped (the caller made them disjoint from everything covered)."""
+    rows = [
+        {"device_id": space[0], "incarnation": space[1], "first": a, "last": b, "declared_at": now}
+        for a, b in runs
+    ]
+    if rows:
+        session.connection().execute(sa.insert(dropped_range_table()), rows)
+
+
+def take_dropped(session: Session, *, space: Space, seqs: Iterable[int]) -> set[int]:
+    """The seqs among ``seqs`` that were declared dropped, taken out of their runs (a run is split
+    around each): they arrived after all."""
+    wanted = sorted(set(seqs))
+    if not wanted:
+        return set()
+    t = dropped_range_table()
+    mine = sa.and_(t.c.device_id == space[0], t.c.incarnation == space[1])
+    runs = (
+        session.connection()
+        .execute(
+            sa.select(t.c.first, t.c.last, t.c.declared_at).where(
+                mine, t.c.first <= wanted[-1], t.c.last >= wanted[0]
+            )
+        )
+        .all()
+    )
+    taken: set[int] = set()
+    for first, last, declared_at in runs:
+        first, last = int(first), int(last)
+        inside = [q for q in wanted if first <= q <= last]
+        if not inside:
+            continue
+        taken.update(inside)
+        pieces: list[tuple[int, int]] = []
+        start = first
+        for q in inside:
+            if q > start:
+                pieces.append((start, q - 1))
+            start = q + 1
+        if start <= last:
+            pieces.append((start, last))
+        session.connection().execute(sa.delete(t).where(mine, t.c.first == first))
+        add_dropped_ranges(session, space=space, runs=pieces, now=declared_at)
+    return taken
+
+
+# --------------------------------------------------------------------------- new incarnations
+
+
+def admit_incarnations(
+    session: Session, *, spaces: Iterable[Space], now: datetime, per_hour: int
+) -> tuple[list[Space], list[Space]]:
+    """Create the spaces among ``spaces`` (in their order) that do not exist yet, at most ``per_hour``
+    new incarnations per device in the hour before ``now`` (the legacy space is not counted); returns
+    ``(created, refused)``. What a creation means for the device (``record_new_incarnations``) is done
+    here too. Two replicas admitting at once may each create up to the cap: the bound is per replica."""
+    wanted = list(dict.fromkeys(spaces))  # in the order given: the first births of the hour go in
+    if not wanted:
+        return [], []
+    t = device_seq_table()
+    devices = sorted({d for d, _ in wanted})
+    existing: set[Space] = set()
+    recent: dict[str, int] = {}
+    since = now - timedelta(hours=1)
+    rows = session.execute(
+        sa.select(t.c.device_id, t.c.incarnation, t.c.started_at).where(t.c.device_id.in_(devices))
+    ).all()
+    for dev, inc, started_at in rows:
+        existing.add((str(dev), str(inc)))
+        if inc != LEGACY and started_at is not None and _aware(started_at) >= since:
+            recent[str(dev)] = recent.get(str(dev), 0) + 1
+    admit: list[Space] = []
+    refused: list[Space] = []
+    for space in wanted:
+        if space in existing:
+            continue
+        if space[1] != LEGACY:
+            if recent.get(space[0], 0) >= per_hour:
+                refused.append(space)
+                continue
+            recent[space[0]] = recent.get(space[0], 0) + 1
+        admit.append(space)
+    if not admit:
+        return [], refused
+    ensure_devices(session, device_ids={d for d, _ in admit})
+    made = set(ensure_device_seqs(session, spaces=admit, now=now))
+    created = [sp for sp in admit if sp in made]
+    record_new_incarnations(session, created=created, now=now)
+    return created, refused
+
+
+def _aware(v: datetime) -> datetime:
+    return v.replace(tzinfo=UTC) if v.tzinfo is None else v
 
 
 class SeqTotals(NamedTuple):

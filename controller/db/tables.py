@@ -172,7 +172,8 @@ class Detection(SQLModel, table=True):
 
 
 class IngestedSeq(SQLModel, table=True):
-    """One row per ``(device, incarnation, seq)`` ever stored or declared dropped: the dedup record."""
+    """One row per ``(device, incarnation, seq)`` stored: the dedup record. Seqs declared dropped are
+    ``DroppedRange`` rows, one per declared run (``dropped`` stays false here)."""
 
     __tablename__ = "ingested_seq"
 
@@ -185,7 +186,31 @@ class IngestedSeq(SQLModel, table=True):
     dropped: bool = Field(default=False)
 
 
+class DroppedRange(SQLModel, table=True):
+    """Seqs ``first..last`` of one space an agent declared dropped from its full outbox and that have
+    not arrived since: one row per run, whatever its length. Disjoint from each other and from the
+    stored seqs (a late arrival splits its run)."""
+
+    __tablename__ = "dropped_range"
+
+    device_id: str = Field(primary_key=True, max_length=64)
+    incarnation: str = Field(default="", primary_key=True, max_length=32)
+    first: int = Field(primary_key=True, sa_type=sa.BigInteger)
+    last: int = Field(sa_type=sa.BigInteger)
+    declared_at: datetime = Field(sa_type=UtcDateTime)
+
+
 # --------------------------------------------------------------------------- events
+
+# Who wrote an event: the device (its events topic) or the controller itself.
+SOURCE_DEVICE = "device"
+SOURCE_CONTROLLER = "controller"
+# The kinds only the controller writes (the decommission, a new incarnation, a command's result, the
+# converger's re-sends and their outcome): refused when a device sends one, so that the audit trail
+# cannot be forged from a device.
+CONTROLLER_EVENT_KINDS = frozenset(
+    {"decommissioned", "device_reset", "command_result", "twin_resend", "twin_converged"}
+)
 
 
 class EventBase(SQLModel):
@@ -197,6 +222,13 @@ class EventBase(SQLModel):
     camera: str | None = None
     message: str = ""
     data: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+    # Ingest writes the device's events; every other writer is the controller.
+    source: str = Field(
+        default=SOURCE_CONTROLLER,
+        max_length=16,
+        sa_column_kwargs={"server_default": SOURCE_CONTROLLER},
+        description="device: sent by the device on its events topic; controller: written by the controller",
+    )
 
 
 class Event(EventBase, table=True):
@@ -407,7 +439,7 @@ class ApiToken(SQLModel, table=True):
 
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(max_length=64)
-    role: str = Field(max_length=16)  # viewer | operator | admin
+    role: str = Field(max_length=16)  # viewer | operator | release | admin
     # The token's first characters, not secret: shown to tell tokens apart, and the lookup key.
     prefix: str = Field(max_length=16, index=True)
     token_hash: str = Field(max_length=64)

@@ -17,6 +17,7 @@ the worst outcome its handlers returned (:func:`combine_outcomes`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -27,9 +28,11 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel
 
+from controller.link.budget import DeviceBudgets
 from fleet_protocol import ProtocolError, TopicKind, Topics, decode, encode
+from fleet_protocol.codec import MAX_JSON_BYTES
 from fleet_protocol.endpoint import MqttEndpoint
-from fleet_protocol.messages import Message
+from fleet_protocol.messages import Availability, Message
 from fleet_protocol.paho_client import (
     connect_failure,
     connect_in_background,
@@ -40,7 +43,12 @@ from fleet_protocol.topics import SPECS
 
 log = logging.getLogger(__name__)
 
+
+# What a transport calls for every incoming frame. One that takes a ``retain`` keyword as well (the
+# bridge's) is told whether the broker delivered the frame as a retained message.
 MessageCallback = Callable[[str, bytes], None]
+
+
 ConnectCallback = Callable[[], None]
 # With a share group: one replica of the group gets each of these (round-robin on Mosquitto; nothing
 # relies on which one).
@@ -58,11 +66,15 @@ Handler = Callable[[str, Message], str | None]
 # Returned by MqttBridge.on: removes that one registration.
 Remover = Callable[[], None]
 
+_BIRTHS_MAX = 100_000
+
 # Outcomes counted per topic kind.
 OK = "ok"
 INVALID = "invalid"
 DUPLICATE = "duplicate"
 DROPPED_QUEUE_FULL = "dropped_queue_full"
+# Over the device's share of a queue every device shares: one device cannot fill it for the others.
+DROPPED_DEVICE_SHARE = "dropped_device_share"
 UNKNOWN_TOPIC = "unknown_topic"
 STORE_FAILED = "store_failed"
 UNKNOWN_ARTIFACT = "unknown_artifact"
@@ -74,6 +86,11 @@ UNKNOWN_FIELDS = "unknown_fields"
 ERROR = "error"  # a handler raised
 # From a decommissioned device (a broker without per-device credentials still lets it publish).
 REFUSED_DECOMMISSIONED = "refused_decommissioned"
+# Over the device's per-device budget (controller/link/budget.py), dropped before decoding.
+DROPPED_BUDGET = "dropped_budget"
+# Delivered retained on a topic the contract does not retain: a stale replay (a device set the flag on
+# its own publish, and the broker hands it to every new subscription), not something the device says now.
+IGNORED_RETAINED = "ignored_retained"
 
 # How bad an outcome is, for combining those of several handlers; any outcome not named here is a
 # drop or failure (rank 2): the message did not get everywhere it was meant to.
@@ -193,6 +210,7 @@ class PahoTransport:
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._on_message_cb: MessageCallback | None = None
+        self._pass_retain = False
         self._on_connect_cb: ConnectCallback | None = None
         self.refused: str | None = None  # reason, once the broker refused us for good
         # Why the link is not (fully) up: a failed connect (TLS, refused) or a refused subscription.
@@ -210,6 +228,7 @@ class PahoTransport:
 
     def start(self, *, on_message: MessageCallback, on_connect: ConnectCallback) -> None:
         self._on_message_cb = on_message
+        self._pass_retain = "retain" in inspect.signature(on_message).parameters
         self._on_connect_cb = on_connect
         log.info("connecting to MQTT broker %s:%s", self._target.host, self._target.port)
         connect_in_background(self._client, self._target, keepalive=self._keepalive)
@@ -315,15 +334,30 @@ class PahoTransport:
             log.warning("disconnected from MQTT broker (%s); reconnecting", reason_code)
 
     def _on_message(self, _client: mqtt.Client, _userdata: Any, msg: mqtt.MQTTMessage) -> None:
-        if self._on_message_cb is not None:
-            self._on_message_cb(msg.topic, bytes(msg.payload))
+        cb: Any = self._on_message_cb
+        if cb is None:
+            return
+        if self._pass_retain:
+            cb(msg.topic, bytes(msg.payload), retain=bool(msg.retain))
+        else:
+            cb(msg.topic, bytes(msg.payload))
 
 
 class MqttBridge:
     """Parses topics, decodes payloads, counts outcomes, and hands typed messages to handlers."""
 
-    def __init__(self, transport: Transport, topics: Topics, *, share_group: str | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        topics: Topics,
+        *,
+        share_group: str | None = None,
+        budgets: DeviceBudgets | None = None,
+    ) -> None:
+        """``budgets``: per-device caps checked before decoding (None: none, as in tests that
+        drive the bridge directly)."""
         self.transport = transport
+        self.budgets = budgets
         self.topics = topics
         self.share_group = share_group
         # With a share group: whether this replica leads, i.e. holds the leader-only subscriptions.
@@ -337,6 +371,8 @@ class MqttBridge:
         self._connect_listeners: list[ConnectCallback] = []
         self._bad = RateLimitedLog(log)
         self._activity: dict[str, float] = {}
+        # The incarnation each device's last birth named here (ingest starts a space only after one).
+        self._births: dict[str, str | None] = {}
         # Devices whose messages are refused (decommissioned). Copy on write: read without a lock.
         self._refused: frozenset[str] = frozenset()
         self._refused_lock = threading.Lock()
@@ -401,6 +437,10 @@ class MqttBridge:
 
     def on_connect(self, listener: ConnectCallback) -> None:
         self._connect_listeners.append(listener)
+
+    def birth_incarnation(self, device_id: str) -> str | None:
+        """The incarnation the last birth of ``device_id`` that reached this process named."""
+        return self._births.get(device_id)
 
     def last_activity(self, device_id: str) -> float | None:
         """``time.monotonic()`` of the last valid message from ``device_id``."""
@@ -490,8 +530,11 @@ class MqttBridge:
             except Exception:
                 log.exception("connect listener failed")
 
-    def handle_message(self, topic: str, payload: bytes) -> None:
-        """Entry point for every incoming frame; never raises (it runs on paho's thread)."""
+    def handle_message(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        """Entry point for every incoming frame; never raises (it runs on paho's thread).
+
+        Checked before decoding, cheapest first: the topic, a retain flag the contract does not give
+        this kind, a decommissioned device, the device's budget."""
         kind_name = UNKNOWN_KIND
         try:
             if topic.startswith(SHARE_PREFIX):
@@ -508,11 +551,36 @@ class MqttBridge:
                 return
             kind_name = parsed.kind.value
             device_id = parsed.device_id
+            if retain and not SPECS[parsed.kind].retain:
+                self.counters.add(kind_name, IGNORED_RETAINED)
+                self._bad.warning(
+                    f"{IGNORED_RETAINED}:{kind_name}",
+                    "ignoring a retained %s from %s: this kind is never retained, so it is a stale replay",
+                    kind_name,
+                    device_id,
+                )
+                return
             if device_id in self._refused:
                 self.counters.add(kind_name, REFUSED_DECOMMISSIONED)
                 self._bad.warning(
                     f"{REFUSED_DECOMMISSIONED}:{device_id}",
                     "refusing %s from %s: the device is decommissioned (enroll it again to take it back)",
+                    kind_name,
+                    device_id,
+                )
+                return
+            budgets = self.budgets
+            # A payload over the decoder's size limit is refused by its length alone (as cheap as the
+            # budget): it is counted invalid and spends nothing.
+            if (
+                budgets is not None
+                and len(payload) <= MAX_JSON_BYTES
+                and not budgets.allow(device_id, parsed.kind, len(payload))
+            ):
+                self.counters.add(kind_name, DROPPED_BUDGET)
+                self._bad.warning(
+                    f"{DROPPED_BUDGET}:{device_id}",
+                    "dropping %s from %s: over its per-device budget",
                     kind_name,
                     device_id,
                 )
@@ -541,6 +609,10 @@ class MqttBridge:
                 )
                 return
             self._activity[parsed.device_id] = time.monotonic()
+            if isinstance(msg, Availability) and msg.state == "online":
+                if len(self._births) >= _BIRTHS_MAX and device_id not in self._births:
+                    self._births.clear()  # ids come from the network: keep the map bounded
+                self._births[device_id] = msg.incarnation
             outcome: str | None = None
             for registration in handlers:
                 try:

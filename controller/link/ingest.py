@@ -13,8 +13,14 @@ duplicate, claims the rest in ``ingested_seq``, moves ``upto`` over the claimed 
 counts what it stored, found twice or saw declared dropped. The ack it publishes after the commit is
 built from that, so it is right whichever replica stored which seq; and a start reads no history.
 
-Drop policy: when the queue is full the newest message is dropped and counted. That is safe because
-the agent keeps every message in its outbox until an ``Ack`` covers it, and sends it again.
+Drop policy: when the queue is full, or one device already holds its share of it, the newest message
+is dropped and counted. That is safe because the agent keeps every message in its outbox until an
+``Ack`` covers it, and sends it again.
+
+What one device can make this writer store is bounded: a new incarnation only after a birth named it
+(a few per hour, ``crud.admit_incarnations``), a dropped range declared by an ``outbox_dropped`` event
+only where the space has not covered it yet, below the report's own seq, and as one ``dropped_range``
+row per run however long; the controller's own event kinds are refused from devices.
 """
 
 from __future__ import annotations
@@ -40,9 +46,26 @@ from sqlmodel import Session
 from controller.db import crud
 from controller.db.crud import SeqRow, Space, space_of
 from controller.db.engine import db_json, db_text, session_scope
-from controller.db.tables import Detection, Event, UtcDateTime, utcnow
-from controller.link.batching import take_batch
-from controller.link.bridge import DROPPED_QUEUE_FULL, DUPLICATE, INVALID, OK, STORE_FAILED, MqttBridge
+from controller.db.tables import (
+    CONTROLLER_EVENT_KINDS,
+    SOURCE_DEVICE,
+    Detection,
+    Event,
+    UtcDateTime,
+    utcnow,
+)
+from controller.link.batching import FairQueue, take_batch
+from controller.link.bridge import (
+    DROPPED_DEVICE_SHARE,
+    DROPPED_QUEUE_FULL,
+    DUPLICATE,
+    INVALID,
+    OK,
+    STORE_FAILED,
+    MqttBridge,
+    RateLimitedLog,
+)
+from controller.link.budget import QueueShares
 from controller.link.seqtrack import NO_STATS, SeqStats, advance
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Ack, DetectionBatch, EventKind, Message
@@ -51,9 +74,12 @@ from fleet_protocol.messages import Event as EventMsg
 log = logging.getLogger(__name__)
 
 MAX_DB_INT = 2**63 - 1
-# One OUTBOX_DROPPED event may declare at most this many seqs; more is garbage, not an outbox.
-MAX_DECLARED_DROPPED = 200_000
 _INSERT_CHUNK = 5000
+# Outcomes of this service, besides the bridge's.
+# In an incarnation no birth started (or one over the per-hour cap): not stored, not acked.
+UNKNOWN_INCARNATION = "unknown_incarnation"
+# Newest incarnations listed per device in its view (the figures count them all).
+RECENT_INCARNATIONS = 10
 # Rows in one multi-row detection INSERT (14 parameters each, within the database's limit).
 _MULTI_ROWS_MAX = 1000
 
@@ -119,7 +145,8 @@ class _DeviceResult:
     stored: list[_Item] = field(default_factory=list)
     converted: set[int] = field(default_factory=set)  # stored seqs that had been declared dropped
     duplicates: list[_Item] = field(default_factory=list)
-    declared: list[int] = field(default_factory=list)  # newly declared dropped
+    declared: int = 0  # seqs newly declared dropped
+    refused: list[tuple[_Item, str]] = field(default_factory=list)  # not stored, with the outcome
     ack: Ack | None = None  # built inside the transaction, published after its commit
 
 
@@ -252,7 +279,8 @@ class _DetectionInsert:
 
 
 def declared_range(msg: EventMsg) -> tuple[int, int] | None:
-    """The ``first..last`` an OUTBOX_DROPPED event declares, when it is plausible."""
+    """The ``first..last`` an OUTBOX_DROPPED event declares, when it is well-formed: the space's own
+    figures decide how much of it is taken (``IngestService``)."""
     if msg.kind != EventKind.OUTBOX_DROPPED:
         return None
     first, last = msg.data.get("first"), msg.data.get("last")
@@ -264,9 +292,40 @@ def declared_range(msg: EventMsg) -> tuple[int, int] | None:
     ):
         return None
     # The dropped messages were allocated before this event, from the same sequence.
-    if not (1 <= first <= last < msg.seq) or last - first >= MAX_DECLARED_DROPPED:
+    if not (1 <= first <= last < msg.seq):
         return None
     return first, last
+
+
+def merge_runs(*runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint, non-adjacent runs covering every run given."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(chain.from_iterable(runs)):
+        if out and a <= out[-1][1] + 1:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def uncovered(first: int, last: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``first..last`` outside ``covered`` (sorted, disjoint runs)."""
+    out: list[tuple[int, int]] = []
+    at = first
+    for a, b in covered:
+        if b < at:
+            continue
+        if a > last:
+            break
+        if a > at:
+            out.append((at, a - 1))
+        at = max(at, b + 1)
+        if at > last:
+            return out
+    if at <= last:
+        out.append((at, last))
+    return out
 
 
 def _max_params(s: Session) -> int:
@@ -314,9 +373,24 @@ def seq_stats(row: SeqRow | None) -> SeqStats:
     )
 
 
-def device_stats(rows: list[SeqRow]) -> SeqStats:
-    """A device's figures over its spaces (``rows`` oldest first), each space's among them."""
-    return SeqStats.total([seq_stats(r) for r in rows])
+def device_stats(rows: list[SeqRow], totals: crud.SpaceTotals | None = None) -> SeqStats:
+    """A device's figures over its spaces (``rows`` oldest first), each space's among them; with
+    ``totals``, ``rows`` are only its newest spaces and the counts are the totals'."""
+    listed = SeqStats.total([seq_stats(r) for r in rows])
+    if totals is None or not rows:
+        return listed
+    return SeqStats(
+        stored=totals.stored,
+        duplicates=totals.duplicates,
+        dropped=totals.dropped,
+        lost=totals.lost,
+        acked_upto=listed.acked_upto,
+        max_seq=listed.max_seq,
+        incarnation=listed.incarnation,
+        started_at=listed.started_at,
+        incarnations=listed.incarnations,
+        spaces=totals.spaces,
+    )
 
 
 class IngestService:
@@ -332,18 +406,26 @@ class IngestService:
         stop: threading.Event,
         on_stored: StoredCallback | None = None,
         linger_s: float = 0.0,
+        device_queue_max: int | None = None,
+        incarnations_per_hour: int = 6,
     ) -> None:
-        """``linger_s``: how long a commit waits for more messages after the first (batching.py)."""
+        """``linger_s``: how long a commit waits for more messages after the first (batching.py);
+        ``device_queue_max``: the most messages of one device in the queue at once (None: a tenth of
+        the queue, at least the batch size); ``incarnations_per_hour``: new incarnations a device may
+        start in an hour (each one only after its birth)."""
         self._engine = engine
+        self._shares = QueueShares(device_queue_max or max(batch_max, queue_max // 10))
+        self._incarnations_per_hour = incarnations_per_hour
+        self._bad = RateLimitedLog(log)
+        # Spaces whose device and device_seq rows this writer has seen exist (the writer thread's own).
+        self._known_spaces: set[Space] = set()
         self._linger_s = linger_s
         self._bridge = bridge
         # Called on the ingest thread after each commit; it must not block (it only enqueues).
         self._on_stored = on_stored
         self._batch_max = batch_max
-        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_max)
+        self._queue: FairQueue[_Item] = FairQueue(queue_max, key=lambda item: item.device_id)
         self._stop = stop
-        # Spaces whose device and device_seq rows this writer has seen exist (the writer thread's own).
-        self._known_spaces: set[Space] = set()
         self._thread: threading.Thread | None = None
         self._det_insert: _DetectionInsert | None = None
 
@@ -373,11 +455,14 @@ class IngestService:
 
     @staticmethod
     def stats_many(session: Session, device_ids: list[str]) -> dict[str, SeqStats]:
-        """Many devices' figures in one query (a device that never sent anything has zeros)."""
-        rows = crud.device_seqs(
-            session, device_ids=device_ids if len(device_ids) <= _STATS_BY_ID_MAX else None
+        """Many devices' figures in two queries (a device that never sent anything has zeros); each
+        lists its ``RECENT_INCARNATIONS`` newest spaces, and counts them all."""
+        rows, totals = crud.recent_device_seqs(
+            session,
+            device_ids=device_ids if len(device_ids) <= _STATS_BY_ID_MAX else None,
+            recent=RECENT_INCARNATIONS,
         )
-        return {d: device_stats(rows.get(d, [])) for d in device_ids}
+        return {d: device_stats(rows.get(d, []), totals.get(d)) for d in device_ids}
 
     # ---------------------------------------------------------------- bridge handler (paho thread)
 
@@ -385,12 +470,17 @@ class IngestService:
         if not isinstance(msg, DetectionBatch | EventMsg):
             return INVALID
         why = sane(msg)
+        if why is None and isinstance(msg, EventMsg) and msg.kind.value in CONTROLLER_EVENT_KINDS:
+            why = f"event kind {msg.kind.value!r} is the controller's own"
         if why is not None:
-            log.warning("dropping message seq from %s: %s", device_id, why)
+            self._bad.warning(f"invalid:{device_id}", "dropping message from %s: %s", device_id, why)
             return INVALID
+        if not self._shares.take(device_id):
+            return DROPPED_DEVICE_SHARE
         try:
             self._queue.put_nowait(_Item(device_id, msg, time.time()))
         except queue.Full:
+            self._shares.give_back([device_id])
             return DROPPED_QUEUE_FULL
         return None  # counted by the worker once stored (ok) or found duplicate
 
@@ -403,6 +493,7 @@ class IngestService:
             except queue.Empty:
                 continue
             batch = take_batch(self._queue, first, max_items=self._batch_max, linger_s=self._linger_s)
+            self._shares.give_back([item.device_id for item in batch])
             try:
                 self._process(batch)
             except Exception:
@@ -424,6 +515,7 @@ class IngestService:
                         merged.converted |= res.converted
                         merged.duplicates += res.duplicates
                         merged.declared += res.declared
+                        merged.refused += res.refused
                         merged.ack = res.ack or merged.ack  # the later commit knows more
                 except Exception:
                     self._bridge.counters.add(item.kind, STORE_FAILED)
@@ -452,18 +544,44 @@ class IngestService:
         now = utcnow()
         with session_scope(self._engine) as s:
             truth = self._lock_truth(s, set(by_space), now)
+            for space in [sp for sp in by_space if sp not in truth]:
+                # No birth started this space (or the device is over its new incarnations for the hour).
+                res = results[space]
+                res.refused += [
+                    (it, UNKNOWN_INCARNATION) for it in (*by_space.pop(space).values(), *res.duplicates)
+                ]
+                res.duplicates = []
+                self._bad.warning(
+                    f"{UNKNOWN_INCARNATION}:{space[0]}",
+                    "%s sends in incarnation %s, which no birth started: not stored (it sends again)",
+                    space[0],
+                    space[1],
+                )
             claimed = self._claim(s, by_space, truth, now)
             det_rows: list[tuple[Any, ...]] = []
             det_insert = self._detection_insert(s)
+            declarations: list[tuple[Space, tuple[int, int]]] = []
             for space, items in by_space.items():
                 res = results[space]
                 row = truth[space]
                 # Only a space with seqs declared dropped (and not arrived since) can have one revived.
-                self._sort_device(s, space, items, claimed, res, now, revive=row.dropped > 0)
-                self._rows_device(s, space, res, now, det_rows, det_insert, upto=row.upto)
-            islands = crud.seq_islands(s, device_ids={d for d, _ in by_space})
+                self._sort_device(s, space, items, claimed, res, revive=row.dropped > 0)
+                declarations += self._rows_device(s, space, res, now, det_rows, det_insert)
+            devices = {d for d, _ in by_space}
+            islands = crud.seq_islands(s, device_ids=devices) if devices else {}
+            # A space has declared runs only while its dropped count is above 0: no read for the others.
+            with_runs = {d for d, i in by_space if truth[(d, i)].dropped > 0} | {
+                sp[0] for sp, _ in declarations
+            }
+            runs = crud.dropped_ranges(s, device_ids=with_runs) if with_runs else {}
+            for space, rng in declarations:
+                covered = merge_runs(islands.get(space, []), runs.get(space, []))
+                new = self._declare_dropped(s, space, rng, now, upto=truth[space].upto, covered=covered)
+                results[space].declared += sum(b - a + 1 for a, b in new)
+                runs[space] = runs.get(space, []) + new
             for space in by_space:
-                self._account(truth[space], results[space], islands.get(space, []))
+                covered = merge_runs(islands.get(space, []), runs.get(space, []))
+                self._account(truth[space], results[space], covered)
             crud.save_device_seqs(s, rows=[truth[space] for space in by_space])
             # One INSERT for the detections of every device in the batch.
             if det_insert.usable:
@@ -477,8 +595,10 @@ class IngestService:
         return dict(results)
 
     def _lock_truth(self, s: Session, spaces: set[Space], now: datetime) -> dict[Space, SeqRow]:
-        """The ``device_seq`` rows of the batch's devices (every space of theirs), the batch's spaces
-        created if new, locked until the commit.
+        """The ``device_seq`` rows of the batch's devices (every space of theirs), locked until the
+        commit; the legacy spaces among ``spaces`` created if new, and the incarnations this
+        controller saw a birth name (within the per-hour cap: ``crud.admit_incarnations``). Any
+        other space is missing from the answer: no birth started it.
 
         A space created here is new to the fleet (the insert happens once, whichever replica tries):
         a new incarnation becomes its device's current one, with a ``device_reset`` event when the
@@ -488,23 +608,29 @@ class IngestService:
         it still sees the rows as the commit will find them: SQLite serves one controller process, with
         one ingest writer, the only one that writes these rows.
         """
+        # Created before the rows are locked, in (device, incarnation) order, as every writer does:
+        # inserting after locking could wait on another replica's insert while it waits on our lock.
         new = spaces - self._known_spaces
-        if new:
-            self._create_spaces(s, new, now)
-        devices = {d for d, _ in spaces}
-        truth = crud.lock_device_seqs(s, device_ids=devices)
-        missing = spaces - truth.keys()
-        if missing:  # deleted behind this writer's back (by hand: the controller never deletes them)
-            self._create_spaces(s, missing, now)
-            truth |= crud.lock_device_seqs(s, device_ids={d for d, _ in missing})
+        startable = {
+            sp for sp in new if sp[1] == crud.LEGACY or self._bridge.birth_incarnation(sp[0]) == sp[1]
+        }
+        if startable:
+            _, refused = crud.admit_incarnations(
+                s, spaces=sorted(startable), now=now, per_hour=self._incarnations_per_hour
+            )
+            for device_id, incarnation in refused:
+                self._bad.warning(
+                    f"incarnations:{device_id}",
+                    "%s started more than %d incarnations in an hour: %s refused",
+                    device_id,
+                    self._incarnations_per_hour,
+                    incarnation,
+                )
+        truth = crud.lock_device_seqs(s, device_ids={d for d, _ in spaces})
+        # One deleted behind this writer's back (by hand: the controller never deletes them) is
+        # created again by the next batch that may start it.
+        self._known_spaces -= spaces - truth.keys()
         return truth
-
-    @staticmethod
-    def _create_spaces(s: Session, spaces: set[Space], now: datetime) -> None:
-        crud.ensure_devices(s, device_ids={d for d, _ in spaces})
-        created = crud.ensure_device_seqs(s, spaces=spaces, now=now)
-        for ev in crud.record_new_incarnations(s, created=created, now=now):
-            log.warning("%s: %s", ev.device_id, ev.message)
 
     @staticmethod
     def _claim(
@@ -564,33 +690,18 @@ class IngestService:
         items: dict[int, _Item],
         claimed: set[tuple[Space, int]],
         res: _DeviceResult,
-        now: datetime,
         *,
         revive: bool,
     ) -> None:
         """Split one space's messages into stored (new, or declared dropped before) and duplicates."""
         stored = [q for q in items if (space, q) in claimed]
         seen_before = [q for q in items if (space, q) not in claimed]
-        if seen_before:
-            revived: set[int] = set()
-            if revive:
-                # Dropped rows are never compacted, so this finds them below upto as well.
-                t = crud.ingested_seq_table()
-                upd = (
-                    sa.update(t)
-                    .where(
-                        t.c.device_id == space[0],
-                        t.c.incarnation == space[1],
-                        t.c.seq.in_(seen_before),
-                        t.c.dropped.is_(True),
-                    )
-                    .values(dropped=False, stored_at=now)
-                    .returning(t.c.seq)
-                )
-                revived = {int(r[0]) for r in s.execute(upd).all()}
-            res.converted |= revived
-            stored += revived
-            res.duplicates += [items[q] for q in sorted(seen_before) if q not in revived]
+        # A declared run is disjoint from the stored seqs: a claimed seq may lie inside one (an arrival
+        # above upto), an unclaimed one only below upto, where its record may be compacted.
+        revived = crud.take_dropped(s, space=space, seqs=items) if revive else set()
+        res.converted |= revived
+        stored += [q for q in seen_before if q in revived]
+        res.duplicates += [items[q] for q in sorted(seen_before) if q not in revived]
         res.stored += [items[q] for q in sorted(stored)]
 
     def _detection_insert(self, s: Session) -> _DetectionInsert:
@@ -609,10 +720,10 @@ class IngestService:
         now: datetime,
         det_rows: list[tuple[Any, ...]],
         det_insert: _DetectionInsert,
-        *,
-        upto: int,
-    ) -> None:
-        """Append the stored detections' rows to ``det_rows``; add the stored events to the session."""
+    ) -> list[tuple[Space, tuple[int, int]]]:
+        """Append the stored detections' rows to ``det_rows``; add the stored events to the session;
+        returns the dropped ranges the stored events declare."""
+        declared: list[tuple[Space, tuple[int, int]]] = []
         device_id = space[0]
         usable = det_insert.usable
         # Timestamps in the driver's form, converted once per commit and once per frame, not per row.
@@ -658,52 +769,50 @@ class IngestService:
                         message=db_text(msg.message) or "",
                         data=db_json(msg.data),
                         stored_at=now,
+                        source=SOURCE_DEVICE,
                     )
                 )
                 rng = declared_range(msg)
                 if rng is not None:
-                    res.declared += self._declare_dropped(s, space, rng, now, upto=upto)
+                    declared.append((space, rng))
+        return declared
 
     @staticmethod
     def _declare_dropped(
-        s: Session, space: Space, rng: tuple[int, int], now: datetime, *, upto: int
-    ) -> list[int]:
-        # Every seq up to upto is covered already, and its row may be compacted: not declared again.
+        s: Session,
+        space: Space,
+        rng: tuple[int, int],
+        now: datetime,
+        *,
+        upto: int,
+        covered: list[tuple[int, int]],
+    ) -> list[tuple[int, int]]:
+        """Record the parts of ``rng`` not covered yet, one row per run; returns them.
+
+        Only what the space has not covered is taken: every seq up to ``upto`` is (its record may be
+        compacted), and so is every run in ``covered`` (stored, or declared before)."""
         first, last = max(rng[0], upto + 1), rng[1]
-        newly: list[int] = []
-        t = crud.ingested_seq_table()
-        ins = crud.dialect_insert(s, t).on_conflict_do_nothing().returning(t.c.seq)
-        for a in range(first, last + 1, _INSERT_CHUNK):
-            b = min(last, a + _INSERT_CHUNK - 1)
-            rows = [
-                {
-                    "device_id": space[0],
-                    "incarnation": space[1],
-                    "seq": q,
-                    "kind": "dropped",
-                    "stored_at": now,
-                    "dropped": True,
-                }
-                for q in range(a, b + 1)
-            ]
-            newly += [int(r[0]) for r in s.execute(ins, rows).all()]
-        if newly:
+        if first > last:
+            return []
+        new = uncovered(first, last, covered)
+        crud.add_dropped_ranges(s, space=space, runs=new, now=now)
+        if new:
             log.warning(
                 "%s (incarnation %s) declared %d seqs dropped from its outbox (%d..%d)",
                 space[0],
                 space[1] or "legacy",
-                len(newly),
+                sum(b - a + 1 for a, b in new),
                 first,
                 last,
             )
-        return newly
+        return new
 
     @staticmethod
     def _account(row: SeqRow, res: _DeviceResult, islands: list[tuple[int, int]]) -> None:
         """Count the space's batch on its row, move ``upto`` and build the ack (inside the transaction):
         it names the space's incarnation, so an agent that started another meanwhile ignores it."""
         row.stored += len(res.stored)
-        row.dropped += len(res.declared) - len(res.converted)
+        row.dropped += res.declared - len(res.converted)
         row.duplicates += len(res.duplicates)
         upto, ranges = advance(row.upto, islands)
         row.upto = upto
@@ -718,6 +827,8 @@ class IngestService:
                 counters.add(item.kind, OK)
             for item in res.duplicates:
                 counters.add(item.kind, DUPLICATE)
+            for item, outcome in res.refused:
+                counters.add(item.kind, outcome)
         # Acked after commit, and also for duplicates: a resend means the agent missed our last ack.
         for (device_id, _), res in results.items():
             ack = res.ack

@@ -4,6 +4,10 @@ One light worker thread per replica writes what devices say about themselves. Th
 leader work and one SQL statement over ``device.last_seen``, which every replica keeps current for the
 messages it stores; a heartbeat another replica stores meanwhile is seen by the statement itself, so
 a birth or a heartbeat and a timeout cannot undo each other.
+
+What one device can make this worker store is bounded: its share of the status queue, a health sample
+at most every ``health_interval_s`` (its current health is still its latest heartbeat), and new
+incarnations only a few an hour.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from itertools import chain
 from typing import Any, cast
 
 import sqlalchemy as sa
@@ -27,8 +32,9 @@ from controller.db.engine import db_json, db_text, session_scope
 from controller.db.leader import ALWAYS_LEADER, LeaderGuard, Leadership
 from controller.db.states import DeviceStatus
 from controller.db.tables import Device, HealthSample, utcnow
-from controller.link.batching import take_batch
+from controller.link.batching import FairQueue, take_batch
 from controller.link.bridge import (
+    DROPPED_DEVICE_SHARE,
     DROPPED_QUEUE_FULL,
     INVALID,
     OK,
@@ -36,6 +42,7 @@ from controller.link.bridge import (
     STORE_FAILED,
     MqttBridge,
 )
+from controller.link.budget import QueueShares
 from controller.link.commands import command_result_event
 from fleet_protocol.codec import MESSAGE_FOR_TOPIC
 from fleet_protocol.messages import Availability, CommandResult, Heartbeat, Message, ReportedState
@@ -43,12 +50,15 @@ from fleet_protocol.messages import Availability, CommandResult, Heartbeat, Mess
 log = logging.getLogger(__name__)
 
 StatusMsg = Availability | Heartbeat | ReportedState | CommandResult
+# A birth naming an incarnation over the device's new incarnations for the hour: counted, not started.
+REFUSED_INCARNATION = "refused_incarnation"
 # How often every replica reads which devices are decommissioned (its own decommissions take effect at
 # once; another replica's within this).
 REFUSED_REFRESH_S = 5.0
 MAX_VERSION = 2**31 - 1  # device.reported_version is a 32-bit INTEGER
 STATUS_BATCH_MAX = 500  # messages per status transaction
 _KIND: dict[type, str] = {cls: kind.value for kind, cls in MESSAGE_FOR_TOPIC.items()}
+_SAMPLES_MAX = 100_000  # devices whose last sample time is remembered
 
 
 _DEVICE = cast(sa.Table, Device.__table__)  # type: ignore[attr-defined]
@@ -107,14 +117,28 @@ class PresenceService:
         on_capabilities: Callable[[str], object] | None = None,
         leadership: Leadership = ALWAYS_LEADER,
         linger_s: float = 0.0,
+        health_interval_s: float = 0.0,
+        device_queue_max: int | None = None,
+        incarnations_per_hour: int = 6,
     ) -> None:
-        """``linger_s``: how long a commit waits for more messages after the first (batching.py)."""
+        """``linger_s``: how long a commit waits for more messages after the first (batching.py);
+        ``health_interval_s``: a device's heartbeats are stored as health samples at most this often
+        (the last one is always its current health); ``device_queue_max``: the most messages of one
+        device in the queue at once (None: a tenth of it); ``incarnations_per_hour``: new incarnations
+        a device's births may start in an hour."""
         self._engine = engine
+        self._health_interval = timedelta(seconds=health_interval_s)
+        self._shares = QueueShares(device_queue_max or max(1, queue_max // 10))
+        self._incarnations_per_hour = incarnations_per_hour
+        # When each device's last health sample was stored (the worker's own; bounded like _known).
+        self._last_sample: dict[str, datetime] = {}
         self._linger_s = linger_s
         self._bridge = bridge
         self._timeout = heartbeat_timeout_s
         self._sweep_every = max(0.05, min(1.0, heartbeat_timeout_s / 4))
-        self._queue: queue.Queue[_Item | _Republish] = queue.Queue(maxsize=queue_max)
+        self._queue: FairQueue[_Item | _Republish] = FairQueue(
+            queue_max, key=lambda item: item.device_id if isinstance(item, _Item) else None
+        )
         self._stop = stop
         self._republish = republish
         # Called (on this worker, after the commit) for a device whose birth reported new capabilities.
@@ -147,9 +171,12 @@ class PresenceService:
         if isinstance(msg, ReportedState) and msg.desired_version > MAX_VERSION:
             # Never a version we issued, and more than the column holds: it would fail its whole batch.
             return INVALID
+        if not self._shares.take(device_id):
+            return DROPPED_DEVICE_SHARE
         try:
             self._queue.put_nowait(_Item(device_id, msg, utcnow()))
         except queue.Full:
+            self._shares.give_back([device_id])
             return DROPPED_QUEUE_FULL
         return OK
 
@@ -190,6 +217,7 @@ class PresenceService:
                         republish = True
                     else:
                         batch.append(p)
+                self._shares.give_back([i.device_id for i in batch])
             except queue.Empty:
                 pass
             try:
@@ -243,16 +271,23 @@ class PresenceService:
             # A birth names the incarnation the agent sends in: a new one is recorded now, even before
             # its first batch (once, whichever of birth and batch, or replica, comes first). Before the
             # device rows are touched, in the order ingest locks them: device_seq, then device.
-            spaces = {
+            spaces = [
                 (i.device_id, i.msg.incarnation or crud.LEGACY)
                 for i in batch
                 if isinstance(i.msg, Availability) and i.msg.state == "online" and i.msg.incarnation
-            }
+            ]
             if spaces:
-                now = utcnow()
-                created = crud.ensure_device_seqs(s, spaces=spaces, now=now)
-                for ev in crud.record_new_incarnations(s, created=created, now=now):
-                    log.warning("%s: %s", ev.device_id, ev.message)
+                _, refused = crud.admit_incarnations(
+                    s, spaces=spaces, now=utcnow(), per_hour=self._incarnations_per_hour
+                )
+                for device_id, incarnation in refused:
+                    self._bridge.counters.add(_KIND[Availability], REFUSED_INCARNATION)
+                    log.warning(
+                        "%s started more than %d incarnations in an hour: %s refused",
+                        device_id,
+                        self._incarnations_per_hour,
+                        incarnation,
+                    )
             rest = [i for i in batch if i.device_id not in beats_only]
             if rest:
                 changed = self._apply_orm(s, rest)
@@ -303,20 +338,22 @@ class PresenceService:
                 continue
             # NaN/Infinity are valid floats on the wire but not JSON: PostgreSQL refuses them.
             payload = db_json(item.msg.model_dump(mode="json"))
-            samples.append({"device_id": item.device_id, "ts": item.received_at, "payload": payload})
+            if self._sample_due(item.device_id, item.received_at):
+                samples.append({"device_id": item.device_id, "ts": item.received_at, "payload": payload})
             latest[item.device_id] = (item.received_at, payload)
             if st != DeviceStatus.ONLINE and item.device_id not in online_since:
                 # Alive is alive: a heartbeat after a timeout sweep (or a lost birth) means online.
                 online_since[item.device_id] = item.received_at
                 log.info("device %s online (heartbeat)", item.device_id)
-        if not samples:
+        if not latest:
             return
         if s.get_bind().dialect.name == "postgresql":
             self._write_heartbeats_pg(s, samples, latest, online_since)
             return
         # The same three writes as on PostgreSQL, as executemany statements.
         conn = s.connection()
-        conn.execute(sa.insert(_HEALTH), samples)
+        if samples:
+            conn.execute(sa.insert(_HEALTH), samples)
         conn.execute(
             _SEEN_STMT,
             [{"b_id": d, "last_seen": ts, "last_health": payload} for d, (ts, payload) in latest.items()],
@@ -333,16 +370,20 @@ class PresenceService:
     ) -> None:
         """The same writes as three statements over arrays (an UPDATE or INSERT per row costs the
         client more than the server); each payload serialised once."""
-        text = {id(p["payload"]): json.dumps(p["payload"]) for p in samples}
+        text = {
+            id(p): json.dumps(p)
+            for p in chain((p["payload"] for p in samples), (v[1] for v in latest.values()))
+        }
         conn = s.connection()
-        conn.execute(
-            _HEALTH_PG,
-            {
-                "device_id": [p["device_id"] for p in samples],
-                "ts": [p["ts"] for p in samples],
-                "payload": [text[id(p["payload"])] for p in samples],
-            },
-        )
+        if samples:
+            conn.execute(
+                _HEALTH_PG,
+                {
+                    "device_id": [p["device_id"] for p in samples],
+                    "ts": [p["ts"] for p in samples],
+                    "payload": [text[id(p["payload"])] for p in samples],
+                },
+            )
         ids = sorted(latest)
         conn.execute(
             _SEEN_PG,
@@ -390,7 +431,8 @@ class PresenceService:
                 dev.status, dev.online_since = DeviceStatus.ONLINE, now
                 log.info("device %s online (heartbeat)", dev.id)
             dev.last_seen, dev.last_health = now, payload
-            s.add(HealthSample(device_id=dev.id, ts=now, payload=payload))
+            if self._sample_due(dev.id, now):
+                s.add(HealthSample(device_id=dev.id, ts=now, payload=payload))
         elif isinstance(msg, ReportedState):
             dev.reported = db_json(msg.model_dump(mode="json"))
             dev.reported_version = msg.desired_version
@@ -402,6 +444,17 @@ class PresenceService:
             if event is not None:  # None: this command id is recorded already
                 s.add(event)
         return caps_changed
+
+    def _sample_due(self, device_id: str, at: datetime) -> bool:
+        """Whether a heartbeat of ``device_id`` received ``at`` is stored as a health sample (at most
+        one per ``health_interval_s``); marks it stored if so."""
+        last = self._last_sample.get(device_id)
+        if last is not None and timedelta(0) <= at - last < self._health_interval:
+            return False
+        if len(self._last_sample) >= _SAMPLES_MAX and device_id not in self._last_sample:
+            self._last_sample.clear()
+        self._last_sample[device_id] = at
+        return True
 
     def sweep(self) -> list[str]:
         """Mark offline the online devices nothing was stored from for the heartbeat timeout, by the

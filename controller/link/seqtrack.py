@@ -85,7 +85,8 @@ class SeqStats:
     max_seq: int
     incarnation: str | None = None  # the space (None: legacy, or a device total)
     started_at: datetime | None = None
-    incarnations: tuple[SeqStats, ...] = ()  # a device total: its spaces, oldest first
+    incarnations: tuple[SeqStats, ...] = ()  # a device total: its (newest) spaces, oldest first
+    spaces: int = 0  # a device total: how many spaces it has, listed or not
 
     @classmethod
     def total(cls, spaces: Sequence[SeqStats]) -> SeqStats:
@@ -105,6 +106,7 @@ class SeqStats:
             incarnation=now.incarnation,
             started_at=now.started_at,
             incarnations=tuple(spaces),
+            spaces=len(spaces),
         )
 
     @classmethod

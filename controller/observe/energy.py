@@ -8,10 +8,16 @@ Frames are the delta of the per-camera ``frames`` counters. Joules per frame = m
 over the intervals where energy was measured. A device without any sensor reports ``None`` ("not
 measured"), never an estimate. Intervals longer than ``max_gap_s`` (device down) or with counters that
 went backwards (agent restart) are skipped, not interpolated.
+
+A window is read one device at a time, from a bounded sample: at most ``MAX_SAMPLES`` heartbeats per
+device, the first of each equal slice of the window (the cumulative counters make the sum over a
+thinned sample the same frames and CPU joules; GPU power is integrated over the longer steps). The cost
+of a call is then bounded by the fleet's size, never by how many heartbeats a device sent.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -23,7 +29,7 @@ from sqlalchemy.engine import Engine
 from controller.db.tables import HealthSample
 
 MAX_GAP_S = 120.0
-MAX_ROWS = 500_000
+MAX_SAMPLES = 720  # heartbeats read per device and window (one per 5 s over an hour)
 
 
 @dataclass
@@ -205,20 +211,56 @@ def fleet_summary(devices: Sequence[DeviceEnergy], *, bucket_s: int) -> dict[str
     }
 
 
-def load_payloads(
-    engine: Engine, *, since: datetime, until: datetime, device: str | None = None
-) -> dict[str, list[dict[str, Any]]]:
-    """Heartbeat payloads per device in ``[since, until)``, oldest first (at most ``MAX_ROWS``)."""
+def _slice(engine: Engine, column: Any, step: int) -> Any:
+    """The index of ``column``'s ``step``-second slice (an integer)."""
+    if engine.dialect.name == "sqlite":
+        return sa.cast(sa.func.strftime("%s", column), sa.BigInteger).op("/")(sa.literal(step, sa.BigInteger))
+    return sa.cast(sa.func.floor(sa.extract("epoch", column) / step), sa.BigInteger)
+
+
+def sampled_payloads(
+    engine: Engine, *, device: str, since: datetime, until: datetime, max_samples: int = MAX_SAMPLES
+) -> tuple[list[dict[str, Any]], int]:
+    """One device's heartbeat payloads in ``[since, until)``, oldest first: the first of each of at
+    most ``max_samples`` equal slices of the window and the window's last; and the slice length in
+    seconds."""
     t = HealthSample.__table__  # type: ignore[attr-defined]
-    q = sa.select(t.c.device_id, t.c.payload).where(t.c.ts >= since, t.c.ts < until)
+    step = max(1, math.ceil((until - since).total_seconds() / max_samples))
+    firsts = (
+        sa.select(sa.func.min(t.c.id))
+        .where(t.c.device_id == device, t.c.ts >= since, t.c.ts < until)
+        .group_by(_slice(engine, t.c.ts, step))
+    )
+    # And the window's last one: the sample reaches the end of the window, whatever the slice length.
+    last = sa.select(sa.func.max(t.c.id)).where(t.c.device_id == device, t.c.ts >= since, t.c.ts < until)
+    q = (
+        sa.select(t.c.payload)
+        .where(sa.or_(t.c.id.in_(firsts), t.c.id == last.scalar_subquery()))
+        .order_by(t.c.ts, t.c.id)
+        .limit(max_samples + 2)
+    )
+    with engine.connect() as conn:
+        return [p for (p,) in conn.execute(q) if isinstance(p, dict)], step
+
+
+def window_energy(
+    engine: Engine, *, device_ids: Iterable[str], since: datetime, until: datetime, device: str | None = None
+) -> list[DeviceEnergy]:
+    """Every device's energy in ``[since, until)`` (``device``: that one only), from bounded samples,
+    one device in memory at a time; ``device_ids``: the known devices (each listed, measured or not)."""
+    t = HealthSample.__table__  # type: ignore[attr-defined]
+    q = sa.select(t.c.device_id).where(t.c.ts >= since, t.c.ts < until).distinct()
     if device is not None:
         q = q.where(t.c.device_id == device)
-    q = q.order_by(t.c.device_id, t.c.ts).limit(MAX_ROWS)
-    out: dict[str, list[dict[str, Any]]] = {}
     with engine.connect() as conn:
-        for dev, payload in conn.execute(q):
-            if isinstance(payload, dict):
-                out.setdefault(dev, []).append(payload)
+        sending = {str(d) for (d,) in conn.execute(q)}
+    out: list[DeviceEnergy] = []
+    for dev in sorted(set(device_ids) | sending):
+        if dev not in sending:
+            out.append(DeviceEnergy(device=dev))
+            continue
+        payloads, step = sampled_payloads(engine, device=dev, since=since, until=until)
+        out.append(device_energy(dev, payloads, max_gap_s=MAX_GAP_S + step))
     return out
 
 

@@ -10,9 +10,10 @@ one after another replica took over.
 
 Compaction: ingest treats every seq up to a space's (a device's incarnation) ``device_seq.upto`` as a
 duplicate without reading ``ingested_seq``, so the rows there are no longer needed for dedup and are
-deleted once older than ``seq_keep_s`` (recent ones stay for whoever inspects what was stored). Rows of
-seqs the agent declared dropped are kept: a late arrival of one of them is stored after all, and its row
-says so.
+deleted once older than ``seq_keep_s`` (recent ones stay for whoever inspects what was stored). The
+runs of seqs an agent declared dropped (``dropped_range``, one row per run) at or below ``upto`` go once
+older than ``dropped_keep_s``: until then a late arrival of one of them is stored after all; after it,
+such a message cannot still be on its way (the agent dropped it), and the space's figures keep the count.
 
 Health downsampling by age (per device): everything younger than ``keep_all_s``; one sample per
 ``tier1_step_s`` (a minute) up to ``tier1_age_s`` (a day); one per ``tier2_step_s`` (ten minutes) beyond.
@@ -48,6 +49,7 @@ class RetentionPolicy:
     tier1_step_s: float = 60.0
     tier2_step_s: float = 600.0
     seq_keep_s: float = 86400.0  # dedup records below upto younger than this are kept
+    dropped_keep_s: float = 7 * 86400.0  # declared-dropped runs below upto younger than this are kept
     batch: int = 1000
     pause_s: float = 0.02  # between batches: lets the ingest writer in
 
@@ -152,6 +154,8 @@ class RetentionService:
             rep.health_thinned = self._thin_health(now)
         if self._going():
             rep.seqs_compacted = self._compact_seqs(now)
+        if self._going():
+            rep.seqs_compacted += self._compact_dropped(now)
         if rep.detections or rep.events or rep.health_expired or rep.health_thinned or rep.seqs_compacted:
             log.info(
                 "retention: deleted %d detections, %d events, %d expired and %d thinned health samples, "
@@ -165,7 +169,7 @@ class RetentionService:
         return rep
 
     def _compact_seqs(self, now: datetime) -> int:
-        """Delete ``ingested_seq`` rows at or below their space's ``upto``, not dropped, older than
+        """Delete ``ingested_seq`` rows at or below their space's ``upto``, older than
         ``seq_keep_s``: in seq order, a batch at a time, up to the first row still too young (rows are
         stored roughly in seq order; one stored later waits for a later pass)."""
         p = self.policy
@@ -209,6 +213,23 @@ class RetentionService:
                     return deleted
                 after = doomed[-1]
         return deleted
+
+    def _compact_dropped(self, now: datetime) -> int:
+        """Delete the declared-dropped runs at or below their space's ``upto``, declared before
+        ``dropped_keep_s``; counts the runs (rows), not their seqs."""
+        t = crud.dropped_range_table()
+        ds = crud.device_seq_table()
+        upto = (
+            sa.select(ds.c.upto)
+            .where(ds.c.device_id == t.c.device_id, ds.c.incarnation == t.c.incarnation)
+            .scalar_subquery()
+        )
+        cutoff = now - timedelta(seconds=self.policy.dropped_keep_s)
+        return _delete(
+            self._engine,
+            sa.delete(t).where(t.c.declared_at < cutoff, t.c.last <= upto),
+            self._leadership.fence,
+        )
 
     def _thin_health(self, now: datetime) -> int:
         p = self.policy

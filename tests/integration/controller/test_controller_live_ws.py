@@ -42,7 +42,10 @@ TOPICS = Topics()
 
 @pytest.fixture
 def controller(tmp_path: Path, broker: MosquittoBroker) -> Iterator[ControllerProcess]:
-    c = start_controller(tmp_path, broker, EDGEFLEET_HEARTBEAT_TIMEOUT_S="60")
+    # Heartbeats a moment apart are each kept as health history (the energy test needs two).
+    c = start_controller(
+        tmp_path, broker, EDGEFLEET_HEARTBEAT_TIMEOUT_S="60", EDGEFLEET_HEALTH_SAMPLE_INTERVAL_S="0"
+    )
     yield c
     c.stop()
 

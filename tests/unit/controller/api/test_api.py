@@ -110,7 +110,8 @@ def test_birth_marks_unknown_device_online_with_capabilities(fleet: Fleet) -> No
     assert dev["offline_since"] is not None
 
 
-def test_heartbeat_shows_cameras_and_health_history(fleet: Fleet) -> None:
+def test_heartbeat_shows_cameras_and_health_history(make_fleet: FleetFactory) -> None:
+    fleet = make_fleet(health_sample_interval_s=0)  # both heartbeats kept, however close together
     fleet.send(DEV, TopicKind.AVAILABILITY, birth())
     fleet.send(DEV, TopicKind.HEARTBEAT, heartbeat(fps=10.0))
     fleet.send(DEV, TopicKind.HEARTBEAT, heartbeat(fps=12.5))
@@ -185,7 +186,15 @@ def test_detections_are_stored_and_acked(fleet: Fleet) -> None:
     assert [(e["seq"], e["kind"], e["message"]) for e in events] == [(2, "camera_up", "hello")]
     stats = fleet.device(DEV)["stats"]
     spaces = stats.pop("incarnations")
-    assert stats == {"stored": 3, "duplicates": 0, "lost": 0, "dropped": 0, "acked_upto": 3, "max_seq": 3}
+    assert stats == {
+        "stored": 3,
+        "duplicates": 0,
+        "lost": 0,
+        "dropped": 0,
+        "acked_upto": 3,
+        "max_seq": 3,
+        "incarnation_count": 1,
+    }
     assert [(x["incarnation"], x["stored"]) for x in spaces] == [(None, 3)]  # one space: the legacy one
     assert fleet.counters()["detections"]["ok"] == 2 and fleet.counters()["events"]["ok"] == 1
 

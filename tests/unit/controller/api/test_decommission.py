@@ -143,6 +143,7 @@ def test_enrolling_again_brings_it_back_with_a_new_incarnation_beside_the_old_hi
     r = fleet.client.put(f"/api/v1/devices/{DEV}/cameras/cam1/model", json={"model": "tiny", "version": "1"})
     assert r.status_code == 200, r.text
     old, new = uuid.uuid4().hex, uuid.uuid4().hex
+    fleet.send(DEV, TopicKind.AVAILABILITY, Availability(state="online", ts=time.time(), incarnation=old))
     for seq in (1, 2):
         fleet.send(DEV, TopicKind.DETECTIONS, detection_batch(seq).model_copy(update={"incarnation": old}))
     fleet.wait_ack(DEV, lambda a: a.upto == 2, "1..2 stored")

@@ -47,7 +47,7 @@ from fleet_protocol.messages import (
 )
 from fleet_protocol.messages import Box as WireBox
 from fleet_protocol.topics import SPECS
-from tests.support.controller_app import MODEL_BYTES, Fleet
+from tests.support.controller_app import MODEL_BYTES, Fleet, FleetFactory
 from tests.support.json_mutations import (
     DEEP,
     DROP,
@@ -293,6 +293,20 @@ def _still_works(fleet: Fleet, device: str, seq: int) -> None:
 # --------------------------------------------------------------------------- tests
 
 
+# Thousands of payloads from a few devices within seconds: far over any device's budget, which these
+# tests are not about (test_ingest_bounds.py is): every payload must reach the decoder here.
+UNBUDGETED = {
+    f"{lane}_device_{what}": 10**9
+    for lane in ("ingest", "status")
+    for what in ("messages_per_s", "message_burst", "bytes_per_s", "burst_bytes")
+}
+
+
+@pytest.fixture
+def fleet(make_fleet: FleetFactory) -> Fleet:
+    return make_fleet(**UNBUDGETED)
+
+
 def test_every_device_topic_survives_broken_messages(
     fleet: Fleet, quiet_errors: pytest.LogCaptureFixture
 ) -> None:
@@ -443,6 +457,8 @@ FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
         (("queue_dropped",), -1),
         (("queue_dropped",), 1.5),
         (("gpus",), "gpu"),
+        (("gpus",), [{"index": i, "name": "g"} for i in range(65)]),
+        (("cameras",), [{"camera": f"cam{i}", "state": "up"} for i in range(65)]),
         (("gpus", 0, "index"), -1),
         (("gpus", 0, "index"), 2**70),
         (("gpus", 0, "name"), LONG),
@@ -514,6 +530,10 @@ FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
         (("message",), 5),
         (("data",), []),
         (("data",), "x"),
+        # Free-form, yet bounded (PROTOCOL.md "Payloads"): nesting, keys, string length.
+        (("data",), {"deep": json.loads("[" * 8 + "1" + "]" * 8)}),
+        (("data",), {f"k{i}": i for i in range(129)}),
+        (("data",), {"text": LONG}),
     ],
     TopicKind.TWIN_REPORTED: [
         (("ts",), DROP),
@@ -546,6 +566,7 @@ FIELD_REFUSALS: dict[TopicKind, list[tuple[tuple[Any, ...], Any]]] = {
         (("ok",), None),
         (("result",), []),
         (("result",), "x"),
+        (("result",), {"deep": json.loads("[" * 8 + "1" + "]" * 8)}),
         (("error",), LONG),
         (("error",), 5),
     ],
@@ -650,6 +671,7 @@ def must_accept(kind: TopicKind) -> Verdicts:
             (("outbox_pending",), 2**63 - 1),
             (("cameras", 0, "frames"), 2**63 - 1),
             (("cpu_pct",), 0),
+            (("cameras",), [{"camera": f"cam{i}", "state": "up"} for i in range(64)]),
         ],
         TopicKind.DETECTIONS: [
             (("seq",), 2**63 - 1),
@@ -659,7 +681,7 @@ def must_accept(kind: TopicKind) -> Verdicts:
         ],
         TopicKind.EVENTS: [
             (("message",), "é" * 4096),
-            (("data",), {"deep": json.loads("[" * 50 + "1" + "]" * 50), "big": 2**70, "text": LONG}),
+            (("data",), {"deep": json.loads("[" * 7 + "1" + "]" * 7), "big": 2**70, "text": "t" * 4096}),
         ],
         TopicKind.TWIN_REPORTED: [
             (("desired_version",), 2**31 - 1),

@@ -20,11 +20,11 @@ from controller.db import crud
 from controller.db.engine import alembic_config, make_engine, migrate
 from controller.db.tables import Device, Event, utcnow
 from controller.observe.retention import RetentionPolicy, RetentionService
-from fleet_protocol import TopicKind
+from fleet_protocol import TopicKind, encode
 from fleet_protocol.messages import Ack, Availability, DetectionBatch
 from fleet_protocol.messages import Event as EventMsg
 from tests.support.controller_app import Fleet
-from tests.support.ingest_replicas import Replica, batch, dropped, truth
+from tests.support.ingest_replicas import TOPICS, Replica, batch, dropped, truth
 from tests.support.waiting import wait_for
 
 postgres_only = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
@@ -69,6 +69,16 @@ def current(replica: Replica, device: str) -> tuple[str | None, bool]:
         return dev.incarnation, dev.incarnation_started_at is not None
 
 
+def born(replica: Replica, device: str, inc: str) -> None:
+    """The device's birth naming ``inc``, as this replica's bridge sees it: ingest starts an
+    incarnation only after a birth named it (the status service, absent here, would store the rest)."""
+    replica.bridge.on(TopicKind.AVAILABILITY, lambda _d, _m: None)
+    replica.bridge.handle_message(
+        TOPICS.device(device, TopicKind.AVAILABILITY),
+        encode(Availability(state="online", ts=time.time(), incarnation=inc)),
+    )
+
+
 def send_until(
     replica: Replica, device: str, msg: DetectionBatch | EventMsg, check: Callable[[Ack], bool]
 ) -> None:
@@ -93,11 +103,13 @@ def test_a_reset_device_is_stored_whole_in_both_spaces_and_acked_per_space(repli
     for q in range(1, 6):
         replica.send(dev, batch(q))
     send_until(replica, dev, batch(5), lambda k: (k.incarnation, k.upto) == (None, 5))
+    born(replica, dev, a)
     for q in range(1, 9):
         replica.send(dev, of(a, batch(q)))
     wait_for(
         lambda: any((k.incarnation, k.upto) == (a, 8) for k in replica.acks(dev)), timeout=20, what="a 1..8"
     )
+    born(replica, dev, b)
     for q in range(1, 4):
         replica.send(dev, of(b, batch(q)))
     send_until(replica, dev, of(b, dropped(5, 4, 4)), lambda k: (k.incarnation, k.upto) == (b, 5))
@@ -120,10 +132,12 @@ def test_a_reset_device_is_stored_whole_in_both_spaces_and_acked_per_space(repli
 
 def test_a_gap_in_one_space_is_lost_there_only(replica: Replica) -> None:
     dev, a, b = "gappy", new_incarnation(), new_incarnation()
+    born(replica, dev, a)
     for q in (1, 2, 4):
         replica.send(dev, of(a, batch(q)))
     send_until(replica, dev, of(a, batch(5)), lambda k: (k.upto, k.ranges) == (2, [(4, 5)]))
     # The new space's seqs 1..3 do not fill the old space's hole at 3.
+    born(replica, dev, b)
     for q in (1, 2):
         replica.send(dev, of(b, batch(q)))
     send_until(replica, dev, of(b, batch(3)), lambda k: (k.incarnation, k.upto, k.ranges) == (b, 3, []))
@@ -136,7 +150,9 @@ def test_a_gap_in_one_space_is_lost_there_only(replica: Replica) -> None:
 
 def test_a_late_batch_of_an_older_incarnation_goes_to_its_own_space(replica: Replica) -> None:
     dev, a, b = "late", new_incarnation(), new_incarnation()
+    born(replica, dev, a)
     send_until(replica, dev, of(a, batch(1)), lambda k: k.incarnation == a)
+    born(replica, dev, b)
     send_until(replica, dev, of(b, batch(1)), lambda k: k.incarnation == b)
     send_until(replica, dev, of(a, batch(2)), lambda k: (k.incarnation, k.upto) == (a, 2))
     assert seqs_by_space(replica, dev) == {a: [1, 2], b: [1]}
@@ -154,6 +170,8 @@ def test_replicas_racing_on_a_new_incarnation_record_one_reset(db_url: str) -> N
         send_until(pair[0], dev, batch(1), lambda k: k.upto == 1)
         for round_ in range(5):
             b = new_incarnation()
+            for r in pair:
+                born(r, dev, b)
             start = threading.Barrier(2)
 
             def send(r: Replica, seqs: range, inc: str = b, start: threading.Barrier = start) -> None:
@@ -212,6 +230,7 @@ def test_retention_compacts_each_space_below_its_own_upto(replica: Replica) -> N
     dev, a = "compacted", new_incarnation()
     for q in range(1, 11):
         replica.send(dev, batch(q))
+    born(replica, dev, a)
     for q in (1, 2, 3, 5):
         replica.send(dev, of(a, batch(q)))
     wait_for(
@@ -270,6 +289,7 @@ def test_the_migration_keeps_the_history_as_the_legacy_space_and_downgrades(db_u
         # The legacy space goes on where it was; a new incarnation starts at 1 beside it.
         a = new_incarnation()
         send_until(replica, "old", batch(3), lambda k: (k.incarnation, k.upto) == (None, 3))
+        born(replica, "old", a)
         send_until(replica, "old", of(a, batch(1)), lambda k: (k.incarnation, k.upto) == (a, 1))
         assert seqs_by_space(replica, "old") == {"": [1, 2, 3], a: [1]}
         assert resets(replica, "old") == [{"previous": None, "incarnation": a}]

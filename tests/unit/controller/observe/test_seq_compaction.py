@@ -1,5 +1,6 @@
-"""Retention compacts the dedup records below each device's ``upto`` (keeping the declared-dropped ones),
-and a seq compacted away is still a duplicate; retention is the leader's work and fenced."""
+"""Retention compacts the dedup records below each device's ``upto`` (the declared-dropped runs only
+once older than ``dropped_keep_s``), and a seq compacted away is still a duplicate; retention is the
+leader's work and fenced."""
 
 from __future__ import annotations
 
@@ -31,11 +32,15 @@ def replica(db_url: str) -> Iterator[Replica]:
 
 
 def retention(
-    replica: Replica, *, keep_s: float = 0.0, leadership: Leadership = ALWAYS_LEADER
+    replica: Replica,
+    *,
+    keep_s: float = 0.0,
+    dropped_keep_s: float = 3600.0,
+    leadership: Leadership = ALWAYS_LEADER,
 ) -> RetentionService:
     return RetentionService(
         replica.engine,
-        RetentionPolicy(seq_keep_s=keep_s, batch=7, pause_s=0.0),
+        RetentionPolicy(seq_keep_s=keep_s, dropped_keep_s=dropped_keep_s, batch=7, pause_s=0.0),
         interval_s=3600,
         stop=replica.stop,
         leadership=leadership,
@@ -56,11 +61,20 @@ def fill(replica: Replica) -> None:
     )
 
 
+def runs(replica: Replica) -> list[tuple[int, int]]:
+    """The device's declared-dropped runs."""
+    with replica.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT first, last FROM dropped_range WHERE device_id = :d ORDER BY first"), {"d": DEV}
+        ).all()
+    return [(int(a), int(b)) for a, b in rows]
+
+
 def test_rows_below_upto_are_compacted_and_a_compacted_seq_stays_a_duplicate(replica: Replica) -> None:
     fill(replica)
     rep = retention(replica).run_once(now=utcnow() + LATER)
-    rows = seq_rows(replica.engine, DEV)
-    assert rows == {**dict.fromkeys(range(40, 46), True), 62: False, 63: False, 64: False}
+    assert seq_rows(replica.engine, DEV) == dict.fromkeys([62, 63, 64], False)
+    assert runs(replica) == [(40, 45)]  # one row for the run, kept: younger than dropped_keep_s
     assert rep.seqs_compacted == 60 - 6
 
     # A resend of a compacted seq: a duplicate, stored nothing, and the ack still says everything.
@@ -69,23 +83,32 @@ def test_rows_below_upto_are_compacted_and_a_compacted_seq_stays_a_duplicate(rep
     assert 10 not in seq_rows(replica.engine, DEV)
     # A seq declared dropped that arrives after all: stored, and no longer counted dropped.
     replica.send_and_ack(DEV, batch(42), lambda a: a.upto == 60)
-    assert seq_rows(replica.engine, DEV)[42] is False and detections_per_seq(replica.engine, DEV)[42] == 2
+    assert detections_per_seq(replica.engine, DEV)[42] == 2
+    assert runs(replica) == [(40, 41), (43, 45)]
     # The gap above upto still closes with the rows above it (never compacted).
     replica.send_and_ack(DEV, batch(61), lambda a: (a.upto, a.ranges) == (64, []))
     row = truth(replica.engine, DEV)
     assert row is not None
     assert (row.upto, row.stored, row.dropped, row.duplicates, row.max_seq) == (64, 59, 5, 1, 64)
 
-    # The next pass compacts what upto passed since (61..64, and 42, now stored), never a dropped row.
+    # The next pass compacts what upto passed since (61..64: 42 came below upto, where taking it out of
+    # its run is the whole record), not the young runs.
     again = retention(replica).run_once(now=utcnow() + LATER)
-    assert again.seqs_compacted == 5
-    assert seq_rows(replica.engine, DEV) == dict.fromkeys([40, 41, 43, 44, 45], True)
+    assert again.seqs_compacted == 4
+    assert seq_rows(replica.engine, DEV) == {} and runs(replica) == [(40, 41), (43, 45)]
 
     # Seqs declared dropped that were stored and compacted long ago are not declared again.
     replica.send_and_ack(DEV, dropped(65, 2, 4), lambda a: (a.upto, a.ranges) == (65, []))
-    assert seq_rows(replica.engine, DEV) == {**dict.fromkeys([40, 41, 43, 44, 45], True), 65: False}
+    assert seq_rows(replica.engine, DEV) == {65: False} and runs(replica) == [(40, 41), (43, 45)]
     row = truth(replica.engine, DEV)
     assert row is not None and (row.stored, row.dropped, row.max_seq) == (60, 5, 65)
+
+    # Runs below upto older than dropped_keep_s go too (a message dropped that long ago cannot come);
+    # the figures stay.
+    retention(replica, dropped_keep_s=0.0).run_once(now=utcnow() + LATER)
+    assert runs(replica) == []
+    row = truth(replica.engine, DEV)
+    assert row is not None and (row.stored, row.dropped, row.upto) == (60, 5, 65)
 
 
 def test_recent_rows_are_kept(replica: Replica) -> None:
