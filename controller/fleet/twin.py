@@ -23,7 +23,7 @@ from controller.db.engine import session_scope
 from controller.db.leader import ALWAYS_LEADER, Leadership
 from controller.db.states import DeviceStatus, SyncState
 from controller.db.tables import AgentPackage, Device, Event, ModelVersion, utcnow
-from controller.errors import ConflictError, NotFoundError
+from controller.errors import ConflictError, InvalidError, NotFoundError
 from controller.fleet.deployments import (
     AGENT_HEALTH_TIMEOUT_S,
     AgentLayer,
@@ -41,6 +41,7 @@ from controller.registry.choice import AUTO, Choice, choose
 from controller.security.keys import ArtifactSigner
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import (
+    MAX_CAMERAS,
     AgentPackageRef,
     ArtifactRef,
     CameraDesired,
@@ -129,6 +130,14 @@ class TwinService:
                 raise NotFoundError(f"model {model!r} version {version!r} is not registered")
             choose(s, mv=mv, capabilities=dev.capabilities, pin=variant)  # a bad pin is refused here
             direct = dict(dev.direct or {})
+            named = set(direct) | set((dev.desired or {}).get("cameras") or {})
+            if camera not in named and len(named) >= MAX_CAMERAS:
+                # A desired state names at most this many cameras (the contract's bound, which the
+                # agent holds to as well): one more could never be published.
+                raise InvalidError(
+                    f"device {device_id!r} has {len(named)} cameras with a model already, the most a "
+                    f"desired state may name ({MAX_CAMERAS}): remove one first"
+                )
             direct[camera] = {
                 "model": model,
                 "version": version,

@@ -9,6 +9,7 @@ from typing import Any
 
 from fleet_protocol import TopicKind, decode, decode_chunk
 from fleet_protocol.messages import (
+    MAX_CAMERAS,
     ArtifactRequest,
     Availability,
     Box,
@@ -444,3 +445,16 @@ def test_healthz_and_openapi(fleet: Fleet) -> None:
     spec = fleet.client.get("/openapi.json").json()
     assert "/api/v1/detections" in spec["paths"]
     assert spec["paths"]["/api/v1/devices/{device_id}/cameras/{camera}/model"]["put"]["summary"]
+
+
+def test_a_camera_past_what_a_desired_state_may_name_is_refused_not_a_500(fleet: Fleet) -> None:
+    fleet.client.post("/api/v1/devices", json={"id": DEV})
+    body = {"model": "tiny", "version": "1"}
+    for i in range(MAX_CAMERAS):
+        r = fleet.client.put(f"/api/v1/devices/{DEV}/cameras/cam{i}/model", json=body)
+        assert r.status_code == 200, r.text
+    r = fleet.client.put(f"/api/v1/devices/{DEV}/cameras/one-more/model", json=body)
+    assert r.status_code == 422 and str(MAX_CAMERAS) in r.json()["detail"]
+    # A camera already named may still change model, and the published state is intact.
+    r = fleet.client.put(f"/api/v1/devices/{DEV}/cameras/cam0/model", json={**body, "threshold": 0.3})
+    assert r.status_code == 200 and len(r.json()["cameras"]) == MAX_CAMERAS
