@@ -51,7 +51,9 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, broker: MosquittoBroker) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("dashboard")
-    controller = start_controller(work, broker)
+    # Every heartbeat kept as a health sample: the page shows the latest heartbeat, and the tests look
+    # that very heartbeat up in the history to compare what the page shows with what the API has.
+    controller = start_controller(work, broker, EDGEFLEET_HEALTH_SAMPLE_INTERVAL_S="0")
     agent = AgentProcess(
         work,
         DEVICE,

@@ -241,7 +241,7 @@ def test_killing_the_leader_mid_rollout_hands_over_and_every_gate_is_recorded_on
         return body if body["state"] in ("succeeded", "failed") else None
 
     ro = wait_for(ended, timeout=120, what="rollout ends")
-    assert ro["state"] == "succeeded", ro
+    assert ro["state"] == "succeeded", json.dumps(ro, indent=1)
     assert [g["wave"] for g in ro["gates"]] == [1, 2, 3], ro["gates"]
     assert all(g["passed"] for g in ro["gates"]), ro["gates"]
     assert sim.stop(timeout=90) == 0, sim.output()[-3000:]
