@@ -1,0 +1,38 @@
+"""bench/placement.py runs in its ``--smoke`` configuration and prints every figure it promises, with no
+collateral move and no move under noise (those two are the planner's promises, not timings); the
+timings themselves are BENCHMARKS.md's business, not a test's."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_placement_bench_smoke_prints_its_figures_and_ratio() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.placement", "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"^full plan +: \d+\.\d+ ms for all sites .*placed \d+ of 500", out, re.M), out
+    assert re.search(
+        r"^ratio plan / raw: median \d+\.\d+, range \d+\.\d+-\d+\.\d+ over 2 runs$", out, re.M
+    ), out
+    assert re.search(r"^failover +: per site p50 \d+\.\d+ ms, p99 \d+\.\d+ ms over 50 failures", out, re.M), (
+        out
+    )
+    assert re.search(r"moves \+ unplaced != orphans: 0\)$", out, re.M), out
+    assert re.search(r"^collateral moves: 0$", out, re.M), out
+    assert re.search(r"^noise ±15% +: 0\.0 moves per site-hour", out, re.M), out
+    for strategy in ("spread", "pack"):
+        assert re.search(
+            rf"^energy {strategy} *: \d+ of 50 devices loaded, modelled \d+\.\d+ kW", out, re.M
+        ), out
