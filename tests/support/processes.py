@@ -18,7 +18,7 @@ from tests.support.mqtt_broker import MosquittoBroker, free_port
 from tests.support.waiting import wait_for
 
 # The admin API token of in-process controllers (TestClient): high-entropy, made per test session.
-ADMIN_TOKEN = secrets.token_urlsafe(32)
+ADMIN_TOKEN = "eft_" + secrets.token_urlsafe(32)
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -46,8 +46,10 @@ class ControllerProcess:
             "EDGEFLEET_API_PORT": str(self.port),
             # Building variants of the bundled models takes minutes of CPU; tests opt in.
             "EDGEFLEET_BUILD_VARIANTS_ON_START": "false",
-            # Every API call needs a token; tests act as the admin unless they make other tokens.
-            "EDGEFLEET_ADMIN_TOKEN": secrets.token_urlsafe(32),
+            # Every API call needs a token; tests act as the admin unless they make other tokens. Shaped
+            # as the controller makes them: a bare urlsafe token may start with "-", which a command
+            # line given "--token VALUE" takes for an option.
+            "EDGEFLEET_ADMIN_TOKEN": "eft_" + secrets.token_urlsafe(32),
             **env,
         }
         self.token = self.env["EDGEFLEET_ADMIN_TOKEN"]

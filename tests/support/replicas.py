@@ -30,7 +30,7 @@ class ReplicaSet:
         # The one signing key every replica serves with (the deployment's Secret), made once here.
         load_or_create_signer(secrets_dir)
         self.key_file = secrets_dir / "artifact_signing_key.pem"
-        self.token = secrets.token_urlsafe(32)
+        self.token = "eft_" + secrets.token_urlsafe(32)  # never starting with "-"
         self.store = workdir / "store"
         self.store.mkdir(parents=True, exist_ok=True)
         self.env = {
