@@ -236,7 +236,8 @@ def test_submit_wakes_the_worker_at_once_and_the_result_is_recorded(
         mv = wait_for(lambda: finished(engine, mv_id), timeout=20, what="built without waiting for a poll")
         assert mv.status == ModelVersionStatus.READY and mv.build_attempts == 1 and mv.build_owner is None
         assert set(variants(engine, mv_id)) == {"fp32", "fp16", "int8"}
-        assert built == [mv_id]
+        # Told after the commit that made it ready, on the worker's thread.
+        wait_for(lambda: built == [mv_id], timeout=10, what="the build reported once")
     finally:
         stop.set()
         worker.join(10)
