@@ -21,7 +21,7 @@ leaves its results):
 
 Anything missing prints ``SKIP <what>: <why>`` and the run goes on with what it can. Without a GPU it
 exits 0 after saying why; with one it exits 1 when a check fails. Usage:
-``python bench/gpu_check.py [--out gpu_check.json] [--models nanodet_coco] [--seconds 8]``.
+``python -m bench.gpu_check [--out gpu_check.json] [--models nanodet_coco] [--seconds 8]``.
 
 It runs no pytest. The opt-in GPU tests (the real ``TensorRtRuntime`` and onnxruntime's CUDA provider
 against onnxruntime CPU on a tiny model) are run beside it on the same machine:
@@ -46,13 +46,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from edge_agent.inference import gpu_stack
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402
-
-from edge_agent.inference import gpu_stack  # noqa: E402
-
 FOOTAGE = REPO / "models" / "footage" / "vtest.avi"
 PASS_BAR = 0.95  # F1 and mean IoU against onnxruntime CPU
 PRECISION = "fp16"

@@ -16,7 +16,7 @@ real camera's, the content is softer than a real 4K frame (which does not change
 resize, colour swap or cast). Four distinct frames are cycled, so no single frame stays in cache.
 OpenCV runs with its default thread count, as in the agent's prepare thread (printed).
 
-Usage: ``python bench/preprocess.py [--seconds 3] [--smoke]``.
+Usage: ``python -m bench.preprocess [--seconds 3] [--smoke]``.
 """
 
 from __future__ import annotations
@@ -24,21 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import cv2
+import numpy as np
+
+from fleet_protocol.messages import InputSpec, ModelManifest
+from fleet_protocol.vision.preprocess import Preprocessor
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import cv2  # noqa: E402
-import numpy as np  # noqa: E402
-
-from fleet_protocol.messages import InputSpec, ModelManifest  # noqa: E402
-from fleet_protocol.vision.preprocess import Preprocessor  # noqa: E402
-
 MODELS = ("ped_ssdlite", "nanodet_coco")
 FOOTAGE = REPO / "models" / "footage" / "vtest.avi"
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080), "4K": (3840, 2160)}

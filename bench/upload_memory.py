@@ -24,18 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.support.mqtt_broker import MosquittoBroker  # noqa: E402
-from tests.support.processes import start_controller  # noqa: E402
-from tests.support.upload_bombs import (  # noqa: E402
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import start_controller
+from tests.support.upload_bombs import (
     constant_of_shape_bomb,
     data_dependent_bomb,
     write_gzip_bomb_package,
 )
-from tests.support.waiting import wait_for  # noqa: E402
+from tests.support.waiting import wait_for
 
+REPO = Path(__file__).resolve().parents[1]
 MiB = 1024**2
 
 

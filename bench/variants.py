@@ -9,7 +9,7 @@ half chooses among the INT8 candidates, the F1 and IoU printed come from the sec
 part in the choice. Then the issue's target: INT8 at one thread >= 1.7x faster than FP32 with
 F1 >= 0.95, PASS/FAIL per model (the exit code is 0 either way; non-zero only when the bench breaks).
 
-Usage: ``python bench/variants.py [--calib 100] [--eval 40] [--rounds 10] [--runs 5] [--models ...]
+Usage: ``python -m bench.variants [--calib 100] [--eval 40] [--rounds 10] [--runs 5] [--models ...]
 [--smoke]`` (``--smoke``: a quick check that it runs, NanoDet only, few frames, one latency round).
 """
 
@@ -24,14 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import onnxruntime as ort
+
+from controller.registry.variants import VariantReport, build_variants
+from fleet_protocol.messages import ModelManifest
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import onnxruntime as ort  # noqa: E402
-
-from controller.registry.variants import VariantReport, build_variants  # noqa: E402
-from fleet_protocol.messages import ModelManifest  # noqa: E402
-
 MODELS = ("ped_ssdlite", "nanodet_coco")
 FOOTAGE = REPO / "models" / "footage" / "vtest.avi"
 TARGET_SPEEDUP = 1.7
@@ -90,7 +88,7 @@ def main() -> int:
         ap.error("--eval must be at least 2: half chooses among the INT8 candidates, half gives the figures")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    print(f"# bench/variants.py  ({time.strftime('%Y-%m-%d %H:%M')})")
+    print(f"# python -m bench.variants  ({time.strftime('%Y-%m-%d %H:%M')})")
     print(
         f"machine: {_cpu()}, {os.cpu_count()} logical CPUs; onnxruntime {ort.__version__}, "
         f"CPU EP, ORT_ENABLE_ALL, no spinning (the agent's defaults)"

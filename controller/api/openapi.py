@@ -1,5 +1,5 @@
 """What FastAPI's generated OpenAPI document leaves out, added in one place so that every route, present
-and future, is described as it behaves (checked by schemathesis in test_controller_openapi_fuzz.py):
+and future, is described as it behaves (checked by schemathesis in tests/unit/controller/api/test_openapi_fuzz.py):
 
 - ``400`` on every operation with a request body: a body that does not parse (not JSON, or not the
   declared content type) is refused by FastAPI before validation, with ``{"detail": "..."}``;

@@ -19,10 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _smoke(bench: str, timeout: float = 120) -> str:
     """``bench``: a module of bench/ run as the README says (``python -m bench.NAME``, from the
-    repository root: the benches on the test harness import ``tests.support``), or a script's file name."""
-    cmd = [str(REPO / "bench" / bench)] if bench.endswith(".py") else ["-m", f"bench.{bench}"]
+    repository root: the benches on the test harness import ``tests.support``)."""
     proc = subprocess.run(
-        [sys.executable, *cmd, "--smoke"],
+        [sys.executable, "-m", f"bench.{bench}", "--smoke"],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -57,7 +56,7 @@ def test_transfer_bench_smoke_prints_its_ratios_and_resume_figure() -> None:
 
 
 def test_variants_bench_smoke_reports_figures_on_frames_not_used_to_choose() -> None:
-    out = _smoke("variants.py")
+    out = _smoke("variants")
     assert "4 choose among the INT8 candidates, the other 4 give F1/IoU" in out, out
     for variant in ("fp32", "fp16", "int8"):
         assert re.search(rf"^\| {variant} \| \d+\.\d+ \|", out, re.M), out

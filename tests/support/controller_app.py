@@ -113,6 +113,11 @@ def write_model(
 
 
 MODEL_BYTES = bytes(range(256)) * 2600 + b"tail"  # 665 604 bytes: 3 chunks of 256 KiB, the last short
+# The integration tests' model: two chunks of 256 KiB would be too many for what they check.
+TINY_MODEL_BYTES = bytes(range(256)) * 1100
+
+# Starts a controller app with the given settings overrides; the TestClient's lifespan is running.
+AppFactory = Callable[..., TestClient]
 
 
 class Fleet:

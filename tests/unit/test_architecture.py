@@ -446,15 +446,18 @@ def _imported(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def test_no_module_imports_a_test_module_and_bench_imports_only_the_harness_of_tests() -> None:
-    """Test modules share code through tests/support (or a conftest fixture), never through each
-    other; bench/ reaches into tests/ only for the harness, ``tests.support``."""
+    """Test modules share code through tests/support (or a conftest fixture, which pytest hands over
+    by name), never through each other or by importing a conftest; bench/ reaches into tests/ only
+    for the harness, ``tests.support``, and runs as ``python -m bench.NAME`` with no ``sys.path`` edit."""
     files = sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")])
-    test_modules = {_module_name(f) for f in files if f.name.startswith("test_")}
+    test_modules = {_module_name(f) for f in files if f.name.startswith("test_") or f.name == "conftest.py"}
     assert len(test_modules) > 100, "the scan found no test modules: is ROOT right?"
     bad: list[str] = []
     harness_imports = 0
     for f in files:
         where = f.relative_to(ROOT)
+        if where.parts[0] == "bench" and "sys.path" in f.read_text():
+            bad.append(f"{where} edits sys.path: run it as python -m bench.{f.stem} from the checkout")
         for line, module in _imported(f):
             if module in test_modules:
                 bad.append(f"{where}:{line} imports the test module {module}")

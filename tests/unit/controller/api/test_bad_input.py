@@ -307,7 +307,7 @@ def test_json_routes_refuse_text_and_form_bodies(fleet: Fleet, method: str, url:
 
 
 def test_a_sparse_initializer_declaring_exabytes_is_refused_with_the_numbers(fleet: Fleet) -> None:
-    """4.8 of the security review: a few-KB file whose sparse tensor is 2^62 floats once dense."""
+    """A few-KB file whose sparse tensor is 2^62 floats once dense."""
     from tests.support.onnx_models import with_sparse_bomb
 
     bomb = with_sparse_bomb()
@@ -357,7 +357,7 @@ def _manifest_for_yolov8_like(width: int, height: int) -> str:
 
 
 def test_a_manifest_input_size_that_contradicts_the_static_graph_is_refused(make_fleet: FleetFactory) -> None:
-    """4.9 of the security review: a manifest saying 8192x8192 for a 64x64 model."""
+    """A manifest saying 8192x8192 for a 64x64 model."""
     fleet = make_fleet(build_variants_on_upload=False)
     for width, height, named in [
         (8192, 8192, "width 8192 (the model's is 64) and height 8192"),

@@ -4,7 +4,7 @@ killed build leaves nothing in the cache.
 The build process is real (``python -m edge_agent.inference.engine_build.child``); only the builder inside it
 is a fake (``tests/support/fakes/tensorrt.py``), selected by ``BuildRequest.builder``. The
 fake holds its own process's GIL for long stretches, like onnxruntime's session creation does.
-The 60 s version of the first test is tests/integration/edge_agent/test_edge_engine_build_60s.py.
+The 60 s version of the first test is tests/integration/edge_agent/test_engine_build_60s.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """native TensorRT path: pinned host staging sized to the profile max, allocated once per engine,
 freed at close, every copy through it, one stream sync per run; pageable fallback with the reason.
 
-No GPU here. The fakes extend test_edge_trt's cuda-python and TensorRT 10 fakes: "device" memory and
+No GPU here. The fakes extend the harness's cuda-python and TensorRT 10 fakes (tests/support/fakes/tensorrt.py): "device" memory and
 "pinned" memory are real host buffers, ``cudaMemcpyAsync`` really copies (and records whether the host
 side lay in pinned memory), and the fake execution context computes outputs from the input it finds at
 the address given to ``set_tensor_address``. So the data that comes back has been through every copy.

@@ -4,7 +4,7 @@ it is run by hand there, and this test skips.)"""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import re
 import subprocess
@@ -14,30 +14,24 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "gpu_check.py"
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.gpu_check")
 
 
 def test_without_a_gpu_it_exits_0_after_saying_why(tmp_path: Path) -> None:
     devices, why = load_script().cuda_devices()
     if devices:
-        pytest.skip("this machine has an NVIDIA GPU: run `python bench/gpu_check.py` by hand (minutes)")
+        pytest.skip("this machine has an NVIDIA GPU: run `python -m bench.gpu_check` by hand (minutes)")
     out = tmp_path / "result.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out)],
+        [sys.executable, "-m", "bench.gpu_check", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=tmp_path,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()

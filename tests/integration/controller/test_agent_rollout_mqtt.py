@@ -6,7 +6,7 @@ back the version before then sends every device to what it ran first, never to t
 rolled back, and the canary's view keeps why that one failed.
 
 The agent's own side (install, supervisor, restart, real roll back) is tests/integration/edge_agent/
-test_agent_self_update.py."""
+test_self_update.py."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from fleet_protocol.messages import (
     ReportedState,
 )
 from fleet_protocol.signing import load_public_key, verify_agent_package, verify_desired
-from tests.integration.controller.conftest import AppFactory, FakeAgent
 from tests.support.agent_packages import make_package
+from tests.support.controller_app import AppFactory
+from tests.support.fakes.agent import FakeAgent
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration

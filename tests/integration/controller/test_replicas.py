@@ -28,8 +28,8 @@ from fleet_protocol.messages import (
     Message,
 )
 from fleet_protocol.signing import generate_private_key, save_private_key
-from tests.integration.controller.conftest import FakeAgent
 from tests.support.databases import postgres_schema
+from tests.support.fakes.agent import FakeAgent
 from tests.support.messages import detection_batch
 from tests.support.mqtt_broker import MosquittoBroker
 from tests.support.processes import ADMIN_HEADERS, ADMIN_TOKEN

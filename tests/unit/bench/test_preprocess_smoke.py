@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_preprocess_bench_smoke_prints_every_case_and_its_ratio() -> None:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "preprocess.py"), "--smoke"],
+        [sys.executable, "-m", "bench.preprocess", "--smoke"],
         capture_output=True,
         text=True,
         timeout=120,

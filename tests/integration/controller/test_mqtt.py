@@ -27,7 +27,8 @@ from fleet_protocol.messages import (
     FrameDetections,
     Heartbeat,
 )
-from tests.integration.controller.conftest import MODEL_BYTES, AppFactory, FakeAgent
+from tests.support.controller_app import TINY_MODEL_BYTES, AppFactory
+from tests.support.fakes.agent import FakeAgent
 from tests.support.mqtt_broker import MosquittoBroker
 from tests.support.processes import ADMIN_HEADERS, ADMIN_TOKEN
 from tests.support.waiting import wait_for
@@ -205,7 +206,7 @@ def test_model_assignment_reaches_the_device_and_chunks_are_served(
         what="all chunks",
     )
     parts = dict(sorted((h.index, d) for h, d in map(decode_chunk, frames)))
-    assert b"".join(parts.values()) == MODEL_BYTES
+    assert b"".join(parts.values()) == TINY_MODEL_BYTES
 
 
 def test_desired_state_survives_a_broker_restart(

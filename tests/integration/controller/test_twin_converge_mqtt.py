@@ -12,7 +12,8 @@ import pytest
 
 from fleet_protocol import TopicKind, Topics, decode
 from fleet_protocol.messages import Availability, CameraReported, Capabilities, DesiredState, ReportedState
-from tests.integration.controller.conftest import AppFactory, FakeAgent
+from tests.support.controller_app import AppFactory
+from tests.support.fakes.agent import FakeAgent
 from tests.support.mqtt_broker import MosquittoBroker
 from tests.support.waiting import wait_for
 
