@@ -147,6 +147,7 @@ class ControllerRuntime:
             on_stored=self._on_stored,
             device_queue_max=settings.ingest_device_queue_max,
             incarnations_per_hour=settings.device_incarnations_per_hour,
+            gaps_max=settings.ingest_gaps_max,
         )
         self.twin = TwinService(
             self.engine,

@@ -94,6 +94,10 @@ class ControllerSettings(BaseSettings):
     status_device_queue_max: int | None = Field(default=None, ge=1)
     # New incarnations (seq spaces) a device may start in an hour, each only by a birth naming it.
     device_incarnations_per_hour: int = Field(default=6, ge=1)
+    # Gaps a sequence space may hold above its acked point (lost messages not yet sent again); a seq
+    # that would open one more is not stored and not acked, so the agent sends it again later.
+    # At most the ack's 1,000 ranges.
+    ingest_gaps_max: int = Field(default=256, ge=1, le=1000)
     # A device's heartbeats are stored as health history at most this often (its current health is
     # always its last heartbeat): a little under the agent's 5 s interval, so no regular one is skipped.
     health_sample_interval_s: float = Field(default=4.0, ge=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -417,10 +418,21 @@ class SeqRow:
     stored: int
     dropped: int
     duplicates: int
+    above: list[tuple[int, int]]  # covered runs above upto (``DeviceSeq.above``)
 
     @property
     def space(self) -> Space:
         return self.device_id, self.incarnation
+
+
+def runs_to_text(runs: Sequence[tuple[int, int]]) -> str:
+    return json.dumps([[a, b] for a, b in runs], separators=(",", ":"))
+
+
+def runs_from_text(text: str | None) -> list[tuple[int, int]]:
+    if not text or text == "[]":
+        return []
+    return [(int(a), int(b)) for a, b in json.loads(text)]
 
 
 def _seq_row(row: Any) -> SeqRow:
@@ -433,6 +445,7 @@ def _seq_row(row: Any) -> SeqRow:
         int(row.stored),
         int(row.dropped),
         int(row.duplicates),
+        runs_from_text(row.above),
     )
 
 
@@ -453,6 +466,7 @@ def ensure_device_seqs(session: Session, *, spaces: Iterable[Space], now: dateti
             "stored": 0,
             "dropped": 0,
             "duplicates": 0,
+            "above": "[]",
         }
         for d, i in sorted(set(spaces))
     ]
@@ -595,10 +609,9 @@ def save_device_seqs(session: Session, *, rows: Iterable[SeqRow]) -> None:
     if _is_postgres(session):
         # One statement over arrays, not one UPDATE per row (executemany): the same work for the
         # server, a fraction of the client's.
-        session.connection().execute(
-            _SAVE_SEQS_PG,
-            {name: [getattr(r, name) for r in rows] for name in _SAVE_SEQS_FIELDS},
-        )
+        arrays: dict[str, list[Any]] = {name: [getattr(r, name) for r in rows] for name in _SAVE_SEQS_FIELDS}
+        arrays["above"] = [runs_to_text(r.above) for r in rows]
+        session.connection().execute(_SAVE_SEQS_PG, arrays)
         return
     params = [
         {
@@ -609,6 +622,7 @@ def save_device_seqs(session: Session, *, rows: Iterable[SeqRow]) -> None:
             "stored": r.stored,
             "dropped": r.dropped,
             "duplicates": r.duplicates,
+            "above": runs_to_text(r.above),
         }
         for r in rows
     ]
@@ -619,9 +633,9 @@ def seq_islands(session: Session, *, device_ids: Iterable[str]) -> dict[Space, l
     """Per space of the devices, the runs of consecutive seqs in ``ingested_seq`` above the ``upto``
     its ``device_seq`` row holds in this transaction, as ``(first, last)`` in order.
 
-    Only the tail above ``upto`` is read (normally the seqs of the batch being stored and a few that
-    arrived out of order), through the primary key, whatever the size of the history below it.
-    """
+    Ingest keeps these runs on the row (``DeviceSeq.above``) instead of reading them on every commit:
+    this reads every stored row above ``upto``, however many. It is the check of that column (with
+    ``dropped_ranges``, what ``above`` must equal)."""
     out: dict[Space, list[tuple[int, int]]] = {}
     stmt = _islands_stmt(_is_postgres(session))
     rows = session.connection().execute(stmt, {"ids": sorted(set(device_ids))})
@@ -648,10 +662,11 @@ def _ids_match(column: sa.ColumnElement[str], postgres: bool) -> sa.ColumnElemen
 _SAVE_SEQS_FIELDS = ("device_id", "incarnation", "upto", "max_seq", "stored", "dropped", "duplicates")
 _SAVE_SEQS_PG = sa.text(
     "UPDATE device_seq AS t SET upto = v.upto, max_seq = v.max_seq, stored = v.stored, "
-    "dropped = v.dropped, duplicates = v.duplicates "
+    "dropped = v.dropped, duplicates = v.duplicates, above = v.above "
     "FROM unnest(CAST(:device_id AS varchar[]), CAST(:incarnation AS varchar[]), CAST(:upto AS bigint[]), "
     "CAST(:max_seq AS bigint[]), CAST(:stored AS bigint[]), CAST(:dropped AS bigint[]), "
-    "CAST(:duplicates AS bigint[])) AS v(device_id, incarnation, upto, max_seq, stored, dropped, duplicates) "
+    "CAST(:duplicates AS bigint[]), CAST(:above AS text[])) "
+    "AS v(device_id, incarnation, upto, max_seq, stored, dropped, duplicates, above) "
     "WHERE t.device_id = v.device_id AND t.incarnation = v.incarnation"
 )
 

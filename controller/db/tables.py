@@ -500,3 +500,8 @@ class DeviceSeq(SQLModel, table=True):
     stored: int = Field(default=0, sa_type=sa.BigInteger)  # distinct seqs stored
     dropped: int = Field(default=0, sa_type=sa.BigInteger)  # declared dropped and not arrived since
     duplicates: int = Field(default=0, sa_type=sa.BigInteger)  # messages received again after storing
+    # The runs of seqs above ``upto`` already stored or declared dropped, lowest first, as JSON
+    # ``[[first, last], ...]``: what an ack's ranges say. Kept on the row so that a commit reads no
+    # ``ingested_seq`` row above ``upto``, however many a gap that never fills has let pile up; at most
+    # ``ingest_gaps_max`` runs.
+    above: str = Field(default="[]", sa_type=sa.Text, sa_column_kwargs={"server_default": "[]"})

@@ -9,8 +9,10 @@ round-robin (MQTT ``$share``), so no process sees all of them. A device's seqs a
 incarnation (PROTOCOL.md "Incarnations"; '' for the legacy space of an older agent): dedup, acks and
 counters are per (device, incarnation), a space. Each transaction locks the batch's devices'
 ``device_seq`` rows (in (device, incarnation) order), treats every seq up to a space's ``upto`` as a
-duplicate, claims the rest in ``ingested_seq``, moves ``upto`` over the claimed rows above it, whoever stored them, and
-counts what it stored, found twice or saw declared dropped. The ack it publishes after the commit is
+duplicate, claims the rest in ``ingested_seq``, and counts what it stored, found twice or saw declared
+dropped. The row also keeps the runs of seqs above ``upto`` that are stored or declared dropped
+(``above``, whoever stored them): the commit merges its own seqs into them, moves ``upto`` over a run
+that reaches it, and reads no ``ingested_seq`` row to do so. The ack it publishes after the commit is
 built from that, so it is right whichever replica stored which seq; and a start reads no history.
 
 Drop policy: when the queue is full, or one device already holds its share of it, the newest message
@@ -20,7 +22,9 @@ is dropped and counted. That is safe because the agent keeps every message in it
 What one device can make this writer store is bounded: a new incarnation only after a birth named it
 (a few per hour, ``crud.admit_incarnations``), a dropped range declared by an ``outbox_dropped`` event
 only where the space has not covered it yet, below the report's own seq, and as one ``dropped_range``
-row per run however long; the controller's own event kinds are refused from devices.
+row per run however long; at most ``gaps_max`` gaps above a space's ``upto`` (so the runs a commit
+carries stay few, whatever seqs a device picks); the controller's own event kinds are refused from
+devices.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from controller.link.bridge import (
     RateLimitedLog,
 )
 from controller.link.budget import QueueShares
-from controller.link.seqtrack import NO_STATS, SeqStats, advance
+from controller.link.seqtrack import MAX_ACK_RANGES, NO_STATS, IntervalSet, SeqStats, advance
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Ack, DetectionBatch, EventKind, Message
 from fleet_protocol.messages import Event as EventMsg
@@ -78,6 +82,9 @@ _INSERT_CHUNK = 5000
 # Outcomes of this service, besides the bridge's.
 # In an incarnation no birth started (or one over the per-hour cap): not stored, not acked.
 UNKNOWN_INCARNATION = "unknown_incarnation"
+# A seq that would open one more gap above its space's upto than ``gaps_max``: not stored, not acked
+# (an agent sends it again once the gaps before it have filled).
+GAPS_FULL = "gaps_full"
 # Newest incarnations listed per device in its view (the figures count them all).
 RECENT_INCARNATIONS = 10
 # Rows in one multi-row detection INSERT (14 parameters each, within the database's limit).
@@ -408,14 +415,17 @@ class IngestService:
         linger_s: float = 0.0,
         device_queue_max: int | None = None,
         incarnations_per_hour: int = 6,
+        gaps_max: int = 256,
     ) -> None:
         """``linger_s``: how long a commit waits for more messages after the first (batching.py);
         ``device_queue_max``: the most messages of one device in the queue at once (None: a tenth of
         the queue, at least the batch size); ``incarnations_per_hour``: new incarnations a device may
-        start in an hour (each one only after its birth)."""
+        start in an hour (each one only after its birth); ``gaps_max``: the most runs of covered seqs
+        a space may hold above its ``upto`` (each run past the first stands after a gap)."""
         self._engine = engine
         self._shares = QueueShares(device_queue_max or max(batch_max, queue_max // 10))
         self._incarnations_per_hour = incarnations_per_hour
+        self._gaps_max = min(gaps_max, MAX_ACK_RANGES)
         self._bad = RateLimitedLog(log)
         # Spaces whose device and device_seq rows this writer has seen exist (the writer thread's own).
         self._known_spaces: set[Space] = set()
@@ -557,31 +567,31 @@ class IngestService:
                     space[0],
                     space[1],
                 )
+            for space, items in by_space.items():
+                self._admit(truth[space], items, results[space])
             claimed = self._claim(s, by_space, truth, now)
             det_rows: list[tuple[Any, ...]] = []
             det_insert = self._detection_insert(s)
             declarations: list[tuple[Space, tuple[int, int]]] = []
+            covered: dict[Space, list[tuple[int, int]]] = {}
             for space, items in by_space.items():
                 res = results[space]
                 row = truth[space]
                 # Only a space with seqs declared dropped (and not arrived since) can have one revived.
                 self._sort_device(s, space, items, claimed, res, revive=row.dropped > 0)
                 declarations += self._rows_device(s, space, res, now, det_rows, det_insert)
-            devices = {d for d, _ in by_space}
-            islands = crud.seq_islands(s, device_ids=devices) if devices else {}
-            # A space has declared runs only while its dropped count is above 0: no read for the others.
-            with_runs = {d for d, i in by_space if truth[(d, i)].dropped > 0} | {
-                sp[0] for sp, _ in declarations
-            }
-            runs = crud.dropped_ranges(s, device_ids=with_runs) if with_runs else {}
+                # Duplicates above upto count too: they were stored before, so they are covered.
+                seqs = [it.msg.seq for it in (*res.stored, *res.duplicates) if it.msg.seq > row.upto]
+                covered[space] = merge_runs(row.above, [(q, q) for q in seqs])
             for space, rng in declarations:
-                covered = merge_runs(islands.get(space, []), runs.get(space, []))
-                new = self._declare_dropped(s, space, rng, now, upto=truth[space].upto, covered=covered)
+                row = truth[space]
+                new = self._declare_dropped(
+                    s, space, rng, now, upto=row.upto, covered=covered[space], gaps_max=self._gaps_max
+                )
                 results[space].declared += sum(b - a + 1 for a, b in new)
-                runs[space] = runs.get(space, []) + new
+                covered[space] = merge_runs(covered[space], new)
             for space in by_space:
-                covered = merge_runs(islands.get(space, []), runs.get(space, []))
-                self._account(truth[space], results[space], covered)
+                self._account(truth[space], results[space], covered[space])
             crud.save_device_seqs(s, rows=[truth[space] for space in by_space])
             # One INSERT for the detections of every device in the batch.
             if det_insert.usable:
@@ -631,6 +641,52 @@ class IngestService:
         # created again by the next batch that may start it.
         self._known_spaces -= spaces - truth.keys()
         return truth
+
+    def _admit(self, row: SeqRow, items: dict[int, _Item], res: _DeviceResult) -> None:
+        """Take out of ``items`` (into ``res.refused``) the seqs that would leave the space more than
+        ``gaps_max`` gaps above its ``upto``: the highest of them.
+
+        The runs above ``upto`` are what every commit of the space carries (``DeviceSeq.above``) and
+        what its acks list, so their number bounds the cost of a device's commits, whatever it sends.
+        An agent's seqs rise by one, and a gap opens only where a message was lost on the way: a
+        device with hundreds of gaps at once is not losing messages but choosing its seqs. What is
+        refused here is not acked, so an agent sends it again after the gaps before it have filled.
+        """
+        fresh = sorted(q for q in items if q > row.upto)
+        if not fresh or len(fresh) + len(row.above) <= self._gaps_max:
+            return  # even each seq in a run of its own stays within the bound
+        have = IntervalSet()
+        have.add_range(0, row.upto)  # one run for everything up to upto: the runs past it are the gaps
+        for a, b in row.above:
+            have.add_range(a, b)
+        refused: set[int] = set()
+        # Lowest first: what is nearest upto fills the gaps that hold the rest back.
+        for q in fresh:
+            if q in have or q - 1 in have or q + 1 in have or have.runs - 1 < self._gaps_max:
+                have.add(q)
+            else:
+                refused.add(q)
+        if not refused:
+            return
+        for q in sorted(refused):
+            res.refused.append((items.pop(q), GAPS_FULL))
+        keep = []
+        for it in res.duplicates:
+            if it.msg.seq in refused:
+                res.refused.append((it, GAPS_FULL))
+            else:
+                keep.append(it)
+        res.duplicates = keep
+        self._bad.warning(
+            f"{GAPS_FULL}:{row.device_id}",
+            "%s (incarnation %s) sent seqs that would leave more than %d gaps above %d: %d not stored "
+            "(it sends them again)",
+            row.device_id,
+            row.incarnation or "legacy",
+            self._gaps_max,
+            row.upto,
+            len(refused),
+        )
 
     @staticmethod
     def _claim(
@@ -786,15 +842,30 @@ class IngestService:
         *,
         upto: int,
         covered: list[tuple[int, int]],
+        gaps_max: int,
     ) -> list[tuple[int, int]]:
         """Record the parts of ``rng`` not covered yet, one row per run; returns them.
 
         Only what the space has not covered is taken: every seq up to ``upto`` is (its record may be
-        compacted), and so is every run in ``covered`` (stored, or declared before)."""
+        compacted), and so is every run in ``covered`` (stored, or declared before). A declaration that
+        would leave more than ``gaps_max`` runs above ``upto`` is not taken (the event is stored)."""
         first, last = max(rng[0], upto + 1), rng[1]
         if first > last:
             return []
         new = uncovered(first, last, covered)
+        after = merge_runs(covered, new)
+        if len(after) - (1 if after and after[0][0] == upto + 1 else 0) > gaps_max:
+            log.warning(
+                "%s (incarnation %s) declared seqs %d..%d dropped: not taken, it would leave more than "
+                "%d gaps above %d",
+                space[0],
+                space[1] or "legacy",
+                first,
+                last,
+                gaps_max,
+                upto,
+            )
+            return []
         crud.add_dropped_ranges(s, space=space, runs=new, now=now)
         if new:
             log.warning(
@@ -815,6 +886,7 @@ class IngestService:
         row.dropped += res.declared - len(res.converted)
         row.duplicates += len(res.duplicates)
         upto, ranges = advance(row.upto, islands)
+        row.above = [r for r in islands if r[0] > upto]
         row.upto = upto
         row.max_seq = max(row.max_seq, islands[-1][1] if islands else upto)
         res.ack = Ack(incarnation=row.incarnation or None, upto=upto, ranges=ranges)

@@ -2,8 +2,9 @@
 
 Pure functions and data structures (no I/O), so the arithmetic can be tested on its own. The controller
 keeps the truth in the database, per sequence space (a device's incarnation; ``device_seq``: every seq
-up to ``upto`` covered; ``ingested_seq``: the rows above it) and turns it into an ack with ``advance``; ``SeqTracker`` is the same arithmetic over
-a whole history in memory, the model the database-backed ingest is checked against.
+up to ``upto`` covered, and the covered runs above it; ``ingested_seq``: one row per stored seq, the
+dedup) and turns it into an ack with ``advance``; ``SeqTracker`` is the same arithmetic over a whole
+history in memory, the model the database-backed ingest is checked against.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class IntervalSet:
         added = (nb - na + 1) - removed
         self._count += added
         return added
+
+    @property
+    def runs(self) -> int:
+        """How many intervals."""
+        return len(self._starts)
 
     def intervals(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._ends, strict=True))

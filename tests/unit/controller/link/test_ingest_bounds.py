@@ -14,6 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from alembic import command
+from sqlmodel import Session
 
 from controller.db.engine import alembic_config, make_engine, migrate
 from controller.link.bridge import DROPPED_DEVICE_SHARE, MqttBridge
@@ -60,6 +61,78 @@ def test_a_declared_range_is_one_row_and_only_what_the_space_has_not_covered(fle
     stats = fleet.device(DEV)["stats"]
     assert (stats["stored"], stats["dropped"], stats["lost"]) == (6, 200_001, 0)
     assert rows(fleet, "dropped_range") == 1
+
+
+def _above(fleet: Fleet, device: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The runs the space's row keeps above its upto, and the same read from the stored rows."""
+    from controller.db import crud
+    from controller.link.ingest import merge_runs
+
+    with runtime(fleet).engine.connect() as conn:
+        row = conn.execute(sa.text("SELECT above FROM device_seq WHERE device_id = :d"), {"d": device}).one()
+    with Session(runtime(fleet).engine) as s:
+        space = (device, "")
+        stored = crud.seq_islands(s, device_ids=[device]).get(space, [])
+        declared = crud.dropped_ranges(s, device_ids=[device]).get(space, [])
+    return crud.runs_from_text(row[0]), merge_runs(stored, declared)
+
+
+def test_seqs_that_would_open_more_gaps_than_allowed_wait_until_the_gaps_fill(
+    make_fleet: FleetFactory,
+) -> None:
+    fleet = make_fleet(ingest_gaps_max=3)
+    fleet.send(DEV, TopicKind.DETECTIONS, batch(1))
+    fleet.wait_ack(DEV, lambda a: a.upto == 1, "seq 1 acked")
+    # Every other seq: 2, 4 and 6 missing make three gaps; 9 and 11 would make a fourth and a fifth.
+    for seq in (3, 5, 7, 9, 11):
+        fleet.send(DEV, TopicKind.DETECTIONS, batch(seq))
+    fleet.wait_ack(DEV, lambda a: [tuple(r) for r in a.ranges] == [(3, 3), (5, 5), (7, 7)], "three gaps")
+    wait_for(lambda: fleet.counters()["detections"].get("gaps_full") == 2, timeout=10, what="9, 11 refused")
+    # 8 joins the run of 7; 10 would open a gap of its own, since 9 and 11 were not stored.
+    fleet.send(DEV, TopicKind.EVENTS, event(8, "camera_up"))
+    fleet.wait_ack(DEV, lambda a: [tuple(r) for r in a.ranges] == [(3, 3), (5, 5), (7, 8)], "8 stored")
+    fleet.send(DEV, TopicKind.EVENTS, event(10, "camera_up"))
+    wait_for(lambda: fleet.counters()["events"].get("gaps_full") == 1, timeout=10, what="10 refused")
+    above, from_rows = _above(fleet, DEV)
+    assert above == from_rows == [(3, 3), (5, 5), (7, 8)]
+
+    # The agent sends again what was not acked, oldest first: the gaps fill, then the rest is stored.
+    for seq in (2, 4, 6):
+        fleet.send(DEV, TopicKind.DETECTIONS, batch(seq))
+    fleet.wait_ack(DEV, lambda a: a.upto == 8 and not a.ranges, "the gaps filled")
+    for seq in (9, 11):
+        fleet.send(DEV, TopicKind.DETECTIONS, batch(seq))
+    fleet.send(DEV, TopicKind.EVENTS, event(10, "camera_up"))
+    fleet.wait_ack(DEV, lambda a: a.upto == 11, "the refused seqs stored once the gaps filled")
+    stats = fleet.device(DEV)["stats"]
+    assert (stats["stored"], stats["duplicates"], stats["lost"]) == (11, 0, 0)
+    assert _above(fleet, DEV) == ([], [])
+
+
+def test_a_declaration_that_would_open_more_gaps_than_allowed_is_not_taken(make_fleet: FleetFactory) -> None:
+    fleet = make_fleet(ingest_gaps_max=2)
+    for seq in (1, 3, 5):
+        fleet.send(DEV, TopicKind.DETECTIONS, batch(seq))
+    fleet.wait_ack(DEV, lambda a: [tuple(r) for r in a.ranges] == [(3, 3), (5, 5)], "two gaps")
+    # A report at 6 declaring 3, which is stored: nothing to take; 6 joins 5.
+    fleet.send(DEV, TopicKind.EVENTS, dropped(6, 3, 3))
+    fleet.wait_ack(DEV, lambda a: [tuple(r) for r in a.ranges] == [(3, 3), (5, 6)], "6 joins 5")
+    fleet.send(DEV, TopicKind.EVENTS, dropped(4, 2, 2))  # 4 stored, 2 declared: both gaps filled
+    fleet.wait_ack(DEV, lambda a: a.upto == 6 and not a.ranges, "the declared gap filled")
+    # Two gaps again: 7 and 9..11.
+    fleet.send(DEV, TopicKind.DETECTIONS, batch(8))
+    fleet.send(DEV, TopicKind.DETECTIONS, batch(12))
+    fleet.wait_ack(DEV, lambda a: [tuple(r) for r in a.ranges] == [(8, 8), (12, 12)], "two gaps again")
+    # A report at 13 declaring 10 would split 9..11 into two gaps, three in all: the report is stored,
+    # the declaration not taken.
+    fleet.send(DEV, TopicKind.EVENTS, dropped(13, 10, 10))
+    fleet.wait_ack(
+        DEV, lambda a: [tuple(r) for r in a.ranges] == [(8, 8), (12, 13)], "13 stored, 10 not taken"
+    )
+    assert rows(fleet, "dropped_range") == 1  # 2, from the report at 4
+    assert fleet.device(DEV)["stats"]["dropped"] == 1
+    above, from_rows = _above(fleet, DEV)
+    assert above == from_rows == [(8, 8), (12, 13)]
 
 
 def test_the_controllers_own_kinds_are_refused_and_every_event_names_its_source(fleet: Fleet) -> None:
@@ -249,6 +322,48 @@ def test_the_migration_folds_dropped_rows_into_runs_and_names_every_events_sourc
                 .all()
             )
         assert list(back) == dropped_seqs
+        migrate(db_url, engine=engine)
+    finally:
+        engine.dispose()
+
+
+def test_the_migration_fills_each_spaces_runs_above_upto_from_the_stored_and_declared_rows(
+    db_url: str,
+) -> None:
+    engine = make_engine(db_url)
+    try:
+        migrate(db_url, engine=engine, revision="0014")
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO device_seq (device_id, incarnation, upto, max_seq, stored, dropped, duplicates) "
+                    "VALUES (:d, '', :upto, 12, 0, 0, 0)"
+                ),
+                [{"d": "gappy", "upto": 2}, {"d": "caught-up", "upto": 12}],
+            )
+            conn.execute(
+                sa.text(
+                    "INSERT INTO ingested_seq (device_id, incarnation, seq, kind, stored_at, dropped) "
+                    "VALUES (:d, '', :q, 'detections', CURRENT_TIMESTAMP, false)"
+                ),
+                [{"d": "gappy", "q": q} for q in (1, 2, 4, 5, 8)] + [{"d": "caught-up", "q": 12}],
+            )
+            conn.execute(
+                sa.text(
+                    'INSERT INTO dropped_range (device_id, incarnation, "first", "last", declared_at) '
+                    "VALUES ('gappy', '', :a, :b, CURRENT_TIMESTAMP)"
+                ),
+                [{"a": 6, "b": 6}, {"a": 10, "b": 12}],
+            )
+        migrate(db_url, engine=engine)
+        with engine.connect() as conn:
+            above = dict(conn.execute(sa.text("SELECT device_id, above FROM device_seq")).all())
+        assert above == {"gappy": "[[4,6],[8,8],[10,12]]", "caught-up": "[]"}
+
+        cfg = alembic_config(db_url)
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0014")
         migrate(db_url, engine=engine)
     finally:
         engine.dispose()
