@@ -320,11 +320,11 @@ def list_detections(
 def _bucket_start(session: Session, column: Any, bucket: int) -> Any:
     """The start of ``column``'s ``bucket``-second bucket, in unix seconds (an integer)."""
     if session.get_bind().dialect.name == "sqlite":
-        epoch = sa.cast(sa.func.strftime("%s", column), sa.BigInteger)
+        unix_s = sa.cast(sa.func.strftime("%s", column), sa.BigInteger)
         # Raw "/" on two integers: SQLite's integer division (SQLAlchemy's "/" would be true division).
-        return epoch.op("/")(sa.literal(bucket, sa.BigInteger)) * bucket
-    pg_epoch = sa.extract("epoch", column)
-    return sa.cast(sa.func.floor(pg_epoch / bucket) * bucket, sa.BigInteger)
+        return unix_s.op("/")(sa.literal(bucket, sa.BigInteger)) * bucket
+    pg_unix_s = sa.extract("epoch", column)  # PostgreSQL's name for unix seconds
+    return sa.cast(sa.func.floor(pg_unix_s / bucket) * bucket, sa.BigInteger)
 
 
 def detection_counts(

@@ -136,7 +136,7 @@ StoredCallback = Callable[[StoredBatch], None]
 class _Item:
     device_id: str
     msg: IngestMsg
-    received_at: float  # epoch seconds
+    received_at: float  # unix seconds
 
     @property
     def space(self) -> Space:
@@ -176,9 +176,9 @@ def sane(msg: IngestMsg) -> str | None:
     return None
 
 
-def _ts(epoch: float, fallback: float) -> datetime:
+def _ts(unix_s: float, fallback: float) -> datetime:
     try:
-        return datetime.fromtimestamp(epoch, UTC)
+        return datetime.fromtimestamp(unix_s, UTC)
     except (OverflowError, OSError, ValueError):
         return datetime.fromtimestamp(fallback, UTC)
 

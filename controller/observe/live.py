@@ -113,9 +113,9 @@ class TooManyClients(Exception):
     pass
 
 
-def _iso(epoch: float) -> str | None:
+def _iso(unix_s: float) -> str | None:
     try:
-        return datetime.fromtimestamp(epoch, UTC).isoformat()
+        return datetime.fromtimestamp(unix_s, UTC).isoformat()
     except (OverflowError, OSError, ValueError):
         return None
 

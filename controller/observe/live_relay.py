@@ -5,7 +5,7 @@ broker handed them to, but a live client is connected to one replica. Each repli
 what it stored, after the commit, to the others over the broker it already uses, on topics no device
 may use (a device id cannot start with ``_``):
 
-- ``{prefix}/_controller/listeners/{replica}`` (retained): ``{"at": epoch}`` while the replica has live
+- ``{prefix}/_controller/listeners/{replica}`` (retained): ``{"at": unix seconds}`` while the replica has live
   clients, re-announced every ``ANNOUNCE_S``; empty when it has none. A replica publishes relays only
   while some *other* replica announced listeners within ``LISTENER_TTL_S``, so a fleet with no one
   watching pays nothing, and a replica that died while watching stops costing after the TTL.
