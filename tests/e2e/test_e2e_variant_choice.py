@@ -213,12 +213,19 @@ def test_controller_builds_variants_and_the_agent_runs_the_one_it_chose(
         )
         store = agent.workdir / DEVICE / "models"
         assert sorted(p.name for p in store.iterdir()) == [f"{chosen['sha256']}.onnx"]
-        activations = [
-            e
-            for e in api.get("/api/v1/events", params={"device": DEVICE, "kind": "model_activate"}).json()
-            if (e.get("data") or {}).get("model") == f"{MODEL}:{VERSION}"
-        ]
-        assert activations and {e["data"]["sha256"] for e in activations} == {chosen["sha256"]}
+
+        # The activation event comes on the events topic, stored by another writer than the reported
+        # state that said "running": it may land a moment later.
+        def activations() -> list[dict[str, Any]] | None:
+            found = [
+                e
+                for e in api.get("/api/v1/events", params={"device": DEVICE, "kind": "model_activate"}).json()
+                if (e.get("data") or {}).get("model") == f"{MODEL}:{VERSION}"
+            ]
+            return found or None
+
+        activated = wait_for(activations, timeout=30, what="the model_activate event stored")
+        assert {e["data"]["sha256"] for e in activated} == {chosen["sha256"]}
 
         # Detections made by it arrive through the API.
         def detections() -> list[dict[str, Any]] | None:
