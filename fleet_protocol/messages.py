@@ -408,6 +408,46 @@ class CameraStats(Strict):
     # p99 of the last 200 inference times of the model running now (same fresh window). Optional and
     # last: agents before it send none, and a receiver falls back to ``inference_ms``.
     inference_p99_ms: float | None = None
+    # What placing this camera on this device costs and allows (PROTOCOL.md "Heartbeat"): the capture
+    # thread's CPU ms per frame read and decoded (EWMA), the rate the source delivers, and when a frame
+    # of it was last inferred (unix seconds, with or without detections). Left out of the JSON while
+    # unset, so a heartbeat without them is what agents before them sent.
+    decode_ms: float | None = Field(default=None, ge=0.0, exclude_if=_absent)
+    source_fps: float | None = Field(default=None, ge=0.0, exclude_if=_absent)
+    last_inferred_at: float | None = Field(default=None, ge=0.0, exclude_if=_absent)
+
+
+# The weight of a new run in the smoothed costs of VariantCost (an EWMA; the first 1 / alpha runs are
+# averaged instead, so the first run, often the slowest, is not the figure for long).
+COST_EWMA_ALPHA = 0.1
+
+
+class VariantCost(Strict):
+    """The measured cost per frame of one model variant on the reporting device (PROTOCOL.md
+    "Heartbeat"): what the controller places cameras by."""
+
+    variant: ShortText = Field(min_length=1)  # "<model>/<version>", the manifest's name and version
+    # Inference-lane wall time of a run divided by its frames, smoothed over production runs.
+    infer_ms: float = Field(ge=0.0)
+    # CPU time per frame: preprocessing, output decoding and, on the CPU provider, the run on every
+    # thread of it; None when not measured. Always sent (null when None): readers key on it.
+    cpu_ms: float | None = Field(default=None, ge=0.0)
+    # Share of the last heartbeat interval its inference lanes spent running this variant (PROTOCOL.md).
+    busy: float | None = Field(default=None, ge=0.0, le=1.0)
+    frames: Count = 0  # production frames the figures are made of
+
+
+def _one_per_variant(costs: list[VariantCost]) -> list[VariantCost]:
+    seen: set[str] = set()
+    for cost in costs:
+        if cost.variant in seen:
+            raise ValueError(f"variant {cost.variant!r} is reported twice")
+        seen.add(cost.variant)
+    return costs
+
+
+def _empty(v: object) -> bool:
+    return v == []
 
 
 class Heartbeat(Msg):
@@ -428,6 +468,10 @@ class Heartbeat(Msg):
     outbox_dropped: Count = 0
     queue_dropped: Count = 0
     inference_p99_ms: float | None = None  # the highest per-camera p99 (None: none reported)
+    # One per model variant running here, with frames measured. Left out of the JSON while empty.
+    costs: Annotated[list[VariantCost], AfterValidator(_one_per_variant)] = Field(
+        default_factory=list, max_length=MAX_CAMERAS, exclude_if=_empty
+    )
 
 
 Coord = Annotated[float, Field(allow_inf_nan=False)]

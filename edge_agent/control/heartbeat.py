@@ -17,9 +17,9 @@ from typing import Any
 from edge_agent.device.health import Health
 from edge_agent.uplink.outbox import Outbox
 from edge_agent.uplink.publisher import PublishFn
-from edge_agent.vision.pipeline import Pipeline
+from edge_agent.vision.pipeline import Pipeline, VariantFigures
 from fleet_protocol.codec import encode
-from fleet_protocol.messages import CameraStats, Heartbeat
+from fleet_protocol.messages import CameraStats, Heartbeat, VariantCost
 from fleet_protocol.topics import TopicKind
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ def build_heartbeat(
     outbox_pending: int,
     outbox_dropped: int,
     queue_dropped: int,
+    costs: Sequence[VariantCost] = (),
 ) -> Heartbeat:
     """The device-wide inference figures are the slowest camera's, so one slow camera is not averaged
     away."""
@@ -53,7 +54,52 @@ def build_heartbeat(
         outbox_dropped=outbox_dropped,
         queue_dropped=queue_dropped,
         inference_p99_ms=round(max(p99), 2) if p99 else None,
+        costs=list(costs),
     )
+
+
+class LaneShares:
+    """Each variant's share of its inference lanes between two calls, from the cumulative lane time
+    the pipeline keeps per variant (so that another reader of the figures cannot shorten the
+    heartbeat's interval)."""
+
+    def __init__(self) -> None:
+        self._at: float | None = None
+        self._lane_ms: dict[str, float] = {}
+
+    def shares(self, figures: Sequence[VariantFigures], now: float) -> dict[str, float]:
+        """Busy share (0..1) of each variant's lanes since the last call (``figures``: every variant
+        that runs, measured or not; ``now``: time.monotonic()); nothing on the first call. A variant
+        that did not run at the last call counts from 0 (``Pipeline.variant_costs`` starts it there);
+        one whose count went back (read elsewhere meanwhile, while it did not run) has none."""
+        before, at = self._lane_ms, self._at
+        self._lane_ms = {f.variant: f.lane_ms for f in figures}
+        self._at = now
+        if at is None or now <= at:
+            return {}
+        out = {}
+        for f in figures:
+            prev = before.get(f.variant, 0.0)
+            if f.lane_ms >= prev:
+                capacity_ms = (now - at) * 1000.0 * max(1, f.lanes)
+                # A run is counted when it ends, so one begun before the interval can push it over 1.
+                out[f.variant] = round(min(1.0, (f.lane_ms - prev) / capacity_ms), 4)
+        return out
+
+
+def variant_costs(figures: Sequence[VariantFigures], busy: Mapping[str, float]) -> list[VariantCost]:
+    """The heartbeat's costs: the variants that have run a frame (a figure of none would read as free)."""
+    return [
+        VariantCost(
+            variant=f.variant,
+            infer_ms=round(f.infer_ms, 3),
+            cpu_ms=round(f.cpu_ms, 3),
+            busy=busy.get(f.variant),
+            frames=f.frames,
+        )
+        for f in figures
+        if f.frames
+    ]
 
 
 class HeartbeatSender:
@@ -75,14 +121,18 @@ class HeartbeatSender:
         self._publish = publish
         self.interval_s = interval_s
         self._stop = stop
+        self._lanes = LaneShares()
 
     def heartbeat(self) -> Heartbeat:
+        figures = self.pipeline.variant_costs()
+        busy = self._lanes.shares(figures, time.monotonic())
         return build_heartbeat(
             self.health.system(),
             self.pipeline.stats(),
             outbox_pending=self.outbox.pending(),
             outbox_dropped=self.outbox.dropped,
             queue_dropped=self.pipeline.out.dropped,
+            costs=variant_costs(figures, busy),
         )
 
     def run(self) -> None:

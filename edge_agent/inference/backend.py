@@ -44,6 +44,14 @@ class InferenceBackend(Protocol):
 BackendFactory = Callable[[Path, ModelManifest], InferenceBackend]
 
 
+def host_threads(backend: InferenceBackend) -> int:
+    """The CPU threads a run of ``backend`` keeps busy while it runs on the CPU (its ``cpu_threads``,
+    optional: a backend without it, like one on an accelerator, says 0), for the per-frame CPU cost
+    the heartbeat reports."""
+    threads = getattr(backend, "cpu_threads", 0)
+    return threads if isinstance(threads, int) and threads > 0 else 0
+
+
 class BackendError(Exception):
     """A model file could not be loaded into a backend."""
 

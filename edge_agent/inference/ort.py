@@ -88,6 +88,7 @@ class OnnxRuntimeBackend:
         import onnxruntime as ort
 
         opts = session_options(threads, spin=spin)
+        self._threads = threads
         asked: list[ProviderSpec]
         if providers is not None:
             # Exactly these (with their options): what an out-of-process TensorRT EP build used.
@@ -168,6 +169,12 @@ class OnnxRuntimeBackend:
         """Whether several threads may call :meth:`run` at once: onnxruntime's session.run is
         thread-safe, but the kept IOBinding and device buffers of the GPU path are not."""
         return self.provider == "CPUExecutionProvider" and not self._binding_wanted()
+
+    @property
+    def cpu_threads(self) -> int:
+        """The intra-op threads a run keeps busy on the CPU provider; 0 on a device provider, whose
+        run is on the accelerator (``backend.host_threads``)."""
+        return self._threads if self.provider == CPU_EP else 0
 
     def _binding_wanted(self) -> bool:
         # CPU provider: session.run already hands onnxruntime the numpy memory; IOBinding buys nothing.

@@ -36,7 +36,7 @@ import numpy as np
 from edge_agent.core.queues import LatestSlot
 from edge_agent.core.restart_policy import capped_backoff
 from edge_agent.core.settings import CameraConfig
-from fleet_protocol.messages import CameraState, InputSpec
+from fleet_protocol.messages import COST_EWMA_ALPHA, CameraState, InputSpec
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,14 @@ class PreparedInput:
     spec: InputSpec
     tensor: np.ndarray
     meta: Any
+    cpu_ms: float = 0.0  # the capture thread's CPU time making it: part of the variant's per-frame cost
+
+
+def smoothed(value: float, sample: float, n: int) -> float:
+    """``value`` moved toward ``sample``, the ``n``-th sample (1-based): the mean of the first
+    1 / COST_EWMA_ALPHA samples, an EWMA after them, so the first sample (a decoder or model starting
+    up) stops dominating after a few more instead of decaying from a cold start for a long time."""
+    return value + max(COST_EWMA_ALPHA, 1.0 / n) * (sample - value)
 
 
 # Turns a BGR frame into (tensor, meta) for one input spec; one per camera, since a Preprocessor keeps
@@ -484,6 +492,12 @@ class CameraWorker:
         self.decode_note: str | None = None
         self._reported_note: str | None = None  # the note last put in a camera_up reason
         self._times: deque[float] = deque(maxlen=30)
+        # Per-frame figures for placement (read by the heartbeat without a lock: each is one float the
+        # capture thread replaces): CPU ms of a read, and the gap between reads, both smoothed.
+        self._decode_ms = 0.0
+        self._read_gap_s = 0.0
+        self._reads = 0  # samples in the two figures above
+        self._declared_fps: float | None = None  # the rate a file says it was recorded at
         # The model input this camera's frames are preprocessed for, in this thread (use_preprocessor).
         self._early: tuple[InputSpec, FramePreprocessor] | None = None
         self._early_failed: InputSpec | None = None  # logged once per spec
@@ -507,6 +521,24 @@ class CameraWorker:
         if len(times) < 2 or time.monotonic() - times[-1] > 2.0:
             return 0.0
         return (len(times) - 1) / max(times[-1] - times[0], 1e-6)
+
+    @property
+    def decode_ms(self) -> float | None:
+        """CPU ms this camera's thread spends reading and decoding a frame (smoothed; None before the
+        second frame of a source). A decoder that runs on threads of its own (FFmpeg frame threads, a
+        GStreamer pipeline) is not in it."""
+        return round(self._decode_ms, 3) if self._reads else None
+
+    @property
+    def source_fps(self) -> float | None:
+        """The rate the source delivers, while it is up: a file's recorded rate, else the measured
+        rate of reads (before any max_fps skipping)."""
+        if self._state != CameraState.UP:
+            return None
+        if self._declared_fps is not None:
+            return round(self._declared_fps, 2)
+        gap = self._read_gap_s
+        return round(1.0 / gap, 2) if self._reads and gap > 0 else None
 
     def start(self) -> None:
         self._thread.start()
@@ -551,6 +583,7 @@ class CameraWorker:
         if early is None or time.monotonic() - self._dropped_at < _EARLY_AFTER_DROP_S:
             return None
         spec, fn = early
+        cpu0 = time.thread_time()
         try:
             tensor, meta = fn(image)
         except Exception as exc:
@@ -558,7 +591,7 @@ class CameraWorker:
                 self._early_failed = spec
                 log.warning("camera %s: preprocessing in the capture thread failed: %s", self.id, exc)
             return None
-        return PreparedInput(spec, tensor, meta)
+        return PreparedInput(spec, tensor, meta, (time.thread_time() - cpu0) * 1000.0)
 
     def _set_state(self, new: CameraState, reason: str = "") -> None:
         with self._state_lock:
@@ -637,6 +670,8 @@ class CameraWorker:
         position = -1  # frame number within this source: for files, the frame's place in the file
         file_id = _file_id(cfg.source) if cfg.is_file else None
         checked_at = time.monotonic()
+        self._declared_fps = source.fps if cfg.is_file else None
+        read_at = 0.0
         try:
             while not self._stop.is_set():
                 if self._reopen.is_set():
@@ -650,7 +685,10 @@ class CameraWorker:
                     if now_id != file_id:
                         log.info("camera %s: %s was replaced; reopening", self.id, cfg.source)
                         return False, None
+                # CPU time, not wall time: a live source's read waits for the camera's next frame.
+                cpu0 = time.thread_time()
                 image = source.read()
+                spent_ms = (time.thread_time() - cpu0) * 1000.0
                 if image is None:
                     if cfg.is_file and got_any:
                         return True, None
@@ -659,6 +697,12 @@ class CameraWorker:
                 got_any = True
                 position += 1
                 now = time.monotonic()
+                if position:  # a source's first read also pays for opening it and starting its decoder
+                    n = self._reads + 1
+                    self._decode_ms = smoothed(self._decode_ms, spent_ms, n)
+                    self._read_gap_s = smoothed(self._read_gap_s, now - read_at, n)
+                    self._reads = n
+                read_at = now
                 if not cfg.is_file and period and now - last_kept < period:
                     continue  # a live camera faster than max_fps: skip, it is not a loss
                 # Before any wait: recorded footage is preprocessed while the pipeline still works

@@ -15,6 +15,12 @@ only thread that runs them, after it has run what was prepared for them. The cam
 windows start afresh at the swap and count only the new model's results, so the stats (and the
 rollout gate judging them) describe the model that runs now.
 
+Measured cost, for the controller's placement (PROTOCOL.md "Heartbeat"): each run's wall time is the
+inference lane's, split over the batch's frames; its CPU time is what preprocessing (in the capture
+or prepare thread), output decoding and, on the CPU provider, the run on each of its threads took.
+Both are smoothed per loaded model (:class:`RunCost`) and read by :meth:`Pipeline.variant_costs`,
+a few clock reads and additions per run and one lock taken after it, never across it.
+
 Hang detection is handed to :class:`~edge_agent.vision.inference_watchdog.InferenceWatchdog`, which owns
 the inference thread: the pipeline tells it when each run starts and ends, and it abandons a run that
 hangs and starts a fresh thread (with a fresh backend) within the bounds of a ``RestartLimiter``.
@@ -43,8 +49,14 @@ import numpy as np
 
 from edge_agent.core.queues import DropOldestQueue, HandoffQueue
 from edge_agent.core.restart_policy import RestartLimiter
-from edge_agent.inference.backend import BackendFactory, CudaFatalError, InferenceBackend, ProviderFallback
-from edge_agent.vision.capture import CameraWorker, Frame
+from edge_agent.inference.backend import (
+    BackendFactory,
+    CudaFatalError,
+    InferenceBackend,
+    ProviderFallback,
+    host_threads,
+)
+from edge_agent.vision.capture import CameraWorker, Frame, smoothed
 from edge_agent.vision.inference_watchdog import FatalCallback, InferenceWatchdog, WatchdogCallback
 from fleet_protocol.messages import (
     Box,
@@ -95,6 +107,39 @@ class ModelLoadError(Exception):
 
 
 @dataclass(eq=False)
+class RunCost:
+    """What one loaded model's production runs cost per frame, smoothed (``smoothed``: a mean of the
+    first runs, then an EWMA with ``COST_EWMA_ALPHA`` per run). Changed under the pipeline's lock,
+    once per run; the warm-up is not in it."""
+
+    runs: int = 0
+    frames: int = 0
+    infer_ms: float = 0.0  # inference-lane wall time of a run / its frames
+    cpu_ms: float = 0.0  # preprocessing + output decoding + CPU-provider inference, / frames
+
+    def add(self, frames: int, run_ms: float, cpu_ms: float) -> None:
+        self.runs += 1
+        self.frames += frames
+        self.infer_ms = smoothed(self.infer_ms, run_ms / frames, self.runs)
+        self.cpu_ms = smoothed(self.cpu_ms, cpu_ms / frames, self.runs)
+
+
+@dataclass(frozen=True, slots=True)
+class VariantFigures:
+    """A variant's measured cost as the heartbeat reports it, with ``lane_ms``, the inference-lane
+    time it has taken in all (cumulative, so that a reader takes its share of an interval), and
+    ``lanes``, how many runs of it can be under way at once: the inference workers serving its
+    cameras where its backend takes concurrent runs, else one."""
+
+    variant: str
+    infer_ms: float
+    cpu_ms: float
+    frames: int
+    lane_ms: float
+    lanes: int = 1
+
+
+@dataclass(eq=False)
 class LoadedModel:
     """A model ready to serve: backend + manifest + its preprocessor. Shared by cameras on the same sha."""
 
@@ -103,6 +148,7 @@ class LoadedModel:
     preprocessor: PreprocessorLike
     closed: bool = False
     path: Path | None = None  # the file it was loaded from: the watchdog makes a fresh backend of it
+    cost: RunCost = field(default_factory=RunCost)  # of this load: a swap measures the new one afresh
     # One run at a time on a backend that cannot take concurrent runs (several inference workers),
     # per backend: a fresh one after a hang is not blocked by the lock a stuck run still holds.
     _run_lock: tuple[object, threading.Lock] | None = field(default=None, repr=False)
@@ -124,6 +170,11 @@ class LoadedModel:
     def sha256(self) -> str:
         return self.manifest.sha256
 
+    @property
+    def variant(self) -> str:
+        """The key the controller places cameras by: ``<model>/<version>``."""
+        return f"{self.manifest.name}/{self.manifest.version}"
+
 
 @dataclass(frozen=True)
 class CameraParams:
@@ -142,6 +193,7 @@ class _Prepared:
     items: list[tuple[Frame, CameraParams]]
     batch: np.ndarray
     metas: list[Any]
+    cpu_ms: float = 0.0  # preprocessing the batch took, in whichever threads did it
 
 
 # Per-camera stats windows: the median over the last MEDIAN_WINDOW inference times, the p99 over the
@@ -171,6 +223,7 @@ class _CamStats:
     window: _ModelWindow = field(default_factory=_ModelWindow)
     last_inferred: float = 0.0  # the FPS cap's clock: kept across a swap, the cap is the camera's
     last: FrameDetections | None = None
+    inferred_at: float | None = None  # time.time() when its last frame came out of inference
 
 
 class Pipeline:
@@ -223,6 +276,8 @@ class Pipeline:
         self._slots: dict[str, tuple[LoadedModel, CameraParams]] = {}
         self._retired: list[LoadedModel] = []
         self._stats = {c: _CamStats() for c in self.cameras}
+        # Inference-lane ms run per variant, cumulative; only variants that run now are kept.
+        self._lane_ms: dict[str, float] = {}
         self._error_log_at = 0.0
         self.on_provider_fallback = on_provider_fallback
         # Prepare -> inference, one queue per worker. Drop policy: none; the prepare thread waits (see
@@ -387,6 +442,7 @@ class Pipeline:
             windows = {
                 c: (list(st.window.inference_ms), list(st.window.times)) for c, st in self._stats.items()
             }
+            inferred_at = {c: st.inferred_at for c, st in self._stats.items()}
         for cam_id, cam in self.cameras.items():
             ms, times = windows[cam_id]
             slot = slots.get(cam_id)
@@ -404,9 +460,45 @@ class Pipeline:
                     inference_ms=median,
                     inference_p99_ms=p99,
                     model=slot[0].key if slot else None,
+                    decode_ms=cam.decode_ms,
+                    source_fps=cam.source_fps,
+                    last_inferred_at=inferred_at.get(cam_id),
                 )
             )
         return out
+
+    def variant_costs(self) -> list[VariantFigures]:
+        """The measured cost of each variant that runs now (``frames`` 0: none measured yet). Where
+        two loads of one variant serve (a swap under way), the one with more frames speaks for it.
+        A variant that no longer runs loses its lane time here, so one that comes back counts from 0."""
+        with self._lock:
+            models = {id(m): m for m, _ in self._slots.values()}.values()
+            running = {m.variant for m in models}
+            for gone in self._lane_ms.keys() - running:
+                del self._lane_ms[gone]
+            best: dict[str, RunCost] = {}
+            for m in models:
+                cost, known = m.cost, best.get(m.variant)
+                if known is None or cost.frames > known.frames:
+                    best[m.variant] = RunCost(cost.runs, cost.frames, cost.infer_ms, cost.cpu_ms)
+            workers: dict[str, set[int]] = {}
+            concurrent: set[str] = set()
+            for cam_id, (m, _) in self._slots.items():
+                workers.setdefault(m.variant, set()).add(self._worker_of.get(cam_id, 0))
+                if getattr(m.backend, "concurrent_runs", False):
+                    concurrent.add(m.variant)
+            lane_ms = dict(self._lane_ms)
+        return [
+            VariantFigures(
+                v,
+                c.infer_ms,
+                c.cpu_ms,
+                c.frames,
+                lane_ms.get(v, 0.0),
+                len(workers[v]) if v in concurrent else 1,
+            )
+            for v, c in sorted(best.items())
+        ]
 
     def last_result(self, camera: str) -> FrameDetections | None:
         with self._lock:
@@ -467,21 +559,24 @@ class Pipeline:
             for i in range(0, len(items), step):
                 chunk = items[i : i + step]
                 images = [f.image for f, _ in chunk]
+                cpu0 = time.thread_time()
                 early = _prepared_for(model.manifest.input, [f for f, _ in chunk])
                 try:
                     if early is not None:
-                        batch, metas = early
+                        batch, metas, cpu_ms = early
                     elif len(images) == 1:
                         tensor, meta = model.preprocessor(images[0])
-                        batch, metas = tensor[None], [meta]
+                        batch, metas, cpu_ms = tensor[None], [meta], 0.0
                     else:
                         batch, metas = model.preprocessor.batch(images)
+                        cpu_ms = 0.0
                 except Exception as exc:
                     for f, _ in chunk:
                         stats[f.camera].errors += 1
                     self._log_error("preprocessing for %s failed: %s", model.key, exc)
                     continue
-                out.append((key[0], _Prepared(model=model, items=chunk, batch=batch, metas=metas)))
+                cpu_ms += (time.thread_time() - cpu0) * 1000.0
+                out.append((key[0], _Prepared(model, chunk, batch, metas, cpu_ms)))
         return out
 
     def _live(self, gen: int) -> bool:
@@ -540,11 +635,16 @@ class Pipeline:
         with model.run_guard():
             if not self.watchdog.run_started(gen, model, tuple(f.camera for f, _ in items), worker):
                 return
+            backend = model.backend
             t0 = time.perf_counter()
+            cpu0 = time.thread_time()
             try:
-                outputs = model.backend.run(prepared.batch)
+                outputs = backend.run(prepared.batch)
+                t1 = time.perf_counter()
+                cpu1 = time.thread_time()
                 threshold = min(p.threshold for _, p in items)
                 decoded = self._decode(model.manifest, outputs, metas, threshold)
+                cpu2 = time.thread_time()
             except CudaFatalError:
                 self.watchdog.run_finished(gen, ok=False, worker=worker)
                 raise  # to run_inference, which stops: no retry, no reload
@@ -564,6 +664,17 @@ class Pipeline:
             return
         ms = (time.perf_counter() - t0) * 1000.0
         done = time.monotonic()
+        done_at = time.time()
+        run_ms = (t1 - t0) * 1000.0
+        # On the CPU provider the run keeps its intra-op threads busy, not only this one; elsewhere the
+        # run's CPU cost is this thread's (launching, copying, waiting on the device).
+        threads = host_threads(backend)
+        run_cpu_ms = run_ms * threads if threads else (cpu1 - cpu0) * 1000.0
+        cpu_ms = prepared.cpu_ms + run_cpu_ms + (cpu2 - cpu1) * 1000.0
+        variant = model.variant
+        with self._lock:
+            model.cost.add(len(items), run_ms, cpu_ms)
+            self._lane_ms[variant] = self._lane_ms.get(variant, 0.0) + run_ms
         labels = model.manifest.labels
         for (frame, params), raws, meta in zip(items, decoded, metas, strict=True):
             dets = [d for d in (_detection(r, labels) for r in raws if r.score >= params.threshold) if d]
@@ -588,6 +699,7 @@ class Pipeline:
                     st.window.inference_ms.append(ms)
                     st.window.times.append(done)
                 st.last = result
+                st.inferred_at = done_at
             self.out.put(result)
 
     def _provider_fallback(self, model: LoadedModel, fallback: ProviderFallback) -> None:
@@ -669,17 +781,18 @@ class Pipeline:
         return self.cameras.keys()
 
 
-def _prepared_for(spec: InputSpec, frames: Sequence[Frame]) -> tuple[np.ndarray, list[Any]] | None:
-    """The batch of ``frames`` from the inputs their capture threads made, if every one was made for
-    ``spec`` (else None: a frame captured before a swap to a model with another input, or one whose
-    preprocessing failed there, is preprocessed here)."""
+def _prepared_for(spec: InputSpec, frames: Sequence[Frame]) -> tuple[np.ndarray, list[Any], float] | None:
+    """The batch of ``frames`` from the inputs their capture threads made, and the CPU ms they took,
+    if every one was made for ``spec`` (else None: a frame captured before a swap to a model with
+    another input, or one whose preprocessing failed there, is preprocessed here)."""
     ready = [f.prepared for f in frames]
     if not all(p is not None and (p.spec is spec or p.spec == spec) for p in ready):
         return None
     tensors = [p.tensor for p in ready if p is not None]
     metas = [p.meta for p in ready if p is not None]
+    cpu_ms = sum(p.cpu_ms for p in ready if p is not None)
     batch = tensors[0][None] if len(tensors) == 1 else np.stack(tensors)
-    return batch, metas
+    return batch, metas, cpu_ms
 
 
 def _detection(r: _Raw, labels: Sequence[str]) -> Detection | None:
