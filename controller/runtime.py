@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine
 from controller.db.engine import make_engine, migrate
 from controller.db.leader import ALWAYS_LEADER, Leadership, PgLeadership, ReplicaRegistry
 from controller.fleet.converger import ResendPolicy, TwinConverger
+from controller.fleet.pools import PoolService
 from controller.fleet.rollouts import RolloutService
 from controller.fleet.twin import TwinService
 from controller.link.artifacts import ArtifactServer, DeviceCaps
@@ -170,6 +171,7 @@ class ControllerRuntime:
         self.rollouts = RolloutService(
             self.engine, self.twin, stop=self.stop_event, leadership=self.leadership
         )
+        self.pools = PoolService(self.engine)
         self.status = PresenceService(
             self.engine,
             self.bridge,

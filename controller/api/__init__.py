@@ -20,6 +20,7 @@ from controller.api import (
     model_versions,
     openapi,
     pages,
+    pools,
     tokens,
 )
 from controller.api.errors import register_error_handlers
@@ -31,6 +32,7 @@ ROUTERS = (
     model_versions.router,
     agent_packages.router,
     deployments.router,
+    pools.router,
     detections.router,
     events.router,
     tokens.router,

@@ -26,6 +26,7 @@ from controller.errors import (
     TooLargeError,
     UnavailableError,
 )
+from controller.fleet.pools import PoolInvalidError
 from controller.fleet.rollouts import DeploymentInvalidError
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,11 @@ STATUS_OF_KIND: tuple[tuple[type[ControllerError], int], ...] = (
 )
 
 # Refusals of a value the request carried that are answered in the shape of FastAPI's validation
-# errors, with where the value was: a deployment's selector and waves are in its JSON body.
+# errors, with where the value was: a deployment's selector and waves, and a pool's declaration, are
+# in their JSON bodies.
 VALIDATION_SHAPED: tuple[tuple[type[ControllerError], tuple[str, ...]], ...] = (
     (DeploymentInvalidError, ("body",)),
+    (PoolInvalidError, ("body",)),
 )
 
 
@@ -72,8 +75,10 @@ async def controller_error_handler(request: Request, exc: Exception) -> JSONResp
         log.error("%s %s: %s has no HTTP status of its kind", request.method, request.url.path, type(exc))
     for kind, loc in VALIDATION_SHAPED:
         if isinstance(exc, kind):
+            # An error that knows where in the body it is (a pool camera's source) says so, as FastAPI does.
+            where = [*loc, *getattr(exc, "loc", ())]
             return JSONResponse(
-                {"detail": [{"loc": list(loc), "msg": str(exc), "type": "value_error"}]}, status_code=code
+                {"detail": [{"loc": where, "msg": str(exc), "type": "value_error"}]}, status_code=code
             )
     return JSONResponse({"detail": str(exc)}, status_code=code)
 

@@ -9,8 +9,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from controller.fleet.gate import GateConfig
+from controller.fleet.pools import MAX_FAIL
 from controller.fleet.sync import SyncState
-from controller.types import CAMERA_OR_ANY_PATTERN, ID_MAX, ID_PATTERN, NO_NUL_PATTERN, check_labels
+from controller.types import CAMERA_OR_ANY_PATTERN, ID_MAX, ID_PATTERN, NO_NUL_PATTERN, DeviceId, check_labels
 from fleet_protocol.messages import CameraReported, CameraStats, LabelList, Name
 
 
@@ -430,3 +431,140 @@ class TokenPublic(BaseModel):
 
 class TokenCreated(TokenPublic):
     token: str = Field(description="the bearer token: shown in this answer only, keep it now")
+
+
+# --------------------------------------------------------------------------- pools
+
+
+class PoolCameraPublic(BaseModel):
+    id: str
+    source: str = Field(description="as declared: never a password, at most a {secret:NAME} reference")
+    model: str
+    version: str
+    target_fps: float
+    min_fps: float
+    priority: int
+    spread_group: str | None
+    prefer: str | None
+    pin: str | None = Field(description="the device an operator moved it to (only that device), if any")
+
+
+class PoolLoad(BaseModel):
+    """A device's load in a plan: inference-lane and CPU time a second, against headroom x capacity."""
+
+    lane_ms_per_s: float
+    lane_limit: float
+    cpu_ms_per_s: float
+    cpu_limit: float
+    cameras: int
+    util: float | None = Field(description="the larger share of the two limits (1.0: at headroom)")
+
+
+class PoolDevicePublic(BaseModel):
+    id: str
+    online: bool
+    status: Literal["online", "offline", "decommissioned"]
+    in_grace: bool = Field(
+        description="offline for less than failover_grace_s: keeps its cameras, takes no new"
+    )
+    cordoned: bool = Field(description="takes no new camera (draining implies it)")
+    draining: bool = Field(description="its cameras are planned elsewhere")
+    cameras: int = Field(description="cameras placed on it in the stored plan")
+    load: PoolLoad | None = Field(description="in a plan made now; null when it cannot take cameras")
+
+
+class PoolPlacementPublic(BaseModel):
+    device: str
+    fps: float
+    since: datetime = Field(description="when the camera was placed on this device")
+
+
+class PoolMove(BaseModel):
+    camera: str
+    source: str = Field(description="the device it leaves")
+    target: str = Field(description="the device it goes to")
+    fps: float
+    reason: str = Field(
+        description="device_offline, device_gone, cordoned, unreachable, unfit, overload (failures, never "
+        "held back), failback or manual"
+    )
+
+
+class PoolHeld(PoolMove):
+    why: str = Field(description="what holds the move back: the rate limit, no room, the target unusable")
+
+
+class PoolDegraded(BaseModel):
+    fps: float
+    target_fps: float
+    reason: str
+
+
+class PoolMoveEvent(PoolMove):
+    ts: datetime
+
+
+class PoolSummaryPublic(BaseModel):
+    name: str
+    selector: str
+    strategy: str
+    cameras: int
+    placed: int = Field(description="cameras with a placement in the stored plan")
+    devices: int = Field(description="enrolled devices the selector matches")
+    updated_at: datetime
+
+
+class PoolPublic(BaseModel):
+    """A pool: its declaration, its devices, where its cameras run (the stored plan) and what a plan
+    made now says about it."""
+
+    name: str
+    selector: str
+    strategy: str
+    headroom: float
+    reserve_n1: bool
+    failover_grace_s: float
+    failback: str
+    max_moves_per_min: int
+    min_dwell_s: float
+    cameras: list[PoolCameraPublic]
+    devices: list[PoolDevicePublic]
+    placements: dict[str, PoolPlacementPublic] = Field(description="camera -> where it runs (stored plan)")
+    unplaced: dict[str, str] = Field(description="camera -> why no device can take it now")
+    degraded: dict[str, PoolDegraded] = Field(description="camera -> running below its target FPS, and why")
+    pending: list[PoolMove] = Field(
+        description="what the next replan would move (a device went offline since the last one)"
+    )
+    held: list[PoolHeld] = Field(description="moves asked for (pins, failback) that cannot be made now")
+    n_plus_one: bool = Field(description="any one device's cameras fit in the room left on the others")
+    recent_moves: list[PoolMoveEvent] = Field(description="the newest camera_moved events, newest first")
+    created_at: datetime
+    updated_at: datetime
+
+
+class PoolPlanRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    fail: list[DeviceId] = Field(
+        default_factory=list, max_length=MAX_FAIL, description="devices of the pool to take as offline"
+    )
+
+
+class PoolPlan(BaseModel):
+    """A dry run: the plan with the ``fail`` devices taken as offline. Nothing is stored."""
+
+    pool: str
+    fail: list[str]
+    moves: list[PoolMove]
+    held: list[PoolHeld]
+    unplaced: dict[str, str]
+    degraded: dict[str, PoolDegraded]
+    loads: dict[str, PoolLoad] = Field(description="every device that could take cameras in this plan")
+    n_plus_one: bool
+    placements: dict[str, PoolPlacementPublic]
+
+
+class PoolMoveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    device: DeviceId = Field(description="the device of the pool to run the camera on")

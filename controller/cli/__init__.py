@@ -7,7 +7,7 @@ One module per command group, each defining its own typer app and never importin
   and ``simulate`` dispatch lazily to ``edge_agent``, so the controller package never depends on the agent),
   and ``migrate`` (the controller's database schema, once before N replicas start)
 - ``models``, ``agent-packages``, ``devices``, ``rollouts``, ``deployments`` (with ``deploy``),
-  ``tokens``: the operator commands, which talk to a controller's REST API through ``client``
+  ``pools``, ``tokens``: the operator commands, which talk to a controller's REST API through ``client``
 
 Entry points: the ``edgefleet`` console script, ``python -m controller`` and ``python -m controller.cli``
 all call :func:`main`.
@@ -26,6 +26,7 @@ from controller.cli.client import cli_token
 from controller.cli.deployments import deploy, deployments_app
 from controller.cli.devices import devices_app
 from controller.cli.models import models_app
+from controller.cli.pools import pools_app
 from controller.cli.rollouts import rollouts_app
 from controller.cli.tokens import tokens_app
 
@@ -64,6 +65,7 @@ app.add_typer(agent_app, name="agent-packages")
 app.add_typer(devices_app, name="devices")
 app.add_typer(rollouts_app, name="rollouts")
 app.add_typer(deployments_app, name="deployments")
+app.add_typer(pools_app, name="pools")
 app.add_typer(tokens_app, name="tokens")
 
 

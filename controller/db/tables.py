@@ -206,10 +206,10 @@ class DroppedRange(SQLModel, table=True):
 SOURCE_DEVICE = "device"
 SOURCE_CONTROLLER = "controller"
 # The kinds only the controller writes (the decommission, a new incarnation, a command's result, the
-# converger's re-sends and their outcome): refused when a device sends one, so that the audit trail
-# cannot be forged from a device.
+# converger's re-sends and their outcome, a pool camera moved by a plan): refused when a device sends
+# one, so that the audit trail cannot be forged from a device.
 CONTROLLER_EVENT_KINDS = frozenset(
-    {"decommissioned", "device_reset", "command_result", "twin_resend", "twin_converged"}
+    {"decommissioned", "device_reset", "command_result", "twin_resend", "twin_converged", "camera_moved"}
 )
 
 
@@ -505,3 +505,68 @@ class DeviceSeq(SQLModel, table=True):
     # ``ingested_seq`` row above ``upto``, however many a gap that never fills has let pile up; at most
     # ``ingest_gaps_max`` runs.
     above: str = Field(default="[]", sa_type=sa.Text, sa_column_kwargs={"server_default": "[]"})
+
+
+# --------------------------------------------------------------------------- pools
+
+
+class Pool(SQLModel, table=True):
+    """A site's camera pool: cameras shared by the devices its selector matches, and the policy that
+    places them (``controller/fleet/pools.py``; the decision itself is ``controller/fleet/placement.py``)."""
+
+    __tablename__ = "pool"
+
+    name: str = Field(primary_key=True, max_length=64)
+    selector: str = Field(default="")
+    strategy: str = Field(default="spread", max_length=8)  # a placement.Strategy
+    headroom: float = Field(default=0.8)
+    reserve_n1: bool = Field(default=False)
+    failover_grace_s: float = Field(default=10.0)
+    failback: str = Field(default="never", max_length=16)  # a placement.Failback
+    max_moves_per_min: int = Field(default=5)
+    min_dwell_s: float = Field(default=600.0)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+class PoolCamera(SQLModel, table=True):
+    """One camera of a pool, as declared, and the operator's pin (a manual move)."""
+
+    __tablename__ = "pool_camera"
+
+    pool: str = Field(primary_key=True, max_length=64, foreign_key="pool.name")
+    camera: str = Field(primary_key=True, max_length=64)
+    # Never holds a credential: a password is refused, a ``{secret:NAME}`` reference is resolved on the device.
+    source: str = Field(max_length=2048)
+    model: str = Field(max_length=64)
+    version: str = Field(max_length=64)
+    target_fps: float
+    min_fps: float
+    priority: int = Field(default=0)
+    spread_group: str | None = Field(default=None, max_length=64)
+    prefer: str | None = Field(default=None, max_length=64)
+    pin: str | None = Field(default=None, max_length=64)
+
+
+class PoolDevice(SQLModel, table=True):
+    """An operator's hold on one device of a pool: cordoned (no new cameras), draining (none at all)."""
+
+    __tablename__ = "pool_device"
+
+    pool: str = Field(primary_key=True, max_length=64, foreign_key="pool.name")
+    device_id: str = Field(primary_key=True, max_length=64)
+    cordoned: bool = Field(default=False)
+    draining: bool = Field(default=False)
+    since: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
+
+
+class PoolPlacement(SQLModel, table=True):
+    """Where each camera of a pool runs in the last stored plan: what the next plan keeps."""
+
+    __tablename__ = "pool_placement"
+
+    pool: str = Field(primary_key=True, max_length=64, foreign_key="pool.name")
+    camera: str = Field(primary_key=True, max_length=64)
+    device_id: str = Field(max_length=64)
+    fps: float
+    since: datetime = Field(sa_type=UtcDateTime)

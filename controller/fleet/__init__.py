@@ -1,1 +1,2 @@
-"""Desired state and its rollout: twin, deployments, label selectors, rollouts."""
+"""Desired state and its rollout: twin, deployments, label selectors, rollouts; camera pools and the
+placement of their cameras."""

@@ -196,6 +196,24 @@ def beat(fleet: Fleet, device: str, fps: float, model: str | None = None) -> Non
     fleet.send(device, TopicKind.HEARTBEAT, Heartbeat(ts=time.time(), cameras=cams))
 
 
+def enroll_measured(
+    fleet: Fleet, device: str, *, model: str = "tiny:1", ms: float = 9.0, **labels: str
+) -> None:
+    """An enrolled, online device whose last heartbeat says it ran ``model`` at ``ms`` a frame: what a
+    camera pool's plan takes as that device's cost."""
+    enroll(fleet, device, **labels)
+    cams = [CameraStats(camera="cam1", state=CameraState.UP, fps=10.0, inference_ms=ms, model=model)]
+    fleet.send(device, TopicKind.HEARTBEAT, Heartbeat(ts=time.time(), cameras=cams))
+    wait_for(
+        lambda: (
+            [c.get("model") for c in (fleet.device(device)["last_health"] or {}).get("cameras", [])]
+            == [model]
+        ),
+        timeout=10,
+        what=f"{device}'s heartbeat with {model} stored",
+    )
+
+
 def report(fleet: Fleet, device: str, state: str = "running", error: str | None = None) -> None:
     """What an agent would report after applying its current desired state."""
     body = fleet.device(device)

@@ -86,6 +86,15 @@ def _seed(fleet: Fleet) -> None:
     assert r.status_code == 200, r.text
     r = api.post("/api/v1/deployments", json={"name": "oa-deploy", "model": "tiny", "version": "1"})
     assert r.status_code == 201, r.text
+    # A pool of the same name as the model, so that the pool routes' fixed path parameters name it.
+    pool = {
+        "selector": "site=oa",
+        "cameras": [
+            {"id": "cam1", "source": "file:///oa.mp4", "model": "tiny", "version": "1", "target_fps": 5}
+        ],
+    }
+    r = api.put("/api/v1/pools/tiny", json=pool)
+    assert r.status_code == 200, r.text
 
 
 def _send(fleet: Fleet, case: schemathesis.Case) -> httpx.Response:
