@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from controller.db.engine import make_engine, migrate
 from controller.db.leader import ALWAYS_LEADER, Leadership, PgLeadership, ReplicaRegistry
 from controller.fleet.converger import ResendPolicy, TwinConverger
-from controller.fleet.pools import PoolService
+from controller.fleet.pools import PoolReplanner, PoolService
 from controller.fleet.rollouts import RolloutService
 from controller.fleet.twin import TwinService
 from controller.link.artifacts import ArtifactServer, DeviceCaps
@@ -172,6 +172,14 @@ class ControllerRuntime:
             self.engine, self.twin, stop=self.stop_event, leadership=self.leadership
         )
         self.pools = PoolService(self.engine)
+        self.pool_replanner: PoolReplanner | None = None
+        if settings.pool_replan_interval_s > 0:
+            self.pool_replanner = PoolReplanner(
+                self.pools,
+                interval_s=settings.pool_replan_interval_s,
+                stop=self.stop_event,
+                leadership=self.leadership,
+            )
         self.status = PresenceService(
             self.engine,
             self.bridge,
@@ -231,6 +239,7 @@ class ControllerRuntime:
             self.variants,
             self.rollouts,
             self.converger,
+            *([self.pool_replanner] if self.pool_replanner is not None else []),
             self.retention,
             *([self.live_relay] if self.live_relay is not None else []),
         ]

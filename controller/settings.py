@@ -71,6 +71,10 @@ class ControllerSettings(BaseSettings):
     twin_pending_resend_s: float = Field(default=60.0, gt=0)
     twin_resend_backoff_s: float = Field(default=10.0, gt=0)
     twin_resend_backoff_max_s: float = Field(default=600.0, gt=0)
+    # The leader replans every camera pool this often (controller/fleet/pools.py PoolReplanner), so an
+    # offline device's cameras move once its failover grace is over, not at the next operator change.
+    # Short because a quiet round only reads; 0 turns it off (plans then follow operator changes only).
+    pool_replan_interval_s: float = Field(default=2.0, ge=0, le=3600, allow_inf_nan=False)
     ingest_queue_max: int = Field(default=10000, ge=1)
     ingest_batch_max: int = Field(default=500, ge=1)
     # Group commit (controller/link/batching.py): the ingest and status writers wait this long after a

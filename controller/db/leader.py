@@ -1,11 +1,11 @@
 """Who runs what must run once: the leader among controller replicas, and its fencing token.
 
 Work that must run once across replicas (rollout ticks, twin convergence and desired-state
-publishing, the offline sweep, retention and compaction, store GC, republish after a broker
-reconnect) asks ``leadership.is_leader()`` before each round and calls ``leadership.fence(session)``
-inside every transaction it commits, so a replica that lost the lock cannot commit after another
-replica took over (the fencing epoch moved). :class:`LeaderGuard` is that round, written once, and
-:class:`LeaderLoop` the thread that repeats it.
+publishing, the offline sweep, pool replans, retention and compaction, store GC, republish after a
+broker reconnect) asks ``leadership.is_leader()`` before each round and calls
+``leadership.fence(session)`` inside every transaction it commits, so a replica that lost the lock
+cannot commit after another replica took over (the fencing epoch moved). :class:`LeaderGuard` is that
+round, written once, and :class:`LeaderLoop` the thread that repeats it.
 
 One process (SQLite, or PostgreSQL without replicas) is always the leader: ``ALWAYS_LEADER``.
 Replicas on one PostgreSQL elect theirs with :class:`PgLeadership`; each also keeps a row in

@@ -16,18 +16,24 @@ one); hardware class, inference lanes and CPU from their capabilities; costs mea
 heartbeat (:func:`heartbeat_costs`), else the registry's figure for the model version, else a
 conservative default.
 
-What consumes the placements next, not done here: a leader loop that replans on its own when devices
-go offline or costs change (today a replan follows operator changes only), and the agents' desired
-state, which must carry each device's pool cameras (source, model, FPS) so that a placement really
-starts and stops a camera (make-before-break for planned moves). Until then the placements are
-computed and recorded, and nothing on a device follows them.
+Besides the operator's changes, the leader replans every pool on its own (:class:`PoolReplanner`, every
+``pool_replan_interval_s``): a device offline past the grace, gone from the selector or overloaded
+loses cameras, and failback happens after its dwell, without waiting for the next change. A round
+that would change nothing writes nothing, so a quiet fleet costs one read per pool a round.
+
+What consumes the placements next, not done here: the agents' desired state, which must carry each
+device's pool cameras (source, model, FPS) so that a placement really starts and stops a camera
+(make-before-break for planned moves). Until then the placements are computed and recorded, and
+nothing on a device follows them.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +49,7 @@ from sqlmodel import Session, col, delete, select
 from sqlmodel.sql.expression import SelectOfScalar
 
 from controller.db import crud
+from controller.db.leader import ALWAYS_LEADER, FencedOut, LeaderLoop, Leadership
 from controller.db.states import DeviceStatus
 from controller.db.tables import (
     SOURCE_CONTROLLER,
@@ -58,6 +65,8 @@ from controller.errors import ConflictError, InvalidError, NotFoundError
 from controller.fleet import placement
 from controller.fleet.selectors import Selector, SelectorError, parse_selector
 from controller.types import NO_NUL_PATTERN, CameraId, DeviceId, Name, valid_id
+
+log = logging.getLogger(__name__)
 
 EVENT_MOVED = "camera_moved"
 SOURCE_MAX = 2048
@@ -591,6 +600,17 @@ class DryRun:
     plan: placement.Plan
 
 
+def _unchanged(snap: Snapshot, plan: placement.Plan) -> bool:
+    """Whether storing ``plan`` would write nothing: no move, and the same cameras on the same devices
+    at the same FPS as stored."""
+    if plan.moves or set(plan.placements) != set(snap.placements):
+        return False
+    return all(
+        (snap.placements[cam].device_id, snap.placements[cam].fps) == (p.device, p.fps)
+        for cam, p in plan.placements.items()
+    )
+
+
 def _locked(s: Session, name: str) -> Pool:
     pool = s.exec(
         select(Pool).where(col(Pool.name) == name).with_for_update().execution_options(populate_existing=True)
@@ -728,7 +748,39 @@ class PoolService:
         """Plan the pool now and store it: placements replaced, one event per move."""
         with Session(self._engine) as s:
             pool = _locked(s, name)
-            plan = self._replan(s, pool)
+            plan = self._replan(s, pool, self._clock())
+            s.commit()
+            return plan
+
+    def names(self) -> list[str]:
+        with Session(self._engine) as s:
+            return list(s.exec(select(Pool.name).order_by(col(Pool.name))))
+
+    def replan_if_changed(
+        self, name: str, *, now: float, fence: Callable[[Session], None]
+    ) -> placement.Plan | None:
+        """Plan the pool as of ``now`` and store the plan only if it changes something (a move, a
+        camera placed or unplaced, an FPS); ``fence`` checks the transaction before it commits. Returns
+        the plan stored, or None when there was nothing to store (or the pool is gone)."""
+        with Session(self._engine) as s:
+            pool = s.get(Pool, name)
+            if pool is None:
+                return None
+            snap = load_snapshot(s, pool, now=now)
+            if _unchanged(snap, placement.plan(snap.site, now)):
+                return None  # read without a lock: a quiet pool costs no row lock and no write
+            s.rollback()
+            try:
+                pool = _locked(s, name)
+            except NotFoundError:  # deleted since the read
+                return None
+            # Planned again under the lock: an operator's change may have committed since the read.
+            snap = load_snapshot(s, pool, now=now)
+            plan = placement.plan(snap.site, now)
+            if _unchanged(snap, plan):
+                return None
+            self._store(s, snap, plan, now)
+            fence(s)
             s.commit()
             return plan
 
@@ -804,7 +856,7 @@ class PoolService:
         return row
 
     def _replan_commit(self, s: Session, pool: Pool) -> PoolState:
-        self._replan(s, pool)
+        self._replan(s, pool, self._clock())
         try:
             s.commit()
         except IntegrityError:
@@ -812,11 +864,18 @@ class PoolService:
             raise ConflictError(f"pool {pool.name!r} was changed at the same time: try again") from None
         return self._state(s, pool)
 
-    def _replan(self, s: Session, pool: Pool) -> placement.Plan:
-        """Plan the locked pool and write the plan in the caller's transaction."""
-        now = self._clock()
+    def _replan(self, s: Session, pool: Pool, now: float) -> placement.Plan:
+        """Plan the locked pool as of ``now`` and write the plan in the caller's transaction."""
         snap = load_snapshot(s, pool, now=now)
         plan = placement.plan(snap.site, now)
+        self._store(s, snap, plan, now)
+        return plan
+
+    @staticmethod
+    def _store(s: Session, snap: Snapshot, plan: placement.Plan, now: float) -> None:
+        """Write ``plan``, made from ``snap`` as of ``now``, in the caller's transaction: the placements
+        that changed, one event per move."""
+        pool = snap.pool
         for cam, gone in snap.placements.items():
             if cam not in plan.placements:
                 s.delete(gone)
@@ -859,4 +918,74 @@ class PoolService:
                     source=SOURCE_CONTROLLER,
                 )
             )
-        return plan
+
+
+# --------------------------------------------------------------------------- the leader's replan
+
+
+class PoolReplanner:
+    """Every ``interval_s``, the leader replans every pool as of its clock's time and stores what
+    changes (:meth:`PoolService.replan_if_changed`), each write fenced.
+
+    A pool whose round fails (a row the planner cannot read) is logged once with its traceback, again
+    only at debug level while it keeps failing, and once more when it recovers; the other pools are
+    planned all the same. ``FencedOut`` ends the round: another replica leads, and replans.
+    """
+
+    def __init__(
+        self,
+        service: PoolService,
+        *,
+        interval_s: float,
+        stop: threading.Event,
+        leadership: Leadership = ALWAYS_LEADER,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._service = service
+        self._leadership = leadership
+        self._clock = clock
+        self._failing: dict[str, int] = {}  # pool -> rounds failed in a row
+        self._loop = LeaderLoop(
+            "controller-pool-replan",
+            lambda: self._round(self._clock()),
+            interval_s=interval_s,
+            leadership=leadership,
+            stop=stop,
+            what="pool replan",
+            logger=log,
+        )
+
+    def start(self) -> None:
+        self._loop.start()
+
+    def join(self, timeout: float = 10.0) -> None:
+        self._loop.join(timeout)
+
+    def replan(self, now: float | None = None) -> dict[str, placement.Plan]:
+        """One round outside the loop, as of ``now`` (default the clock's): the plans stored, by pool
+        (none on a replica that does not lead, or whose lead was fenced off during the round)."""
+        return self._loop.lead(lambda: self._round(self._clock() if now is None else now), otherwise={})
+
+    def _round(self, now: float) -> dict[str, placement.Plan]:
+        stored: dict[str, placement.Plan] = {}
+        names = self._service.names()
+        for name in names:
+            try:
+                plan = self._service.replan_if_changed(name, now=now, fence=self._leadership.fence)
+            except FencedOut:
+                raise
+            except Exception:
+                failed = self._failing.get(name, 0)
+                if failed:
+                    log.debug("replanning pool %s failed again", name, exc_info=True)
+                else:
+                    log.exception("replanning pool %s failed", name)
+                self._failing[name] = failed + 1
+                continue
+            if failed := self._failing.pop(name, 0):
+                log.info("replanning pool %s recovered after %d failed round(s)", name, failed)
+            if plan is not None:
+                stored[name] = plan
+        for gone in set(self._failing) - set(names):
+            del self._failing[gone]
+        return stored

@@ -15,7 +15,7 @@ from sqlmodel import SQLModel
 
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Availability
-from tests.support.controller_app import Fleet, enroll_measured
+from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
 from tests.support.processes import bearer
 from tests.support.waiting import wait_for
 
@@ -79,6 +79,13 @@ def _post(fleet: Fleet, path: str, **kw: Any) -> dict[str, Any]:
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
     return out
+
+
+@pytest.fixture
+def fleet(make_fleet: FleetFactory) -> Fleet:
+    """The leader's periodic replan off: each test sees what an operator change stored, and a device
+    lost meanwhile as ``pending`` (the periodic replan: tests/unit/controller/fleet/test_pools_replan.py)."""
+    return make_fleet(pool_replan_interval_s=0)
 
 
 @pytest.fixture

@@ -1,0 +1,305 @@
+"""The leader's periodic pool replan, through the real app: a device offline past its pool's failover
+grace loses exactly its cameras, each to a live device with a ``camera_moved`` event, without any
+operator change; a replica that does not lead, or whose lead was fenced off, writes nothing; a round
+with nothing to change writes nothing at all; a device that comes back gets nothing back under
+failback ``never`` (and its cameras back under ``preferred`` once the dwell has passed, as of the
+time the round is given); one pool that cannot be planned is logged once, does not hold the others
+back, and its recovery is logged. On SQLite and PostgreSQL (``make_fleet``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col
+
+from controller.db.leader import FencedOut
+from controller.db.tables import Pool
+from controller.fleet.pools import PoolReplanner
+from fleet_protocol import TopicKind
+from fleet_protocol.messages import Availability, Capabilities
+from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
+from tests.support.waiting import wait_for
+
+POOL = "site-north"
+BOXES = ("box-1", "box-2", "box-3")
+GRACE_S = 0.3
+# Short, so the app's own loop acts within a test's wait.
+FAST = {"pool_replan_interval_s": 0.05}
+# The app's loop off: the test drives every round itself.
+DRIVEN = {"pool_replan_interval_s": 0}
+
+
+class StandInLeadership:
+    """A replica's lead as the test sets it: leading or not, and a fence that holds or has moved on."""
+
+    def __init__(self, *, leading: bool = True, fenced: bool = False) -> None:
+        self.leading = leading
+        self.fenced = fenced
+        self.fences = 0
+
+    @property
+    def replica_id(self) -> str:
+        return "stand-in"
+
+    def is_leader(self) -> bool:
+        return self.leading
+
+    def fence(self, session: Session) -> None:
+        self.fences += 1
+        if self.fenced:
+            raise FencedOut("another replica leads at a newer epoch")
+
+
+def _camera(cam: str, **over: Any) -> dict[str, Any]:
+    return {
+        "id": cam,
+        "source": f"rtsp://{{secret:north-cams}}@10.0.0.{cam.rsplit('-', 1)[-1]}/stream1",
+        "model": "tiny",
+        "version": "1",
+        "target_fps": 10,
+        "min_fps": 5,
+        **over,
+    }
+
+
+def _declaration(
+    name: str = POOL, cameras: int = 6, prefer: dict[str, str] | None = None, **policy: Any
+) -> dict[str, Any]:
+    ids = [f"{name}-{i}" for i in range(1, cameras + 1)]
+    return {
+        "name": name,
+        "selector": "site=north",
+        "failover_grace_s": GRACE_S,
+        "cameras": [_camera(c, **({"prefer": prefer[c]} if prefer and c in prefer else {})) for c in ids],
+        **policy,
+    }
+
+
+def _put(fleet: Fleet, body: dict[str, Any]) -> dict[str, Any]:
+    r = fleet.client.put(f"/api/v1/pools/{body['name']}", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _pool(fleet: Fleet, name: str = POOL) -> dict[str, Any]:
+    r = fleet.client.get(f"/api/v1/pools/{name}")
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _where(pool: dict[str, Any]) -> dict[str, str]:
+    return {cam: p["device"] for cam, p in pool["placements"].items()}
+
+
+def _on(pool: dict[str, Any], device: str) -> set[str]:
+    return {cam for cam, dev in _where(pool).items() if dev == device}
+
+
+def _moved_events(fleet: Fleet) -> list[dict[str, Any]]:
+    r = fleet.client.get("/api/v1/events", params={"kind": "camera_moved"})
+    assert r.status_code == 200, r.text
+    out: list[dict[str, Any]] = r.json()
+    return out
+
+
+def _runtime(fleet: Fleet) -> Any:
+    return fleet.client.app.state.runtime  # type: ignore[attr-defined]
+
+
+def _replanner(fleet: Fleet, leadership: StandInLeadership) -> PoolReplanner:
+    """A replanner on the app's pools that the test drives round by round (never started)."""
+    return PoolReplanner(
+        _runtime(fleet).pools, interval_s=3600.0, stop=threading.Event(), leadership=leadership
+    )
+
+
+def _site(fleet: Fleet, **policy: Any) -> dict[str, Any]:
+    for box in BOXES:
+        enroll_measured(fleet, box, site="north")
+    site = _put(fleet, _declaration(**policy))
+    assert Counter(_where(site).values()) == dict.fromkeys(BOXES, 2)
+    return site
+
+
+def _set_availability(fleet: Fleet, device: str, state: str) -> None:
+    if state == "online":
+        caps = Capabilities(
+            hostname=device, cpu_count=2, cameras=["cam1"], execution_providers=["CPUExecutionProvider"]
+        )
+        msg = Availability(state="online", agent_version="0.1.0", capabilities=caps)
+    else:
+        msg = Availability(state="offline")
+    fleet.send(device, TopicKind.AVAILABILITY, msg)
+    wait_for(lambda: fleet.device(device)["status"] == state, timeout=10, what=f"{device} {state}")
+
+
+def _wait_moved_off(fleet: Fleet, device: str) -> dict[str, Any]:
+    """The pool once no camera is placed on ``device``."""
+
+    def check() -> dict[str, Any] | None:
+        pool = _pool(fleet)
+        return pool if not _on(pool, device) else None
+
+    return wait_for(check, timeout=10, what=f"{device}'s cameras moved")
+
+
+@contextmanager
+def _writes(engine: Engine) -> Iterator[list[str]]:
+    """The statements this thread sends that write or lock a row (the app's own threads excluded)."""
+    me = threading.get_ident()
+    seen: list[str] = []
+
+    def statement(conn: Any, cursor: Any, sql: str, *args: Any) -> None:
+        text = " ".join(sql.split()).upper()
+        if threading.get_ident() == me and (
+            text.startswith(("INSERT", "UPDATE", "DELETE")) or "FOR UPDATE" in text
+        ):
+            seen.append(text)
+
+    sa.event.listen(engine, "before_cursor_execute", statement)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", statement)
+
+
+def test_the_leader_moves_an_offline_devices_cameras_once_its_grace_is_over(make_fleet: FleetFactory) -> None:
+    fleet = make_fleet(**FAST)
+    site = _site(fleet)
+    on_3 = _on(site, "box-3")
+    assert _moved_events(fleet) == []
+
+    _set_availability(fleet, "box-3", "offline")
+    # No operator change: the app's own loop moves them once the grace is over.
+    moved = _wait_moved_off(fleet, "box-3")
+    where = _where(moved)
+    assert set(where) == set(site["placements"]) and moved["pending"] == [] and moved["unplaced"] == {}
+    assert {cam: dev for cam, dev in where.items() if cam not in on_3} == {
+        cam: dev for cam, dev in _where(site).items() if cam not in on_3
+    }
+    events = _moved_events(fleet)
+    assert sorted(e["camera"] for e in events) == sorted(on_3)
+    for e in events:
+        data = e["data"]
+        assert (data["pool"], data["source"], data["reason"], data["fps"]) == (
+            POOL,
+            "box-3",
+            "device_offline",
+            10,
+        )
+        assert data["target"] in ("box-1", "box-2") and data["target"] == where[e["camera"]] == e["device_id"]
+
+    # The next rounds have nothing left to move.
+    leader = StandInLeadership()
+    assert _replanner(fleet, leader).replan() == {} and leader.fences == 0
+    assert len(_moved_events(fleet)) == len(on_3) and _where(_pool(fleet)) == where
+
+
+def test_a_replica_that_does_not_lead_or_is_fenced_off_changes_nothing(make_fleet: FleetFactory) -> None:
+    fleet = make_fleet(**DRIVEN)
+    assert _runtime(fleet).pool_replanner is None  # interval 0: no loop
+    site = _site(fleet, failover_grace_s=10)
+    on_3 = _on(site, "box-3")
+    _set_availability(fleet, "box-3", "offline")
+    later = time.time() + 60.0  # the round's own time: box-3 is then past its grace
+
+    follower = StandInLeadership(leading=False)
+    assert _replanner(fleet, follower).replan(later) == {} and follower.fences == 0
+    fenced = StandInLeadership(fenced=True)
+    assert _replanner(fleet, fenced).replan(later) == {} and fenced.fences == 1
+    assert _where(_pool(fleet)) == _where(site) and _moved_events(fleet) == []
+
+    leader = StandInLeadership()
+    replanner = _replanner(fleet, leader)
+    assert replanner.replan(time.time()) == {}  # now, box-3 is still within its grace
+    plans = replanner.replan(later)
+    assert set(plans) == {POOL} and leader.fences == 1
+    assert {(m.camera, m.source, m.reason.value) for m in plans[POOL].moves} == {
+        (c, "box-3", "device_offline") for c in on_3
+    }
+    assert _on(_pool(fleet), "box-3") == set()
+    assert sorted(e["camera"] for e in _moved_events(fleet)) == sorted(on_3)
+
+
+def test_rounds_with_nothing_to_change_write_nothing(make_fleet: FleetFactory) -> None:
+    fleet = make_fleet(**DRIVEN)
+    site = _site(fleet)
+    leader = StandInLeadership()
+    replanner = _replanner(fleet, leader)
+    with _writes(_runtime(fleet).engine) as writes:
+        for ahead in (0.0, 60.0, 3600.0):
+            assert replanner.replan(time.time() + ahead) == {}
+    assert writes == [] and leader.fences == 0
+    now = _pool(fleet)
+    assert now["placements"] == site["placements"] and _moved_events(fleet) == []
+
+
+def test_under_failback_never_a_returning_device_gets_nothing_back(make_fleet: FleetFactory) -> None:
+    fleet = make_fleet(**FAST)
+    on_3 = _on(_site(fleet), "box-3")
+    _set_availability(fleet, "box-3", "offline")
+    _wait_moved_off(fleet, "box-3")
+    prefer = dict.fromkeys(on_3, "box-3")
+    where = _where(_put(fleet, _declaration(prefer=prefer, failback="never")))
+
+    _set_availability(fleet, "box-3", "online")
+    after_dwell = time.time() + 700.0  # past min_dwell_s (600) for box-3 and for the moved cameras
+    assert _replanner(fleet, StandInLeadership()).replan(after_dwell) == {}
+    assert _where(_pool(fleet)) == where and _on(_pool(fleet), "box-3") == set()
+    assert len(_moved_events(fleet)) == len(on_3)
+
+    # The same return under "preferred": nothing before the dwell, the cameras back after it.
+    assert _on(_put(fleet, _declaration(prefer=prefer, failback="preferred")), "box-3") == set()
+    plans = _replanner(fleet, StandInLeadership()).replan(time.time() + 700.0)
+    assert {(m.camera, m.target, m.reason.value) for m in plans[POOL].moves} == {
+        (c, "box-3", "failback") for c in on_3
+    }
+    assert _on(_pool(fleet), "box-3") == on_3
+
+
+def test_a_pool_that_cannot_be_planned_is_logged_once_and_holds_no_other_back(
+    make_fleet: FleetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    fleet = make_fleet(**DRIVEN)
+    _site(fleet)
+    other = "site-north-b"
+    on_3_other = _on(_put(fleet, _declaration(other, cameras=3)), "box-3")
+    assert len(on_3_other) == 1
+    engine = _runtime(fleet).engine
+    with engine.begin() as conn:  # a hand-edited row: no strategy the planner knows
+        conn.execute(sa.update(Pool).where(col(Pool.name) == POOL).values(strategy="bogus"))
+    _set_availability(fleet, "box-3", "offline")
+    later = time.time() + 60.0
+    replanner = _replanner(fleet, StandInLeadership())
+
+    caplog.set_level(logging.DEBUG, logger="controller.fleet.pools")
+    first = replanner.replan(later)
+    assert set(first) == {other} and _on(_pool(fleet, other), "box-3") == set()
+    assert replanner.replan(later) == {}
+
+    def logged(level: int) -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "controller.fleet.pools" and r.levelno == level
+        ]
+
+    assert logged(logging.ERROR) == [f"replanning pool {POOL} failed"]
+    assert logged(logging.DEBUG) == [f"replanning pool {POOL} failed again"]
+
+    with engine.begin() as conn:
+        conn.execute(sa.update(Pool).where(col(Pool.name) == POOL).values(strategy="spread"))
+    assert set(replanner.replan(later)) == {POOL}
+    assert logged(logging.INFO) == [f"replanning pool {POOL} recovered after 2 failed round(s)"]
+    assert _on(_pool(fleet), "box-3") == set()
