@@ -420,8 +420,8 @@ class IngestService:
         """``linger_s``: how long a commit waits for more messages after the first (batching.py);
         ``device_queue_max``: the most messages of one device in the queue at once (None: a tenth of
         the queue, at least the batch size); ``incarnations_per_hour``: new incarnations a device may
-        start in an hour (each one only after its birth); ``gaps_max``: the most runs of covered seqs
-        a space may hold above its ``upto`` (each run past the first stands after a gap)."""
+        start in an hour (each one only after its birth); ``gaps_max``: the most gaps a space may hold
+        above its ``upto`` (each run of covered seqs above it stands after one)."""
         self._engine = engine
         self._shares = QueueShares(device_queue_max or max(batch_max, queue_max // 10))
         self._incarnations_per_hour = incarnations_per_hour
