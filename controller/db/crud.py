@@ -629,21 +629,6 @@ def save_device_seqs(session: Session, *, rows: Iterable[SeqRow]) -> None:
     session.connection().execute(_save_seqs_stmt(), params)
 
 
-def seq_islands(session: Session, *, device_ids: Iterable[str]) -> dict[Space, list[tuple[int, int]]]:
-    """Per space of the devices, the runs of consecutive seqs in ``ingested_seq`` above the ``upto``
-    its ``device_seq`` row holds in this transaction, as ``(first, last)`` in order.
-
-    Ingest keeps these runs on the row (``DeviceSeq.above``) instead of reading them on every commit:
-    this reads every stored row above ``upto``, however many. It is the check of that column (with
-    ``dropped_ranges``, what ``above`` must equal)."""
-    out: dict[Space, list[tuple[int, int]]] = {}
-    stmt = _islands_stmt(_is_postgres(session))
-    rows = session.connection().execute(stmt, {"ids": sorted(set(device_ids))})
-    for dev, inc, a, b in rows:
-        out.setdefault((str(dev), str(inc)), []).append((int(a), int(b)))
-    return out
-
-
 # Ingest runs these on every commit: built once (building a statement costs more than running it on a
 # small batch). The device ids are one array parameter on PostgreSQL (``= ANY``: the SQL text is the
 # same whatever the count, so the driver keeps it prepared), an expanding ``IN`` list on SQLite.
@@ -690,56 +675,11 @@ def _save_seqs_stmt() -> sa.Update:
     )
 
 
-@cache
-def _islands_stmt(postgres: bool) -> sa.Select[Any]:
-    t = ingested_seq_table()
-    d = device_seq_table()
-    grp = (
-        t.c.seq - sa.func.row_number().over(partition_by=(t.c.device_id, t.c.incarnation), order_by=t.c.seq)
-    ).label("grp")
-    tail = (
-        sa.select(t.c.device_id, t.c.incarnation, t.c.seq, grp)
-        .select_from(d)
-        .join(
-            t,
-            sa.and_(t.c.device_id == d.c.device_id, t.c.incarnation == d.c.incarnation, t.c.seq > d.c.upto),
-        )
-        .where(_ids_match(d.c.device_id, postgres))
-        .subquery()
-    )
-    return (
-        sa.select(tail.c.device_id, tail.c.incarnation, sa.func.min(tail.c.seq), sa.func.max(tail.c.seq))
-        .group_by(tail.c.device_id, tail.c.incarnation, tail.c.grp)
-        .order_by(tail.c.device_id, tail.c.incarnation, sa.func.min(tail.c.seq))
-    )
-
-
 # --------------------------------------------------------------------------- declared-dropped runs
 
 
 def dropped_range_table() -> sa.Table:
     return cast(sa.Table, DroppedRange.__table__)  # type: ignore[attr-defined]
-
-
-def dropped_ranges(session: Session, *, device_ids: Iterable[str]) -> dict[Space, list[tuple[int, int]]]:
-    """Per space of the devices, its declared-dropped runs above the ``upto`` its ``device_seq`` row
-    holds in this transaction, lowest first."""
-    t = dropped_range_table()
-    d = device_seq_table()
-    q = (
-        sa.select(t.c.device_id, t.c.incarnation, t.c.first, t.c.last)
-        .select_from(d)
-        .join(
-            t,
-            sa.and_(t.c.device_id == d.c.device_id, t.c.incarnation == d.c.incarnation, t.c.last > d.c.upto),
-        )
-        .where(_ids_match(d.c.device_id, _is_postgres(session)))
-        .order_by(t.c.device_id, t.c.incarnation, t.c.first)
-    )
-    out: dict[Space, list[tuple[int, int]]] = {}
-    for dev, inc, a, b in session.connection().execute(q, {"ids": sorted(set(device_ids))}):
-        out.setdefault((str(dev), str(inc)), []).append((int(a), int(b)))
-    return out
 
 
 def add_dropped_ranges(

@@ -6,30 +6,16 @@ Each run takes ~10-20 s on 2 cores."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+from tests.support.benches import run_bench
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
 
 
 def _smoke(bench: str, timeout: float = 120) -> str:
-    """``bench``: a module of bench/ run as the README says (``python -m bench.NAME``, from the
-    repository root: the benches on the test harness import ``tests.support``)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", f"bench.{bench}", "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return proc.stdout
+    return run_bench(bench, "--smoke", timeout=timeout).stdout
 
 
 def test_ingest_bench_smoke_alternates_raw_and_controller_and_stores_every_batch() -> None:

@@ -15,7 +15,7 @@ from sqlmodel import Session
 from controller.db import crud
 from controller.db.engine import make_engine
 from controller.link.bridge import MqttBridge
-from controller.link.ingest import IngestService
+from controller.link.ingest import IngestService, merge_runs
 from fleet_protocol import TopicKind, Topics, decode, encode
 from fleet_protocol.messages import (
     Ack,
@@ -141,3 +141,29 @@ def detections_per_seq(engine: Engine, device: str) -> dict[int, int]:
             sa.text("SELECT seq, COUNT(*) FROM detection WHERE device_id = :d GROUP BY seq"), {"d": device}
         ).all()
     return {int(q): int(n) for q, n in rows}
+
+
+def runs_above_upto(
+    engine: Engine, device_id: str, incarnation: str = ""
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """A space's covered runs above its ``upto`` twice: as its ``device_seq`` row keeps them (``above``),
+    and as the stored seqs (``ingested_seq``) and declared runs (``dropped_range``) above ``upto`` say.
+    Ingest reads only the first; the two must agree."""
+    space = {"d": device_id, "i": incarnation}
+    with engine.connect() as conn:
+        upto, above = conn.execute(
+            sa.text("SELECT upto, above FROM device_seq WHERE device_id = :d AND incarnation = :i"), space
+        ).one()
+        seqs = conn.execute(
+            sa.text("SELECT seq FROM ingested_seq WHERE device_id = :d AND incarnation = :i AND seq > :upto"),
+            {**space, "upto": upto},
+        ).scalars()
+        declared = conn.execute(
+            sa.text(
+                'SELECT "first", "last" FROM dropped_range WHERE device_id = :d AND incarnation = :i '
+                'AND "last" > :upto'
+            ),
+            {**space, "upto": upto},
+        ).all()
+    rows = merge_runs([(int(q), int(q)) for q in seqs], [(int(a), int(b)) for a, b in declared])
+    return crud.runs_from_text(above), rows

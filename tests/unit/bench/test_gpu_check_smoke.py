@@ -7,14 +7,12 @@ from __future__ import annotations
 import importlib
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.support.benches import run_bench
 
 
 def load_script() -> ModuleType:
@@ -26,14 +24,7 @@ def test_without_a_gpu_it_exits_0_after_saying_why(tmp_path: Path) -> None:
     if devices:
         pytest.skip("this machine has an NVIDIA GPU: run `python -m bench.gpu_check` by hand (minutes)")
     out = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_bench("gpu_check", "--out", str(out))
     lines = done.stdout.splitlines()
     assert f"SKIP gpu: {why}" in lines
     assert "SKIP engines, fidelity, speed and power: no NVIDIA GPU on this machine: nothing to check" in lines

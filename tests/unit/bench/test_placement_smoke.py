@@ -5,23 +5,13 @@ timings themselves are BENCHMARKS.md's business, not a test's."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.support.benches import run_bench
 
 
 def test_placement_bench_smoke_prints_its_figures_and_ratio() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.placement", "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    proc = run_bench("placement", "--smoke")
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
     assert re.search(r"^full plan +: \d+\.\d+ ms for all sites .*placed \d+ of 500", out, re.M), out
     assert re.search(
         r"^ratio plan / raw: median \d+\.\d+, range \d+\.\d+-\d+\.\d+ over 2 runs$", out, re.M

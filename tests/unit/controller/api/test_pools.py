@@ -16,6 +16,7 @@ from sqlmodel import SQLModel
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Availability
 from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
+from tests.support.pools import cameras_on, devices_of, get_pool, moved_events, pool_camera, put_pool
 from tests.support.processes import bearer
 from tests.support.waiting import wait_for
 
@@ -24,54 +25,13 @@ BOXES = ("box-1", "box-2", "box-3")
 PASSWORD = "Hunter2-pa55word"
 
 
-def _camera(cam: str, **over: Any) -> dict[str, Any]:
-    return {
-        "id": cam,
-        "source": f"rtsp://{{secret:north-cams}}@10.0.0.{cam.rsplit('-', 1)[-1]}/stream1",
-        "model": "tiny",
-        "version": "1",
-        "target_fps": 10,
-        "min_fps": 5,
-        **over,
-    }
-
-
 def _declaration(cameras: int = 6, **policy: Any) -> dict[str, Any]:
     return {
         "name": POOL,
         "selector": "site=north",
-        "cameras": [_camera(f"door-{i}") for i in range(1, cameras + 1)],
+        "cameras": [pool_camera(f"door-{i}") for i in range(1, cameras + 1)],
         **policy,
     }
-
-
-def _put(fleet: Fleet, body: dict[str, Any], name: str = POOL) -> dict[str, Any]:
-    r = fleet.client.put(f"/api/v1/pools/{name}", json=body)
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
-
-
-def _pool(fleet: Fleet, name: str = POOL) -> dict[str, Any]:
-    r = fleet.client.get(f"/api/v1/pools/{name}")
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
-
-
-def _where(pool: dict[str, Any]) -> dict[str, str]:
-    return {cam: p["device"] for cam, p in pool["placements"].items()}
-
-
-def _on(pool: dict[str, Any], device: str) -> set[str]:
-    return {cam for cam, dev in _where(pool).items() if dev == device}
-
-
-def _moved_events(fleet: Fleet) -> list[dict[str, Any]]:
-    r = fleet.client.get("/api/v1/events", params={"kind": "camera_moved"})
-    assert r.status_code == 200, r.text
-    out: list[dict[str, Any]] = r.json()
-    return out
 
 
 def _post(fleet: Fleet, path: str, **kw: Any) -> dict[str, Any]:
@@ -94,7 +54,7 @@ def site(fleet: Fleet) -> dict[str, Any]:
     for box in BOXES:
         enroll_measured(fleet, box, site="north")
     enroll_measured(fleet, "box-9", site="south")
-    return _put(fleet, _declaration())
+    return put_pool(fleet, _declaration())
 
 
 def test_a_declared_pool_spreads_its_cameras_over_the_devices_it_selects(
@@ -102,7 +62,7 @@ def test_a_declared_pool_spreads_its_cameras_over_the_devices_it_selects(
 ) -> None:
     assert [d["id"] for d in site["devices"]] == list(BOXES)  # box-9 is not selected
     assert all(d["online"] and d["status"] == "online" for d in site["devices"])
-    assert Counter(_where(site).values()) == {"box-1": 2, "box-2": 2, "box-3": 2}
+    assert Counter(devices_of(site).values()) == {"box-1": 2, "box-2": 2, "box-3": 2}
     assert all(p["fps"] == 10 for p in site["placements"].values())
     assert site["unplaced"] == {} and site["degraded"] == {} and site["pending"] == []
     assert site["n_plus_one"] is True
@@ -110,7 +70,7 @@ def test_a_declared_pool_spreads_its_cameras_over_the_devices_it_selects(
     loads = {d["id"]: d["load"] for d in site["devices"]}
     assert loads["box-1"]["lane_ms_per_s"] == pytest.approx(180.0) and loads["box-1"]["lane_limit"] == 800.0
     # A new pool moved nothing: placing a camera is not a move.
-    assert _moved_events(fleet) == [] and site["recent_moves"] == []
+    assert moved_events(fleet) == [] and site["recent_moves"] == []
 
     (listed,) = fleet.client.get("/api/v1/pools").json()
     assert listed["name"] == POOL and (listed["devices"], listed["cameras"], listed["placed"]) == (3, 6, 6)
@@ -119,7 +79,7 @@ def test_a_declared_pool_spreads_its_cameras_over_the_devices_it_selects(
 def test_a_dry_run_failure_moves_only_that_devices_cameras_and_stores_nothing(
     fleet: Fleet, site: dict[str, Any]
 ) -> None:
-    on_2 = _on(site, "box-2")
+    on_2 = cameras_on(site, "box-2")
     assert len(on_2) == 2
     plan = _post(fleet, "plan", json={"fail": ["box-2"]})
     assert plan["fail"] == ["box-2"]
@@ -130,44 +90,44 @@ def test_a_dry_run_failure_moves_only_that_devices_cameras_and_stores_nothing(
     # Every other camera stays where it is, and the failed device takes nothing.
     after = {cam: p["device"] for cam, p in plan["placements"].items()}
     assert {cam: dev for cam, dev in after.items() if cam not in on_2} == {
-        cam: dev for cam, dev in _where(site).items() if cam not in on_2
+        cam: dev for cam, dev in devices_of(site).items() if cam not in on_2
     }
     assert "box-2" not in plan["loads"] and plan["unplaced"] == {} and plan["degraded"] == {}
 
     # Nothing was written: the same placements, no event, box-2 as it was.
-    now = _pool(fleet)
+    now = get_pool(fleet, POOL)
     assert now["placements"] == site["placements"] and now["recent_moves"] == []
-    assert _moved_events(fleet) == []
+    assert moved_events(fleet) == []
     assert {d["id"]: d["cordoned"] for d in now["devices"]} == dict.fromkeys(BOXES, False)
 
 
 def test_a_device_that_goes_offline_keeps_its_cameras_for_the_grace_then_the_next_replan_moves_them(
     fleet: Fleet, site: dict[str, Any]
 ) -> None:
-    on_3 = _on(site, "box-3")
+    on_3 = cameras_on(site, "box-3")
     fleet.send("box-3", TopicKind.AVAILABILITY, Availability(state="offline"))
     wait_for(lambda: fleet.device("box-3")["status"] == "offline", timeout=10, what="box-3 offline")
-    graced = _pool(fleet)  # failover_grace_s 10: box-3 keeps its cameras, nothing pending
+    graced = get_pool(fleet, POOL)  # failover_grace_s 10: box-3 keeps its cameras, nothing pending
     box3 = next(d for d in graced["devices"] if d["id"] == "box-3")
     assert (box3["online"], box3["in_grace"]) == (False, True)
-    assert graced["pending"] == [] and _on(graced, "box-3") == on_3
+    assert graced["pending"] == [] and cameras_on(graced, "box-3") == on_3
 
     # Declared without a grace, the pool is planned again at once: box-3's cameras move, each an event.
-    moved = _put(fleet, _declaration(failover_grace_s=0))
-    assert _on(moved, "box-3") == set() and moved["pending"] == []
-    assert sorted(e["camera"] for e in _moved_events(fleet)) == sorted(on_3)
+    moved = put_pool(fleet, _declaration(failover_grace_s=0))
+    assert cameras_on(moved, "box-3") == set() and moved["pending"] == []
+    assert sorted(e["camera"] for e in moved_events(fleet)) == sorted(on_3)
 
     # A device lost between two changes: the view shows what the next replan will move, and it does.
-    on_2 = _on(moved, "box-2")
+    on_2 = cameras_on(moved, "box-2")
     fleet.send("box-2", TopicKind.AVAILABILITY, Availability(state="offline"))
     wait_for(lambda: fleet.device("box-2")["status"] == "offline", timeout=10, what="box-2 offline")
-    seen = _pool(fleet)
-    assert _on(seen, "box-2") == on_2  # the stored plan, until the next replan
+    seen = get_pool(fleet, POOL)
+    assert cameras_on(seen, "box-2") == on_2  # the stored plan, until the next replan
     assert {(m["camera"], m["source"], m["target"], m["reason"]) for m in seen["pending"]} == {
         (c, "box-2", "box-1", "device_offline") for c in on_2
     }
-    replanned = _put(fleet, _declaration(failover_grace_s=0))
-    assert set(_where(replanned).values()) == {"box-1"} and replanned["pending"] == []
+    replanned = put_pool(fleet, _declaration(failover_grace_s=0))
+    assert set(devices_of(replanned).values()) == {"box-1"} and replanned["pending"] == []
 
 
 def test_a_dry_run_of_every_device_says_why_each_camera_is_unplaced(
@@ -182,11 +142,11 @@ def test_a_dry_run_of_every_device_says_why_each_camera_is_unplaced(
 def test_drain_moves_the_devices_cameras_with_reason_cordoned_and_records_each_move(
     fleet: Fleet, site: dict[str, Any]
 ) -> None:
-    on_2 = _on(site, "box-2")
+    on_2 = cameras_on(site, "box-2")
     drained = _post(fleet, "devices/box-2/drain")
-    assert _on(drained, "box-2") == set()
-    assert {cam: dev for cam, dev in _where(drained).items() if cam not in on_2} == {
-        cam: dev for cam, dev in _where(site).items() if cam not in on_2
+    assert cameras_on(drained, "box-2") == set()
+    assert {cam: dev for cam, dev in devices_of(drained).items() if cam not in on_2} == {
+        cam: dev for cam, dev in devices_of(site).items() if cam not in on_2
     }
     box2 = next(d for d in drained["devices"] if d["id"] == "box-2")
     assert (box2["cordoned"], box2["draining"], box2["cameras"], box2["load"]) == (True, True, 0, None)
@@ -194,39 +154,39 @@ def test_drain_moves_the_devices_cameras_with_reason_cordoned_and_records_each_m
     moves = drained["recent_moves"]
     assert {m["camera"] for m in moves} == on_2
     assert {(m["source"], m["reason"]) for m in moves} == {("box-2", "cordoned")}
-    events = _moved_events(fleet)
+    events = moved_events(fleet)
     assert sorted(e["camera"] for e in events) == sorted(on_2)
     for e in events:
         assert e["source"] == "controller" and e["data"]["pool"] == POOL
-        assert e["device_id"] == e["data"]["target"] == _where(drained)[e["camera"]]
+        assert e["device_id"] == e["data"]["target"] == devices_of(drained)[e["camera"]]
 
     # Uncordoned, box-2 takes cameras again, but nothing moves back by itself.
     back = _post(fleet, "devices/box-2/uncordon")
-    assert _where(back) == _where(drained)
+    assert devices_of(back) == devices_of(drained)
     assert not any(d["cordoned"] or d["draining"] for d in back["devices"])
-    assert len(_moved_events(fleet)) == len(events)
+    assert len(moved_events(fleet)) == len(events)
 
 
 def test_a_cordoned_device_keeps_its_cameras_and_takes_no_new_one(fleet: Fleet, site: dict[str, Any]) -> None:
-    on_1 = _on(site, "box-1")
+    on_1 = cameras_on(site, "box-1")
     cordoned = _post(fleet, "devices/box-1/cordon")
-    assert _where(cordoned) == _where(site) and _moved_events(fleet) == []
+    assert devices_of(cordoned) == devices_of(site) and moved_events(fleet) == []
     box1 = next(d for d in cordoned["devices"] if d["id"] == "box-1")
     assert (box1["cordoned"], box1["draining"]) == (True, False)
 
-    grown = _put(fleet, _declaration(cameras=10))
-    assert _on(grown, "box-1") == on_1
+    grown = put_pool(fleet, _declaration(cameras=10))
+    assert cameras_on(grown, "box-1") == on_1
     assert len(grown["placements"]) == 10 and grown["unplaced"] == {}
     # The cordon outlives the new declaration.
     assert next(d for d in grown["devices"] if d["id"] == "box-1")["cordoned"] is True
 
 
 def test_move_pins_a_camera_and_unpin_leaves_it_where_it_runs(fleet: Fleet, site: dict[str, Any]) -> None:
-    cam = sorted(_on(site, "box-1"))[0]
+    cam = sorted(cameras_on(site, "box-1"))[0]
     moved = _post(fleet, f"cameras/{cam}/move", json={"device": "box-3"})
-    assert _where(moved)[cam] == "box-3"
+    assert devices_of(moved)[cam] == "box-3"
     assert next(c for c in moved["cameras"] if c["id"] == cam)["pin"] == "box-3"
-    (event,) = _moved_events(fleet)
+    (event,) = moved_events(fleet)
     assert event["data"] == {
         "pool": POOL,
         "camera": cam,
@@ -236,20 +196,20 @@ def test_move_pins_a_camera_and_unpin_leaves_it_where_it_runs(fleet: Fleet, site
         "reason": "manual",
     }
     # Declaring the pool again keeps the operator's pin.
-    again = _put(fleet, _declaration())
-    assert _where(again)[cam] == "box-3"
+    again = put_pool(fleet, _declaration())
+    assert devices_of(again)[cam] == "box-3"
     assert next(c for c in again["cameras"] if c["id"] == cam)["pin"] == "box-3"
 
     r = fleet.client.delete(f"/api/v1/pools/{POOL}/cameras/{cam}/move")
     assert r.status_code == 200, r.text
-    assert _where(r.json())[cam] == "box-3"
+    assert devices_of(r.json())[cam] == "box-3"
     assert next(c for c in r.json()["cameras"] if c["id"] == cam)["pin"] is None
 
     # Onto a draining device: refused, the camera stays.
     _post(fleet, "devices/box-2/drain")
     r = fleet.client.post(f"/api/v1/pools/{POOL}/cameras/{cam}/move", json={"device": "box-2"})
     assert r.status_code == 409 and "draining" in r.json()["detail"], r.text
-    assert _where(_pool(fleet))[cam] == "box-3"
+    assert devices_of(get_pool(fleet, POOL))[cam] == "box-3"
 
 
 def _stored_text(fleet: Fleet) -> str:
@@ -286,7 +246,7 @@ def test_a_source_with_a_literal_password_is_refused_and_stored_nowhere(
     r = fleet.client.put("/api/v1/pools/leaky", json=fresh)
     assert r.status_code == 422 and PASSWORD not in r.text
     assert fleet.client.get("/api/v1/pools/leaky").status_code == 404
-    assert _pool(fleet)["cameras"][0]["source"] == site["cameras"][0]["source"]
+    assert get_pool(fleet, POOL)["cameras"][0]["source"] == site["cameras"][0]["source"]
     assert PASSWORD not in _stored_text(fleet)
 
 
@@ -314,7 +274,7 @@ def test_a_bad_source_is_a_422_naming_it(fleet: Fleet, source: str, says: str) -
 def test_a_secret_reference_and_a_file_are_accepted_as_sources(fleet: Fleet, site: dict[str, Any]) -> None:
     body = _declaration(cameras=2)
     body["cameras"][1]["source"] = "file:///var/lib/edgefleet/clips/door.mp4"
-    pool = _put(fleet, body)
+    pool = put_pool(fleet, body)
     assert [c["source"] for c in pool["cameras"]] == [
         "rtsp://{secret:north-cams}@10.0.0.1/stream1",
         "file:///var/lib/edgefleet/clips/door.mp4",
@@ -352,7 +312,7 @@ def test_frame_rates_and_camera_ids_are_checked(fleet: Fleet, site: dict[str, An
     body["cameras"][0]["version"] = "9"
     r = fleet.client.put(f"/api/v1/pools/{POOL}", json=body)
     assert r.status_code == 404 and "tiny:9" in r.json()["detail"], r.text
-    assert _pool(fleet)["placements"] == site["placements"]
+    assert get_pool(fleet, POOL)["placements"] == site["placements"]
 
 
 def test_unknown_pools_cameras_and_devices_are_404s_naming_them(fleet: Fleet, site: dict[str, Any]) -> None:
@@ -373,7 +333,7 @@ def test_unknown_pools_cameras_and_devices_are_404s_naming_them(fleet: Fleet, si
     for r, name in cases:
         assert r.status_code == 404, (r.request.url, r.text)
         assert name in r.json()["detail"], r.text
-    assert _pool(fleet)["placements"] == site["placements"] and _moved_events(fleet) == []
+    assert get_pool(fleet, POOL)["placements"] == site["placements"] and moved_events(fleet) == []
 
 
 def test_delete_removes_the_pool_and_its_name_is_free_again(fleet: Fleet, site: dict[str, Any]) -> None:
@@ -382,7 +342,7 @@ def test_delete_removes_the_pool_and_its_name_is_free_again(fleet: Fleet, site: 
     assert fleet.client.get(f"/api/v1/pools/{POOL}").status_code == 404
     assert fleet.client.get("/api/v1/pools").json() == []
     # Declared again: a new pool, box-2 no longer cordoned in it.
-    again = _put(fleet, _declaration())
+    again = put_pool(fleet, _declaration())
     assert not any(d["cordoned"] for d in again["devices"]) and len(again["placements"]) == 6
 
 
@@ -401,4 +361,4 @@ def test_a_viewer_token_reads_pools_and_cannot_change_them(fleet: Fleet, site: d
     ]
     for r in writes:
         assert r.status_code == 403 and "operator" in r.json()["detail"], r.text
-    assert _pool(fleet)["placements"] == site["placements"]
+    assert get_pool(fleet, POOL)["placements"] == site["placements"]

@@ -27,6 +27,7 @@ from controller.fleet.pools import PoolReplanner
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Availability, Capabilities
 from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
+from tests.support.pools import cameras_on, devices_of, get_pool, moved_events, pool_camera, put_pool
 from tests.support.waiting import wait_for
 
 POOL = "site-north"
@@ -59,18 +60,6 @@ class StandInLeadership:
             raise FencedOut("another replica leads at a newer epoch")
 
 
-def _camera(cam: str, **over: Any) -> dict[str, Any]:
-    return {
-        "id": cam,
-        "source": f"rtsp://{{secret:north-cams}}@10.0.0.{cam.rsplit('-', 1)[-1]}/stream1",
-        "model": "tiny",
-        "version": "1",
-        "target_fps": 10,
-        "min_fps": 5,
-        **over,
-    }
-
-
 def _declaration(
     name: str = POOL, cameras: int = 6, prefer: dict[str, str] | None = None, **policy: Any
 ) -> dict[str, Any]:
@@ -79,38 +68,9 @@ def _declaration(
         "name": name,
         "selector": "site=north",
         "failover_grace_s": GRACE_S,
-        "cameras": [_camera(c, **({"prefer": prefer[c]} if prefer and c in prefer else {})) for c in ids],
+        "cameras": [pool_camera(c, **({"prefer": prefer[c]} if prefer and c in prefer else {})) for c in ids],
         **policy,
     }
-
-
-def _put(fleet: Fleet, body: dict[str, Any]) -> dict[str, Any]:
-    r = fleet.client.put(f"/api/v1/pools/{body['name']}", json=body)
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
-
-
-def _pool(fleet: Fleet, name: str = POOL) -> dict[str, Any]:
-    r = fleet.client.get(f"/api/v1/pools/{name}")
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
-
-
-def _where(pool: dict[str, Any]) -> dict[str, str]:
-    return {cam: p["device"] for cam, p in pool["placements"].items()}
-
-
-def _on(pool: dict[str, Any], device: str) -> set[str]:
-    return {cam for cam, dev in _where(pool).items() if dev == device}
-
-
-def _moved_events(fleet: Fleet) -> list[dict[str, Any]]:
-    r = fleet.client.get("/api/v1/events", params={"kind": "camera_moved"})
-    assert r.status_code == 200, r.text
-    out: list[dict[str, Any]] = r.json()
-    return out
 
 
 def _runtime(fleet: Fleet) -> Any:
@@ -127,8 +87,8 @@ def _replanner(fleet: Fleet, leadership: StandInLeadership) -> PoolReplanner:
 def _site(fleet: Fleet, **policy: Any) -> dict[str, Any]:
     for box in BOXES:
         enroll_measured(fleet, box, site="north")
-    site = _put(fleet, _declaration(**policy))
-    assert Counter(_where(site).values()) == dict.fromkeys(BOXES, 2)
+    site = put_pool(fleet, _declaration(**policy))
+    assert Counter(devices_of(site).values()) == dict.fromkeys(BOXES, 2)
     return site
 
 
@@ -148,8 +108,8 @@ def _wait_moved_off(fleet: Fleet, device: str) -> dict[str, Any]:
     """The pool once no camera is placed on ``device``."""
 
     def check() -> dict[str, Any] | None:
-        pool = _pool(fleet)
-        return pool if not _on(pool, device) else None
+        pool = get_pool(fleet, POOL)
+        return pool if not cameras_on(pool, device) else None
 
     return wait_for(check, timeout=10, what=f"{device}'s cameras moved")
 
@@ -177,18 +137,18 @@ def _writes(engine: Engine) -> Iterator[list[str]]:
 def test_the_leader_moves_an_offline_devices_cameras_once_its_grace_is_over(make_fleet: FleetFactory) -> None:
     fleet = make_fleet(**FAST)
     site = _site(fleet)
-    on_3 = _on(site, "box-3")
-    assert _moved_events(fleet) == []
+    on_3 = cameras_on(site, "box-3")
+    assert moved_events(fleet) == []
 
     _set_availability(fleet, "box-3", "offline")
     # No operator change: the app's own loop moves them once the grace is over.
     moved = _wait_moved_off(fleet, "box-3")
-    where = _where(moved)
+    where = devices_of(moved)
     assert set(where) == set(site["placements"]) and moved["pending"] == [] and moved["unplaced"] == {}
     assert {cam: dev for cam, dev in where.items() if cam not in on_3} == {
-        cam: dev for cam, dev in _where(site).items() if cam not in on_3
+        cam: dev for cam, dev in devices_of(site).items() if cam not in on_3
     }
-    events = _moved_events(fleet)
+    events = moved_events(fleet)
     assert sorted(e["camera"] for e in events) == sorted(on_3)
     for e in events:
         data = e["data"]
@@ -203,14 +163,14 @@ def test_the_leader_moves_an_offline_devices_cameras_once_its_grace_is_over(make
     # The next rounds have nothing left to move.
     leader = StandInLeadership()
     assert _replanner(fleet, leader).replan() == {} and leader.fences == 0
-    assert len(_moved_events(fleet)) == len(on_3) and _where(_pool(fleet)) == where
+    assert len(moved_events(fleet)) == len(on_3) and devices_of(get_pool(fleet, POOL)) == where
 
 
 def test_a_replica_that_does_not_lead_or_is_fenced_off_changes_nothing(make_fleet: FleetFactory) -> None:
     fleet = make_fleet(**DRIVEN)
     assert _runtime(fleet).pool_replanner is None  # interval 0: no loop
     site = _site(fleet, failover_grace_s=10)
-    on_3 = _on(site, "box-3")
+    on_3 = cameras_on(site, "box-3")
     _set_availability(fleet, "box-3", "offline")
     later = time.time() + 60.0  # the round's own time: box-3 is then past its grace
 
@@ -218,7 +178,7 @@ def test_a_replica_that_does_not_lead_or_is_fenced_off_changes_nothing(make_flee
     assert _replanner(fleet, follower).replan(later) == {} and follower.fences == 0
     fenced = StandInLeadership(fenced=True)
     assert _replanner(fleet, fenced).replan(later) == {} and fenced.fences == 1
-    assert _where(_pool(fleet)) == _where(site) and _moved_events(fleet) == []
+    assert devices_of(get_pool(fleet, POOL)) == devices_of(site) and moved_events(fleet) == []
 
     leader = StandInLeadership()
     replanner = _replanner(fleet, leader)
@@ -228,8 +188,8 @@ def test_a_replica_that_does_not_lead_or_is_fenced_off_changes_nothing(make_flee
     assert {(m.camera, m.source, m.reason.value) for m in plans[POOL].moves} == {
         (c, "box-3", "device_offline") for c in on_3
     }
-    assert _on(_pool(fleet), "box-3") == set()
-    assert sorted(e["camera"] for e in _moved_events(fleet)) == sorted(on_3)
+    assert cameras_on(get_pool(fleet, POOL), "box-3") == set()
+    assert sorted(e["camera"] for e in moved_events(fleet)) == sorted(on_3)
 
 
 def test_rounds_with_nothing_to_change_write_nothing(make_fleet: FleetFactory) -> None:
@@ -241,31 +201,31 @@ def test_rounds_with_nothing_to_change_write_nothing(make_fleet: FleetFactory) -
         for ahead in (0.0, 60.0, 3600.0):
             assert replanner.replan(time.time() + ahead) == {}
     assert writes == [] and leader.fences == 0
-    now = _pool(fleet)
-    assert now["placements"] == site["placements"] and _moved_events(fleet) == []
+    now = get_pool(fleet, POOL)
+    assert now["placements"] == site["placements"] and moved_events(fleet) == []
 
 
 def test_under_failback_never_a_returning_device_gets_nothing_back(make_fleet: FleetFactory) -> None:
     fleet = make_fleet(**FAST)
-    on_3 = _on(_site(fleet), "box-3")
+    on_3 = cameras_on(_site(fleet), "box-3")
     _set_availability(fleet, "box-3", "offline")
     _wait_moved_off(fleet, "box-3")
     prefer = dict.fromkeys(on_3, "box-3")
-    where = _where(_put(fleet, _declaration(prefer=prefer, failback="never")))
+    where = devices_of(put_pool(fleet, _declaration(prefer=prefer, failback="never")))
 
     _set_availability(fleet, "box-3", "online")
     after_dwell = time.time() + 700.0  # past min_dwell_s (600) for box-3 and for the moved cameras
     assert _replanner(fleet, StandInLeadership()).replan(after_dwell) == {}
-    assert _where(_pool(fleet)) == where and _on(_pool(fleet), "box-3") == set()
-    assert len(_moved_events(fleet)) == len(on_3)
+    assert devices_of(get_pool(fleet, POOL)) == where and cameras_on(get_pool(fleet, POOL), "box-3") == set()
+    assert len(moved_events(fleet)) == len(on_3)
 
     # The same return under "preferred": nothing before the dwell, the cameras back after it.
-    assert _on(_put(fleet, _declaration(prefer=prefer, failback="preferred")), "box-3") == set()
+    assert cameras_on(put_pool(fleet, _declaration(prefer=prefer, failback="preferred")), "box-3") == set()
     plans = _replanner(fleet, StandInLeadership()).replan(time.time() + 700.0)
     assert {(m.camera, m.target, m.reason.value) for m in plans[POOL].moves} == {
         (c, "box-3", "failback") for c in on_3
     }
-    assert _on(_pool(fleet), "box-3") == on_3
+    assert cameras_on(get_pool(fleet, POOL), "box-3") == on_3
 
 
 def test_a_pool_that_cannot_be_planned_is_logged_once_and_holds_no_other_back(
@@ -274,7 +234,7 @@ def test_a_pool_that_cannot_be_planned_is_logged_once_and_holds_no_other_back(
     fleet = make_fleet(**DRIVEN)
     _site(fleet)
     other = "site-north-b"
-    on_3_other = _on(_put(fleet, _declaration(other, cameras=3)), "box-3")
+    on_3_other = cameras_on(put_pool(fleet, _declaration(other, cameras=3)), "box-3")
     assert len(on_3_other) == 1
     engine = _runtime(fleet).engine
     with engine.begin() as conn:  # a hand-edited row: no strategy the planner knows
@@ -285,7 +245,7 @@ def test_a_pool_that_cannot_be_planned_is_logged_once_and_holds_no_other_back(
 
     caplog.set_level(logging.DEBUG, logger="controller.fleet.pools")
     first = replanner.replan(later)
-    assert set(first) == {other} and _on(_pool(fleet, other), "box-3") == set()
+    assert set(first) == {other} and cameras_on(get_pool(fleet, other), "box-3") == set()
     assert replanner.replan(later) == {}
 
     def logged(level: int) -> list[str]:
@@ -302,4 +262,4 @@ def test_a_pool_that_cannot_be_planned_is_logged_once_and_holds_no_other_back(
         conn.execute(sa.update(Pool).where(col(Pool.name) == POOL).values(strategy="spread"))
     assert set(replanner.replan(later)) == {POOL}
     assert logged(logging.INFO) == [f"replanning pool {POOL} recovered after 2 failed round(s)"]
-    assert _on(_pool(fleet), "box-3") == set()
+    assert cameras_on(get_pool(fleet, POOL), "box-3") == set()

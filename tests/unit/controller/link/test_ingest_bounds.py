@@ -14,7 +14,6 @@ from typing import Any
 
 import sqlalchemy as sa
 from alembic import command
-from sqlmodel import Session
 
 from controller.db.engine import alembic_config, make_engine, migrate
 from controller.link.bridge import DROPPED_DEVICE_SHARE, MqttBridge
@@ -23,7 +22,7 @@ from controller.link.ingest import IngestService
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import Availability, CameraState, CameraStats, Event, EventKind, Heartbeat
 from tests.support.controller_app import FakeTransport, Fleet, FleetFactory
-from tests.support.ingest_replicas import batch, dropped
+from tests.support.ingest_replicas import batch, dropped, runs_above_upto
 from tests.support.waiting import wait_for
 
 DEV = "bounded"
@@ -64,17 +63,7 @@ def test_a_declared_range_is_one_row_and_only_what_the_space_has_not_covered(fle
 
 
 def _above(fleet: Fleet, device: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The runs the space's row keeps above its upto, and the same read from the stored rows."""
-    from controller.db import crud
-    from controller.link.ingest import merge_runs
-
-    with runtime(fleet).engine.connect() as conn:
-        row = conn.execute(sa.text("SELECT above FROM device_seq WHERE device_id = :d"), {"d": device}).one()
-    with Session(runtime(fleet).engine) as s:
-        space = (device, "")
-        stored = crud.seq_islands(s, device_ids=[device]).get(space, [])
-        declared = crud.dropped_ranges(s, device_ids=[device]).get(space, [])
-    return crud.runs_from_text(row[0]), merge_runs(stored, declared)
+    return runs_above_upto(runtime(fleet).engine, device)
 
 
 def test_seqs_that_would_open_more_gaps_than_allowed_wait_until_the_gaps_fill(

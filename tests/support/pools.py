@@ -1,0 +1,54 @@
+"""Camera pools as the API shows them, for the tests that declare one: a camera's declaration with a
+secret-reference source, and reading back a pool, where its cameras run and the moves it recorded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.support.controller_app import Fleet
+
+
+def pool_camera(cam: str, **over: Any) -> dict[str, Any]:
+    """A camera of the tiny model at 10 FPS (5 at least), its source a ``{secret:…}`` reference whose
+    host ends with the camera id's last number."""
+    return {
+        "id": cam,
+        "source": f"rtsp://{{secret:north-cams}}@10.0.0.{cam.rsplit('-', 1)[-1]}/stream1",
+        "model": "tiny",
+        "version": "1",
+        "target_fps": 10,
+        "min_fps": 5,
+        **over,
+    }
+
+
+def put_pool(fleet: Fleet, body: dict[str, Any]) -> dict[str, Any]:
+    """Declare (or replace) the pool ``body`` names; its view."""
+    r = fleet.client.put(f"/api/v1/pools/{body['name']}", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def get_pool(fleet: Fleet, name: str) -> dict[str, Any]:
+    r = fleet.client.get(f"/api/v1/pools/{name}")
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def devices_of(pool: dict[str, Any]) -> dict[str, str]:
+    """Camera -> the device that runs it, in a pool view."""
+    return {cam: p["device"] for cam, p in pool["placements"].items()}
+
+
+def cameras_on(pool: dict[str, Any], device: str) -> set[str]:
+    return {cam for cam, dev in devices_of(pool).items() if dev == device}
+
+
+def moved_events(fleet: Fleet) -> list[dict[str, Any]]:
+    """Every ``camera_moved`` event recorded."""
+    r = fleet.client.get("/api/v1/events", params={"kind": "camera_moved"})
+    assert r.status_code == 200, r.text
+    out: list[dict[str, Any]] = r.json()
+    return out
