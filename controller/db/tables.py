@@ -24,6 +24,16 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def empty_list() -> list[Any]:
+    """The default of a list column. Not ``list`` itself: SQLModel asks pydantic, for every row it
+    builds, whether the default factory takes the validated data, and pydantic answers with
+    ``inspect.signature``, which for a builtin parses its text signature with ``ast.parse``. That is a
+    parse per row, in whichever thread builds it, and CPython 3.11.7 keeps the AST converter's
+    recursion depth per interpreter, not per thread: two threads parsing at once can fail one of them
+    with "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905)."""
+    return []
+
+
 class UtcDateTime(sa.types.TypeDecorator[datetime]):
     """Timezone-aware UTC datetimes on every dialect.
 
@@ -340,7 +350,7 @@ class AgentPackageBase(SQLModel):
     sha256: str = Field(max_length=64)
     size: int = Field(sa_type=sa.BigInteger)
     # Pinned requirement strings of the wheel's dependencies ("paho-mqtt==2.1.0"), from the package.
-    requires: list[str] = Field(default_factory=list, sa_type=JSON)
+    requires: list[str] = Field(default_factory=empty_list, sa_type=JSON)
     notes: str | None = Field(default=None)
 
 
@@ -378,7 +388,7 @@ class Deployment(SQLModel, table=True):
     variant: str = Field(default="auto", max_length=8)
     selector: str = Field(default="")
     # [{"camera": id or "*", "threshold": …, "max_fps": …, "labels": […]}]
-    cameras: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)
+    cameras: list[dict[str, Any]] = Field(default_factory=empty_list, sa_type=JSON)
     priority: int = Field(default=0)
     # A DeploymentState (controller/db/states.py, with its transitions); the column is a plain string.
     state: str = Field(default=DeploymentState.ROLLING_OUT, max_length=16)
@@ -398,13 +408,13 @@ class Rollout(SQLModel, table=True):
 
     id: int | None = Field(default=None, primary_key=True)
     deployment_id: int = Field(foreign_key="deployment.id")
-    waves: list[Any] = Field(default_factory=list, sa_type=JSON)  # as asked: 1, "10%", …
-    plan: list[int] = Field(default_factory=list, sa_type=JSON)  # cumulative device counts per wave
+    waves: list[Any] = Field(default_factory=empty_list, sa_type=JSON)  # as asked: 1, "10%", …
+    plan: list[int] = Field(default_factory=empty_list, sa_type=JSON)  # cumulative device counts per wave
     current_wave: int = Field(default=0)  # index of the wave being admitted/soaked
     # A RolloutState (controller/db/states.py, with its transitions); the column is a plain string.
     state: str = Field(default=RolloutState.RUNNING, max_length=16)
     gate: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
-    gates: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)  # evaluations per wave
+    gates: list[dict[str, Any]] = Field(default_factory=empty_list, sa_type=JSON)  # evaluations per wave
     reason: str | None = None
     created_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
     updated_at: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
@@ -419,7 +429,7 @@ class RolloutDevice(SQLModel, table=True):
     wave: int
     # A MemberState (controller/db/states.py, with its transitions); the column is a plain string.
     state: str = Field(default=MemberState.APPLYING, max_length=16)
-    cameras: list[str] = Field(default_factory=list, sa_type=JSON)
+    cameras: list[str] = Field(default_factory=empty_list, sa_type=JSON)
     target_version: int | None = None
     baseline_fps: float | None = None
     baseline_latency_ms: float | None = None
