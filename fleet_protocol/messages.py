@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from fleet_protocol.ids import CameraId, DeviceId, Name
+from fleet_protocol.sources import MAX_SOURCE_LEN
 
 SCHEMA_VERSION = 1
 
@@ -650,6 +651,10 @@ class CameraDesired(Signed):
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     labels: LabelList | None = None  # keep only these labels; None keeps all
+    # A pool camera (PROTOCOL.md "Pool cameras"): the device opens this source itself, and stops it
+    # when a later state no longer names the camera. Credentials only as {secret:NAME} references,
+    # resolved on the device. Absent for the cameras of the device's own configuration.
+    source: str | None = Field(default=None, min_length=1, max_length=MAX_SOURCE_LEN, exclude_if=_absent)
 
 
 class AgentPackageRef(Signed):

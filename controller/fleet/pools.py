@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import statistics
 import threading
 import time
@@ -65,12 +64,12 @@ from controller.errors import ConflictError, InvalidError, NotFoundError
 from controller.fleet import placement
 from controller.fleet.selectors import Selector, SelectorError, parse_selector
 from controller.types import NO_NUL_PATTERN, CameraId, DeviceId, Name, valid_id
+from fleet_protocol.sources import MAX_SOURCE_LEN, SECRET_REF, SOURCE_SCHEMES
 
 log = logging.getLogger(__name__)
 
 EVENT_MOVED = "camera_moved"
-SOURCE_MAX = 2048
-SOURCE_SCHEMES = ("rtsp", "rtsps", "http", "https", "file")
+SOURCE_MAX = MAX_SOURCE_LEN
 MAX_FPS = 240.0
 MAX_CAMERAS = 1000
 MAX_FAIL = 1000
@@ -80,8 +79,6 @@ RECENT_EVENTS = 20
 DEFAULT_PRIOR = placement.Cost(infer_ms=40.0, cpu_ms=40.0)
 # Longer than any inference a heartbeat can sensibly report: a larger figure is a broken sample.
 _MS_MAX = 60_000.0
-# A reference to a secret that the device resolves from its own store: the only credential form kept.
-SECRET_REF = re.compile(r"\{secret:[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\}")
 # Query parameters that carry a credential in camera URLs (snapshot CGIs, some RTSP servers).
 _CREDENTIAL_PARAMS = frozenset(
     {"password", "passwd", "pwd", "pass", "secret", "token", "access_token", "api_key", "apikey", "auth"}
