@@ -171,7 +171,7 @@ class ControllerRuntime:
         self.rollouts = RolloutService(
             self.engine, self.twin, stop=self.stop_event, leadership=self.leadership
         )
-        self.pools = PoolService(self.engine)
+        self.pools = PoolService(self.engine, on_placed=self.twin.recompute_many)
         self.pool_replanner: PoolReplanner | None = None
         if settings.pool_replan_interval_s > 0:
             self.pool_replanner = PoolReplanner(

@@ -62,8 +62,12 @@ class CameraAssignment(BaseModel):
     pin: str = Field(default="auto", description="auto, or the variant the assignment pinned")
     sha256: str | None = None
     reason: str = Field(default="", description="why this variant was chosen")
-    source: str = Field(default="direct", description="the layer that won: direct or deployment")
+    source: str = Field(default="direct", description="the layer that won: direct, deployment or pool")
     deployment: str | None = Field(default=None, description="the deployment that won, if one did")
+    pool: str | None = Field(
+        default=None,
+        description="the camera pool whose plan placed this camera here (its source comes from it)",
+    )
 
 
 class AgentFailure(BaseModel):

@@ -38,7 +38,7 @@ AGENT_HEALTH_TIMEOUT_S = 120.0  # AgentPackageRef.health_timeout_s unless the de
 class Layer:
     """What one camera must run, and which layer said so."""
 
-    source: str  # "direct" or "deployment"
+    source: str  # "direct", "deployment", or "pool" (the device's desired state adds pool cameras)
     deployment_id: int | None
     deployment: str | None
     model: str

@@ -251,6 +251,51 @@ def _check_declaration(s: Session, name: str, decl: PoolDeclaration) -> None:
             raise NotFoundError(f"model version {model}:{version} (camera {users[0]}) is not registered")
 
 
+@dataclass(frozen=True)
+class PlacedCamera:
+    """A pool camera as the device it is placed on must run it (its desired state's entry)."""
+
+    pool: str
+    camera: str
+    source: str
+    model: str
+    version: str
+    fps: float
+
+
+def placed_on(s: Session, device_id: str) -> dict[str, PlacedCamera]:
+    """The pool cameras the stored plans give ``device_id``, by camera id. Two pools that place the same
+    camera id on one device: the first pool by name keeps it (one desired entry per camera id), and the
+    other is logged."""
+    rows = s.exec(
+        select(PoolCamera, PoolPlacement)
+        .join(
+            PoolPlacement,
+            sa.and_(
+                col(PoolPlacement.pool) == col(PoolCamera.pool),
+                col(PoolPlacement.camera) == col(PoolCamera.camera),
+            ),
+        )
+        .where(col(PoolPlacement.device_id) == device_id)
+        .order_by(col(PoolCamera.pool), col(PoolCamera.camera))
+    ).all()
+    out: dict[str, PlacedCamera] = {}
+    for cam, where in rows:
+        kept = out.get(cam.camera)
+        if kept is not None:
+            log.warning(
+                "pools %s and %s both place camera %s on %s: %s keeps it",
+                kept.pool,
+                cam.pool,
+                cam.camera,
+                device_id,
+                kept.pool,
+            )
+            continue
+        out[cam.camera] = PlacedCamera(cam.pool, cam.camera, cam.source, cam.model, cam.version, where.fps)
+    return out
+
+
 # --------------------------------------------------------------------------- the snapshot
 
 
@@ -608,6 +653,11 @@ def _unchanged(snap: Snapshot, plan: placement.Plan) -> bool:
     )
 
 
+def _holders(snap: Snapshot, plan: placement.Plan) -> set[str]:
+    """The devices that held a camera of the pool before ``plan`` or hold one after it."""
+    return {p.device_id for p in snap.placements.values()} | {p.device for p in plan.placements.values()}
+
+
 def _locked(s: Session, name: str) -> Pool:
     pool = s.exec(
         select(Pool).where(col(Pool.name) == name).with_for_update().execution_options(populate_existing=True)
@@ -620,9 +670,27 @@ def _locked(s: Session, name: str) -> Pool:
 class PoolService:
     """Pools in the database: declarations, the operator's actions, plans (stored or dry)."""
 
-    def __init__(self, engine: Engine, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_placed: Callable[[Iterable[str]], object] | None = None,
+    ) -> None:
+        """``on_placed`` gets, after each commit that may change what devices run, the devices that held
+        or now hold a camera of the pool (the runtime recomputes their desired states)."""
         self._engine = engine
         self._clock = clock
+        self._on_placed = on_placed
+
+    def _placed(self, devices: Iterable[str]) -> None:
+        if self._on_placed is None:
+            return
+        try:
+            self._on_placed(sorted(set(devices)))
+        except Exception:
+            # The plan is committed; the devices' desired states follow at the next change or replan.
+            log.exception("updating the desired states of %s failed", sorted(set(devices)))
 
     # --- reads
 
@@ -736,18 +804,21 @@ class PoolService:
     def delete(self, name: str) -> None:
         with Session(self._engine) as s:
             _locked(s, name)
+            held = set(s.exec(select(PoolPlacement.device_id).where(col(PoolPlacement.pool) == name)))
             for table in (PoolPlacement, PoolDevice, PoolCamera):
                 s.exec(delete(table).where(col(table.pool) == name))
             s.exec(delete(Pool).where(col(Pool.name) == name))
             s.commit()
+        self._placed(held)
 
     def replan(self, name: str) -> placement.Plan:
         """Plan the pool now and store it: placements replaced, one event per move."""
         with Session(self._engine) as s:
             pool = _locked(s, name)
-            plan = self._replan(s, pool, self._clock())
+            plan, touched = self._replan(s, pool, self._clock())
             s.commit()
-            return plan
+        self._placed(touched)
+        return plan
 
     def names(self) -> list[str]:
         with Session(self._engine) as s:
@@ -776,10 +847,12 @@ class PoolService:
             plan = placement.plan(snap.site, now)
             if _unchanged(snap, plan):
                 return None
+            touched = _holders(snap, plan)  # before the store, which moves the snapshot's rows
             self._store(s, snap, plan, now)
             fence(s)
             s.commit()
-            return plan
+        self._placed(touched)
+        return plan
 
     def cordon(self, name: str, device_id: str) -> PoolState:
         """No new camera on the device; those it runs stay."""
@@ -853,20 +926,24 @@ class PoolService:
         return row
 
     def _replan_commit(self, s: Session, pool: Pool) -> PoolState:
-        self._replan(s, pool, self._clock())
+        _, touched = self._replan(s, pool, self._clock())
         try:
             s.commit()
         except IntegrityError:
             s.rollback()
             raise ConflictError(f"pool {pool.name!r} was changed at the same time: try again") from None
+        self._placed(touched)
         return self._state(s, pool)
 
-    def _replan(self, s: Session, pool: Pool, now: float) -> placement.Plan:
-        """Plan the locked pool as of ``now`` and write the plan in the caller's transaction."""
+    def _replan(self, s: Session, pool: Pool, now: float) -> tuple[placement.Plan, set[str]]:
+        """Plan the locked pool as of ``now`` and write the plan in the caller's transaction; also the
+        devices that held or now hold one of its cameras (a declaration's change of source or model
+        changes what they run even where nothing moves)."""
         snap = load_snapshot(s, pool, now=now)
         plan = placement.plan(snap.site, now)
+        touched = _holders(snap, plan)  # before the store, which moves the snapshot's rows
         self._store(s, snap, plan, now)
-        return plan
+        return plan, touched
 
     @staticmethod
     def _store(s: Session, snap: Snapshot, plan: placement.Plan, now: float) -> None:

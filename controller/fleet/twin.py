@@ -27,12 +27,14 @@ from controller.errors import ConflictError, InvalidError, NotFoundError
 from controller.fleet.deployments import (
     AGENT_HEALTH_TIMEOUT_S,
     AgentLayer,
+    Layer,
     admitted_for,
     agent_layer,
     applied_deployments,
     layers,
 )
 from controller.fleet.gate import AGENT_TRIAL_STATE, failed_attempt
+from controller.fleet.pools import placed_on
 from controller.fleet.sync import device_sync
 from controller.link.artifacts import artifact_file, ref_chunk_size, with_chunk_hashes
 from controller.link.bridge import MqttBridge
@@ -181,6 +183,20 @@ class TwinService:
     def _apply(self, s: Session, dev: Device) -> DesiredState | None:
         deployments, admitted = applied_deployments(s), admitted_for(s, dev.id)
         chosen = layers(dev, deployments, admitted)
+        pooled = placed_on(s, dev.id)
+        for cam, pc in pooled.items():
+            # The pool's model over a direct assignment; a deployment naming the camera wins over both,
+            # as it does over any camera's, so that a rollout acts on pool cameras too.
+            if cam not in chosen or chosen[cam].source != "deployment":
+                chosen[cam] = Layer(
+                    source="pool",
+                    deployment_id=None,
+                    deployment=None,
+                    model=pc.model,
+                    version=pc.version,
+                    pin=AUTO,
+                    max_fps=pc.fps,
+                )
         cameras: dict[str, CameraDesired] = {}
         assignments: dict[str, Any] = {}
         for cam, layer in sorted(chosen.items()):
@@ -192,17 +208,24 @@ class TwinService:
             except ConflictError as exc:
                 # A pinned variant that is not there: fp32 runs, and the API says why.
                 choice = Choice("fp32", f"{exc}; fp32 instead", mv.sha256, mv.size)
+            placed = pooled.get(cam)
+            max_fps = layer.max_fps
+            if placed is not None and (max_fps is None or max_fps > placed.fps):
+                max_fps = placed.fps  # the rate the plan gave it: its share of the device
             cameras[cam] = CameraDesired(
                 model=artifact_ref(mv, choice, self._chunk_size, _artifact_path(s, choice.sha256)),
                 threshold=layer.threshold,
-                max_fps=layer.max_fps,
+                max_fps=max_fps,
                 labels=layer.labels,
+                source=placed.source if placed is not None else None,
             )
             assignments[cam] = {
                 **_assignment(mv, layer.pin, choice),
                 "source": layer.source,
                 "deployment": layer.deployment,
             }
+            if placed is not None:
+                assignments[cam]["pool"] = placed.pool
         if assignments != (dev.assignments or {}):
             dev.assignments = assignments
         agent = self._agent(s, dev, agent_layer(dev, deployments, admitted))

@@ -1,10 +1,14 @@
 """Camera pools as the API shows them, for the tests that declare one: a camera's declaration with a
-secret-reference source, and reading back a pool, where its cameras run and the moves it recorded."""
+secret-reference source, and reading back a pool, where its cameras run, the moves it recorded, and
+the pool cameras each device was sent."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from fleet_protocol import TopicKind
+from fleet_protocol.codec import decode
+from fleet_protocol.messages import CameraDesired, DesiredState
 from tests.support.controller_app import Fleet
 
 
@@ -52,3 +56,19 @@ def moved_events(fleet: Fleet) -> list[dict[str, Any]]:
     assert r.status_code == 200, r.text
     out: list[dict[str, Any]] = r.json()
     return out
+
+
+def sent_desired(fleet: Fleet, device: str) -> DesiredState | None:
+    """The last desired state the controller published for ``device`` (what the broker retains)."""
+    published = fleet.transport.on_topic(fleet.topics.device(device, TopicKind.TWIN_DESIRED))
+    if not published:
+        return None
+    msg = decode(TopicKind.TWIN_DESIRED, published[-1].payload)
+    assert isinstance(msg, DesiredState)
+    return msg
+
+
+def sent_pool_cameras(fleet: Fleet, device: str) -> dict[str, CameraDesired]:
+    """The pool cameras (those with a source) of the last desired state published for ``device``."""
+    state = sent_desired(fleet, device)
+    return {} if state is None else {c: cd for c, cd in state.cameras.items() if cd.source is not None}

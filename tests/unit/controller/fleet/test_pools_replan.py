@@ -27,7 +27,15 @@ from controller.fleet.pools import PoolReplanner
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Availability, Capabilities
 from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
-from tests.support.pools import cameras_on, devices_of, get_pool, moved_events, pool_camera, put_pool
+from tests.support.pools import (
+    cameras_on,
+    devices_of,
+    get_pool,
+    moved_events,
+    pool_camera,
+    put_pool,
+    sent_pool_cameras,
+)
 from tests.support.waiting import wait_for
 
 POOL = "site-north"
@@ -159,6 +167,14 @@ def test_the_leader_moves_an_offline_devices_cameras_once_its_grace_is_over(make
             10,
         )
         assert data["target"] in ("box-1", "box-2") and data["target"] == where[e["camera"]] == e["device_id"]
+    # The devices that took them are sent them, each with its source; box-3's state no longer names them.
+    for box in BOXES:
+        ran = cameras_on(moved, box)
+        wait_for(
+            lambda box=box, ran=ran: set(sent_pool_cameras(fleet, box)) == ran,  # type: ignore[misc]
+            timeout=10,
+            what=f"{box}'s desired state with {sorted(ran)}",
+        )
 
     # The next rounds have nothing left to move.
     leader = StandInLeadership()
