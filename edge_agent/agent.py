@@ -34,11 +34,12 @@ from typing import Any
 from edge_agent import __version__
 from edge_agent.control.commands import CommandRunner
 from edge_agent.control.heartbeat import HeartbeatSender
+from edge_agent.control.pool import PoolCameras, SecretFiles
 from edge_agent.control.twin import EngineBuilds, Twin
 from edge_agent.core.disk_guard import Reserve
 from edge_agent.core.queues import DropOldestQueue
 from edge_agent.core.restart_policy import RestartLimiter, WatchdogAction, WatchdogNote
-from edge_agent.core.settings import AgentSettings
+from edge_agent.core.settings import AgentSettings, CameraConfig
 from edge_agent.device.health import Health
 from edge_agent.inference.backend import BackendFactory, CudaFatalError, ProviderFallback
 from edge_agent.inference.factory import AutoBackendFactory
@@ -75,14 +76,20 @@ _JOIN_S = 5.0
 
 
 class CameraEvents:
-    """CAMERA_UP and CAMERA_DOWN events from the capture threads' state changes."""
+    """CAMERA_UP and CAMERA_DOWN events from the capture threads' state changes, for the workers it
+    tracks (the configured cameras, and pool cameras while they run)."""
 
-    def __init__(
-        self, publisher: Publisher, workers: Mapping[str, CameraWorker], stop: threading.Event
-    ) -> None:
+    def __init__(self, publisher: Publisher, stop: threading.Event) -> None:
         self._publisher = publisher
-        self._workers = workers
+        # Replaced whole, never changed in place: the capture threads read it without a lock.
+        self._workers: Mapping[str, CameraWorker] = {}
         self._stop = stop
+
+    def track(self, worker: CameraWorker) -> None:
+        self._workers = {**self._workers, worker.id: worker}
+
+    def forget(self, camera: str) -> None:
+        self._workers = {c: w for c, w in self._workers.items() if c != camera}
 
     def on_state(self, camera: str, state: CameraState, reason: str) -> None:
         # Called on the camera's capture thread, which has set these before the transition.
@@ -198,12 +205,16 @@ class Agent:
             link_up=False,
         )
         wake = threading.Event()
-        workers: dict[str, CameraWorker] = {}
-        camera_events = CameraEvents(publisher, workers, stop)
-        for c in settings.cameras:
-            workers[c.id] = CameraWorker(
-                c, stop=stop, opener=source_opener, on_state=camera_events.on_state, wake=wake
+        camera_events = CameraEvents(publisher, stop)
+
+        def camera_worker(config: CameraConfig) -> CameraWorker:
+            worker = CameraWorker(
+                config, stop=stop, opener=source_opener, on_state=camera_events.on_state, wake=wake
             )
+            camera_events.track(worker)
+            return worker
+
+        workers = [camera_worker(c) for c in settings.cameras]
         inf = settings.inference
         # Native TensorRT or onnxruntime, per inference.engine, unless a factory is passed in.
         builds: EngineBuilds | None = None
@@ -227,7 +238,7 @@ class Agent:
             )
             backend_factory = builds
         pipeline = Pipeline(
-            list(workers.values()),
+            workers,
             stop=stop,
             wake=wake,
             backend_factory=backend_factory,
@@ -286,6 +297,11 @@ class Agent:
             stop=stop,
             builds=builds,
             agent_update=updater,
+            pool=PoolCameras(
+                make_worker=camera_worker,
+                read_secret=SecretFiles(settings.secrets_dir or data_dir / "secrets"),
+                removed=camera_events.forget,
+            ),
         )
         updater.report = twin.report
         fetcher.keep = twin.needed_models  # the models' store is collected on the twin thread

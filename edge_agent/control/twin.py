@@ -27,6 +27,14 @@ needs (:meth:`Twin.needed_models`) stays, that is the models of the desired stat
 applied, of the last state fully in effect (``applied.json``) and of the one before it whose models
 differ (``previous.json``: what a rollback goes back to), and every model running.
 
+Pool cameras (a desired camera with a ``source``, PROTOCOL.md "Pool cameras") are started before the
+models are applied, through :class:`~edge_agent.control.pool.PoolCameras`, and their models then
+applied like any camera's; one a state no longer names, or names with another source, is stopped (its
+model cleared, its capture closed) and leaves the reported state, or restarts from the new source. One
+that cannot run (its id is a configured camera, a secret it names is missing, a source the device
+cannot open) is reported failed and the rest of the state applies. The cameras a state keeps are not
+touched. The twin remembers which cameras are pool cameras: the configured ones are never stopped.
+
 The reported state names, per camera, the model and its state, and the desired version last applied.
 """
 
@@ -46,6 +54,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from edge_agent import __version__
+from edge_agent.control.pool import PoolCameraError, PoolCameras
 from edge_agent.core.files import atomic_write
 from edge_agent.core.queues import LatestSlot
 from edge_agent.inference.backend import CudaFatalError, InferenceBackend
@@ -86,6 +95,10 @@ _CALIBRATION_WAIT_S = 30.0
 # drops the oldest) and push out detections. Every refusal is logged and counted in ``Twin.refused``.
 _REFUSAL_REPEAT_S = 60.0
 _REFUSAL_EVENTS_MAX = 20
+# How long the twin thread waits for a stopped pool camera's capture thread (one blocked in a network
+# read ends by itself when the read times out; the camera is gone from the pipeline either way).
+_POOL_STOP_S = 5.0
+NOT_CONFIGURED = "camera is not configured on this device"
 
 # Why a desired state is refused as a whole (Event data["reason"]; PROTOCOL.md "What is signed").
 # The part name in storage events (edge_agent.core.disk_guard) when desired.json cannot be written.
@@ -192,11 +205,20 @@ class Twin:
         stop: threading.Event,
         builds: EngineBuilds | None = None,
         agent_update: AgentUpdateHooks | None = None,
+        pool: PoolCameras | None = None,
     ) -> None:
         """``builds`` None: the pipeline's backends come from elsewhere and report no build steps.
         ``agent_update``: where a taken state's agent version goes, and what the reported state says of
-        the agent (edge_agent/update/self_update.py); None: agent updates are not handled."""
+        the agent (edge_agent/update/self_update.py); None: agent updates are not handled. ``pool``:
+        how pool cameras are started; None: a desired camera with a source is not run (reported
+        failed as a camera this device lacks). The pipeline's cameras when the twin is made are the
+        device's configured ones."""
         self.pipeline = pipeline
+        self._pool = pool
+        self._configured = frozenset(pipeline.cameras)
+        # The pool cameras running: id -> the source the desired state gave (with its references).
+        # Read and changed on the twin thread only.
+        self._pool_sources: dict[str, str] = {}
         self.publisher = publisher
         self.fetcher = fetcher
         self._publish = publish
@@ -465,7 +487,9 @@ class Twin:
         with self._lock:
             self._applying = desired
         try:
-            for cam_id in sorted(self.pipeline.cameras, key=lambda c: self._needs_download(desired, c)):
+            failed = self._apply_pool(desired)
+            cameras = [c for c in self.pipeline.cameras if c not in failed]
+            for cam_id in sorted(cameras, key=lambda c: self._needs_download(desired, c)):
                 if self._stop.is_set():
                     return
                 self._apply_camera(cam_id, desired.cameras.get(cam_id), local_only=local_only)
@@ -477,15 +501,66 @@ class Twin:
                 self._applying = None
         with self._lock:
             for cam_id in desired.cameras:
+                if cam_id not in self.pipeline.cameras and cam_id not in failed:
+                    self._reported[cam_id] = CameraReported(state="failed", error=NOT_CONFIGURED)
+            # A camera that failed in an earlier state and that this one no longer names.
+            for cam_id in [c for c in self._reported if c not in desired.cameras]:
                 if cam_id not in self.pipeline.cameras:
-                    self._reported[cam_id] = CameraReported(
-                        state="failed", error="camera is not configured on this device"
-                    )
+                    del self._reported[cam_id]
             self.applied_version = max(self.applied_version, desired.version)
         self.report()
         # After the report: the controller hears of the version without waiting for this disk write.
         if not local_only and self._in_effect(desired):
             self._save_applied(desired)
+
+    def _apply_pool(self, desired: DesiredState) -> set[str]:
+        """Run the pool cameras ``desired`` names, before their models are applied: the ones it no
+        longer names (or names with another source) stopped, the new ones started. Returns the
+        cameras that cannot run, reported failed here; the others are left to the model apply."""
+        for cam, source in sorted(self._pool_sources.items()):
+            cd = desired.cameras.get(cam)
+            if cd is not None and cd.source == source:
+                worker = self.pipeline.cameras.get(cam)
+                if worker is not None and worker.config.max_fps != cd.max_fps:
+                    worker.set_max_fps(cd.max_fps)
+                continue
+            self._stop_pool_camera(cam)
+            if cd is None:
+                with self._lock:
+                    self._reported.pop(cam, None)
+        failed: set[str] = set()
+        for cam, cd in sorted(desired.cameras.items()):
+            if cd.source is None or cam in self._pool_sources:
+                continue
+            if cam in self._configured:
+                problem = (
+                    f"camera {cam} is configured on this device; a pool camera never replaces one "
+                    f"(source {cd.source} not opened)"
+                )
+            elif self._pool is None:
+                continue  # reported as a camera this device lacks
+            else:
+                try:
+                    config = self._pool.config(cam, cd)
+                except PoolCameraError as exc:
+                    problem = str(exc)
+                else:
+                    self.pipeline.add_camera(self._pool.worker(config))
+                    self._pool_sources[cam] = cd.source
+                    log.info("pool camera %s started from %s", cam, cd.source)
+                    continue
+            log.error("pool camera %s cannot run: %s", cam, problem)
+            failed.add(cam)
+            self.set_reported(cam, CameraReported(state="failed", error=problem[:1000]), publish=False)
+        return failed
+
+    def _stop_pool_camera(self, cam: str) -> None:
+        """Stop pool camera ``cam``: its model cleared, its capture closed."""
+        del self._pool_sources[cam]
+        self.pipeline.remove_camera(cam, _POOL_STOP_S)
+        if self._pool is not None:
+            self._pool.removed(cam)
+        log.info("pool camera %s stopped", cam)
 
     def _needs_download(self, desired: DesiredState, cam: str) -> bool:
         """Whether ``cam``'s model in ``desired`` is neither running nor in the store (sort key: the
@@ -497,7 +572,11 @@ class Twin:
         return self.pipeline.loaded(sha) is None and not self.fetcher.has(sha)
 
     def _in_effect(self, desired: DesiredState) -> bool:
-        """Whether every camera runs exactly the model ``desired`` asks of it (none where none)."""
+        """Whether every camera runs exactly the model ``desired`` asks of it (none where none), and
+        every pool camera it names runs from its source."""
+        for cam_id, wanted in desired.cameras.items():
+            if wanted.source is not None and self._pool_sources.get(cam_id) != wanted.source:
+                return False
         for cam_id in self.pipeline.cameras:
             cd = desired.cameras.get(cam_id)
             running = self.pipeline.model_of(cam_id)

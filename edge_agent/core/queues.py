@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class StopFlag(Protocol):
+    """What a wait checks for stopping: a ``threading.Event``, or anything that reads like one."""
+
+    def is_set(self) -> bool: ...
 
 
 class DropOldestQueue(Generic[T]):
@@ -91,7 +97,7 @@ class LatestSlot(Generic[T]):
             self._lock.notify_all()
             return item
 
-    def wait_taken(self, stop: threading.Event, poll_s: float = 0.1) -> bool:
+    def wait_taken(self, stop: StopFlag, poll_s: float = 0.1) -> bool:
         """Block until the slot is empty (back-pressure for recorded footage); False if stopped."""
         with self._lock:
             while self._item is not None:

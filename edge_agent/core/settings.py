@@ -2,7 +2,7 @@
 
 Secrets: the MQTT password may sit in the URL or in ``mqtt_password_file`` (which wins over the URL);
 ``EDGEFLEET_MQTT_PASSWORD`` in the environment overrides both, so production configs can leave it out
-of files.
+of files. The credentials of pool cameras are files in ``secrets_dir``, read when a camera names one.
 """
 
 from __future__ import annotations
@@ -37,18 +37,19 @@ class SettingsError(Exception):
     """The configuration cannot be used; the message names the offending fields."""
 
 
-def _check_private_file(path: Path, setting: str) -> None:
+def check_private_file(path: Path, setting: str, holds: str = "the device's broker password") -> None:
     """A secret file must be the owner's alone (mode 0600 or 0400): refuse one group or others may
-    access, as the signing key and admin token are refused on the controller."""
+    access (ValueError naming the fix), as the signing key and admin token are refused on the
+    controller. ``holds``: what the file holds, for the message."""
     try:
         mode = stat.S_IMODE(path.stat().st_mode)
     except OSError:
         return  # reading it says why, with the path
     if mode & 0o077:
         raise ValueError(
-            f"{setting} {path} is accessible by group or others (mode {mode:04o}); it holds the "
-            f"device's broker password: run `chmod 600 {path}` (Kubernetes: defaultMode 0400; "
-            "compose secrets keep the host file's mode)"
+            f"{setting} {path} is accessible by group or others (mode {mode:04o}); it holds "
+            f"{holds}: run `chmod 600 {path}` (Kubernetes: defaultMode 0400; compose secrets keep "
+            "the host file's mode)"
         )
 
 
@@ -228,6 +229,10 @@ class AgentSettings(_Strict):
     connection (then reconnects) when nothing arrives for another keepalive, so at most ~2x this."""
     topic_prefix: str = DEFAULT_PREFIX
     data_dir: Path
+    secrets_dir: Path | None = None
+    """The device's own secrets, one file per name (mode 0600 or 0400), that pool cameras name in
+    their sources as ``{secret:NAME}``; default ``<data_dir>/secrets``. A file is read when a camera
+    needs it, so a secret added later is found by the next desired state naming it."""
     heartbeat_interval_s: float = Field(default=5.0, gt=0.0)
     # As many as a heartbeat and a reported state may carry: one more would make both undecodable.
     cameras: list[CameraConfig] = Field(default_factory=list, max_length=MAX_CAMERAS)
@@ -291,7 +296,7 @@ class AgentSettings(_Strict):
         username = self.mqtt_username if self.mqtt_username is not None else endpoint.username
         password = endpoint.password
         if self.mqtt_password_file is not None:
-            _check_private_file(self.mqtt_password_file, "mqtt_password_file")
+            check_private_file(self.mqtt_password_file, "mqtt_password_file")
             try:
                 secret = self.mqtt_password_file.read_text(encoding="utf-8").rstrip("\r\n")
             except (OSError, UnicodeDecodeError) as exc:

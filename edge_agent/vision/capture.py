@@ -5,8 +5,9 @@ STARTING -> UP <-> DOWN, and any state -> STOPPED (agent stop, or a non-looping 
 A source that disappears (file removed, RTSP server stopped, HTTP stream closed) takes the camera
 DOWN once, with the reason; it is then reopened with capped exponential backoff (``reconnect_min_s``
 doubling up to ``reconnect_max_s``) until frames flow again (UP). Every camera has its own thread,
-so one camera's outage never stalls the others. Sources sit behind a seam (:data:`SourceOpener`) so
-tests drive cameras with fakes.
+so one camera's outage never stalls the others, and its own stop (:meth:`CameraWorker.stop`) beside
+the agent's, so one camera can leave the device while the others run on. Sources sit behind a seam
+(:data:`SourceOpener`) so tests drive cameras with fakes.
 
 Decoding (``CameraConfig.decode``): ``software`` is OpenCV's own decoder on the CPU. ``auto`` and
 ``hardware`` use NVIDIA's decoder (NVDEC) through a GStreamer pipeline opened with OpenCV's
@@ -43,6 +44,10 @@ log = logging.getLogger(__name__)
 # How often a playing file is checked for still being there: a removed file stays readable through
 # the open handle until it ends, which for long footage would hide the outage for minutes.
 _FILE_CHECK_S = 1.0
+
+# How soon a capture thread waiting on its camera's own stop notices the agent's stop event: one
+# Event cannot wait on another, and a camera's own stop (it leaves the device) must wake it at once.
+_AGENT_STOP_POLL_S = 0.1
 
 # Frames are preprocessed in the capture thread only while none of the camera's frames was dropped
 # unused for this long: a camera faster than its inference drops most frames, and preprocessing them
@@ -101,18 +106,21 @@ class RetryAttempt:
 
 
 def redact_source(source: str) -> str:
-    """``source`` without URL credentials (``rtsp://user:pass@host`` -> ``rtsp://***@host``): it ends
-    up in logs and events."""
+    """``source`` without URL credentials (``rtsp://user:pass@host`` -> ``rtsp://***@host``) and
+    without query values (``?token=abc`` -> ``?token=***``, where a camera may take its credential):
+    it ends up in logs and events."""
     if "://" not in source:
         return source
     try:
         parts = urlsplit(source)
     except ValueError:
         return "<unparsable url>"
-    if "@" not in parts.netloc:
-        return source
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"***@{host}"))
+    if "@" in parts.netloc:
+        parts = parts._replace(netloc=f"***@{parts.netloc.rsplit('@', 1)[1]}")
+    if parts.query:
+        hidden = (p.split("=", 1)[0] + "=***" if "=" in p else p for p in parts.query.split("&"))
+        parts = parts._replace(query="&".join(hidden))
+    return urlunsplit(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,6 +467,31 @@ def open_cv_source(config: CameraConfig) -> VideoSource:
     return CvVideoSource(config)
 
 
+class _CameraStop:
+    """What stops one capture thread: the agent's stop event, or this camera's own stop. A wait wakes
+    at once on the camera's stop and within _AGENT_STOP_POLL_S on the agent's."""
+
+    def __init__(self, agent: threading.Event) -> None:
+        self._agent = agent
+        self._own = threading.Event()
+
+    def set(self) -> None:
+        self._own.set()
+
+    def is_set(self) -> bool:
+        return self._own.is_set() or self._agent.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether stopped, after at most ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while not self.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._own.wait(min(left, _AGENT_STOP_POLL_S))
+        return True
+
+
 class CameraWorker:
     """The capture thread of one camera."""
 
@@ -473,7 +506,8 @@ class CameraWorker:
     ) -> None:
         self.config = config
         self.id = config.id
-        self._stop = stop
+        # ``stop`` stops every camera of the agent; :meth:`stop` this one alone.
+        self._stop = _CameraStop(stop)
         self._opener = opener or open_cv_source
         self._on_state = on_state
         self.slot: LatestSlot[Frame] = LatestSlot(wake)
@@ -543,9 +577,21 @@ class CameraWorker:
     def start(self) -> None:
         self._thread.start()
 
+    def stop(self) -> None:
+        """Stop this camera's capture alone (it leaves the device); the other cameras run on. The
+        thread releases the source and ends STOPPED; :meth:`join` waits for it."""
+        self._stop.set()
+
     def join(self, timeout: float) -> bool:
+        if self._thread.ident is None:
+            return True  # never started: nothing to wait for
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def set_max_fps(self, max_fps: float | None) -> None:
+        """A new frame-rate cap, taken by the capture thread at its next frame without reopening the
+        source (a pool camera kept by a plan that gives it another rate)."""
+        self.config = self.config.model_copy(update={"max_fps": max_fps})
 
     def reopen(self) -> None:
         """Release and reopen the source (restart_pipeline)."""
@@ -659,11 +705,7 @@ class CameraWorker:
     def _stream(self, source: VideoSource) -> tuple[bool, str | None]:
         """Read until stop, reopen or failure: (a file source ended normally, why the source failed)."""
         cfg = self.config
-        # Files are paced at their own rate (or max_fps) so they behave like a live camera.
-        rate = cfg.max_fps or (source.fps if cfg.is_file else None)
-        if cfg.is_file and rate is None:
-            rate = 25.0
-        period = 1.0 / rate if rate else 0.0
+        period = _period(cfg, source)
         next_due = time.monotonic()
         last_kept = 0.0
         got_any = False
@@ -677,6 +719,9 @@ class CameraWorker:
                 if self._reopen.is_set():
                     self._reopen.clear()
                     return False, None
+                if self.config is not cfg:  # set_max_fps: the same source at another rate
+                    cfg = self.config
+                    period = _period(cfg, source)
                 if file_id is not None and time.monotonic() - checked_at >= _FILE_CHECK_S:
                     checked_at = time.monotonic()
                     now_id = _file_id(cfg.source)
@@ -735,6 +780,15 @@ class CameraWorker:
                 source.release()
             except Exception:
                 log.exception("camera %s: release failed", self.id)
+
+
+def _period(cfg: CameraConfig, source: VideoSource) -> float:
+    """Seconds between kept frames (0: as they come). Files are paced at their own rate (or
+    max_fps) so they behave like a live camera."""
+    rate = cfg.max_fps or (source.fps if cfg.is_file else None)
+    if cfg.is_file and rate is None:
+        rate = 25.0
+    return 1.0 / rate if rate else 0.0
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

@@ -25,6 +25,11 @@ Hang detection is handed to :class:`~edge_agent.vision.inference_watchdog.Infere
 the inference thread: the pipeline tells it when each run starts and ends, and it abandons a run that
 hangs and starts a fresh thread (with a fresh backend) within the bounds of a ``RestartLimiter``.
 
+Cameras come and go while the pipeline runs (pool cameras, :meth:`Pipeline.add_camera` and
+:meth:`Pipeline.remove_camera`): ``cameras`` and the per-camera maps are replaced whole under the lock,
+never changed in place, so a thread that took one of them iterates a consistent copy; the cameras that
+stay are neither reopened nor paused.
+
 Two backend errors are not ordinary run errors. A :class:`~edge_agent.inference.backend.CudaFatalError` from
 ``run()``, from the backend factory or from the warm-up is never retried or reloaded: it goes to
 ``watchdog.fatal`` (the agent publishes a final event, sets the stop event and exits with
@@ -249,7 +254,8 @@ class Pipeline:
         workers: int = 1,
     ) -> None:
         """``workers``: inference threads; each serves a fixed share of the cameras (camera i: worker
-        i mod workers), so one camera's frames stay in order. ``out`` None: a fresh queue of OUT_QUEUE_SIZE (the agent passes its own, built before the
+        i mod workers; a camera added later: the worker with the fewest), so one camera's frames stay
+        in order. ``out`` None: a fresh queue of OUT_QUEUE_SIZE (the agent passes its own, built before the
         publisher that drains it). ``hang_timeout_s`` None: no watchdog. ``restart_limiter`` default: 3
         restarts in 10 min, then retries 10 s doubling to 10 min. ``on_fatal`` (also settable later as
         ``watchdog.on_fatal``) gets a CudaFatalError once; ``on_provider_fallback`` a ProviderFallback."""
@@ -264,7 +270,9 @@ class Pipeline:
         self._preprocessor_factory = preprocessor_factory
         self._decode = decode_fn
         self._backend_factory = backend_factory
-        self.cameras = {c.id: c for c in cameras}
+        # Replaced whole (under _lock) when a camera is added or removed, never changed in place: other
+        # threads (prepare, stats, heartbeats, commands) read it without the lock.
+        self.cameras: dict[str, CameraWorker] = {c.id: c for c in cameras}
         self._stop = stop
         self._wake = wake
         self.max_batch = max_batch
@@ -275,7 +283,8 @@ class Pipeline:
         self._lock = threading.Lock()
         self._slots: dict[str, tuple[LoadedModel, CameraParams]] = {}
         self._retired: list[LoadedModel] = []
-        self._stats = {c: _CamStats() for c in self.cameras}
+        self._stats = {c: _CamStats() for c in self.cameras}  # replaced whole, like ``cameras``
+        self._started = False
         # Inference-lane ms run per variant, cumulative; only variants that run now are kept.
         self._lane_ms: dict[str, float] = {}
         self._error_log_at = 0.0
@@ -287,7 +296,7 @@ class Pipeline:
             raise ValueError("workers must be >= 1")
         self._prepared: list[HandoffQueue[_Prepared]] = [HandoffQueue(1) for _ in range(workers)]
         self._room = threading.Event()  # a worker took a prepared batch
-        self._worker_of = {c.id: i % workers for i, c in enumerate(cameras)}
+        self._worker_of = {c.id: i % workers for i, c in enumerate(cameras)}  # replaced whole too
         self._prep_thread = threading.Thread(target=self._prepare_loop, name="prepare", daemon=True)
         # Runs the inference thread (run_inference) and replaces it when a run hangs.
         self.watchdog: InferenceWatchdog[LoadedModel] = InferenceWatchdog(
@@ -384,10 +393,61 @@ class Pipeline:
         if model is not None and all(m is not model for m, _ in self._slots.values()):
             self._retired.append(model)
 
+    # ------------------------------------------------------------------ cameras at run time
+
+    @property
+    def wake(self) -> threading.Event:
+        """Set by the cameras' slots when a frame arrives: a worker made for :meth:`add_camera` takes it."""
+        return self._wake
+
+    def add_camera(self, worker: CameraWorker) -> None:
+        """Run ``worker``'s camera beside the others from now on (its capture starts at once if the
+        pipeline has started), its frames inferred by the inference worker with the fewest cameras. It
+        runs no model until :meth:`activate`. ValueError if a camera of that id is already here."""
+        with self._lock:
+            if worker.id in self.cameras:
+                raise ValueError(f"camera {worker.id} is already in the pipeline")
+            load = [0] * len(self._prepared)
+            for w in self._worker_of.values():
+                load[w] += 1
+            index = load.index(min(load))
+            self._worker_of = {**self._worker_of, worker.id: index}
+            self._stats = {**self._stats, worker.id: _CamStats()}
+            self.cameras = {**self.cameras, worker.id: worker}
+            started = self._started
+        if started:
+            worker.start()
+        log.info("camera %s added (inference worker %d)", worker.id, index)
+
+    def remove_camera(self, camera: str, timeout: float) -> bool:
+        """Stop ``camera`` alone and forget it: its model cleared (closed when no other camera runs it),
+        its capture thread stopped and joined within ``timeout`` s, its stats dropped. The other
+        cameras run on untouched. False when the thread did not end in time (it ends by itself once
+        its source's read returns; the camera is gone from the pipeline either way)."""
+        self.clear(camera)
+        with self._lock:
+            worker = self.cameras.get(camera)
+            if worker is None:
+                return True
+            self.cameras = {c: w for c, w in self.cameras.items() if c != camera}
+            self._stats = {c: st for c, st in self._stats.items() if c != camera}
+            self._worker_of = {c: i for c, i in self._worker_of.items() if c != camera}
+        worker.stop()
+        if not worker.join(timeout):
+            log.warning(
+                "camera %s removed, but its capture thread did not stop within %.1f s", camera, timeout
+            )
+            return False
+        log.info("camera %s removed", camera)
+        return True
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        for cam in self.cameras.values():
+        with self._lock:
+            self._started = True
+            cameras = list(self.cameras.values())
+        for cam in cameras:
             cam.start()
         self._prep_thread.start()
         self.watchdog.start()
@@ -437,13 +497,14 @@ class Pipeline:
         that model's results since its activation: FPS reads 0 until it has done two frames)."""
         out = []
         with self._lock:
+            cameras = self.cameras
             slots = dict(self._slots)
             # Copied under the lock: the inference thread appends to these deques.
             windows = {
                 c: (list(st.window.inference_ms), list(st.window.times)) for c, st in self._stats.items()
             }
             inferred_at = {c: st.inferred_at for c, st in self._stats.items()}
-        for cam_id, cam in self.cameras.items():
+        for cam_id, cam in cameras.items():
             ms, times = windows[cam_id]
             slot = slots.get(cam_id)
             fps = cam.fps
@@ -534,12 +595,14 @@ class Pipeline:
         with self._lock:
             slots = dict(self._slots)
             stats = self._stats
+            cameras = self.cameras
+            worker_of = self._worker_of
         now = time.monotonic()
         groups: dict[tuple[int, int], list[tuple[Frame, CameraParams]]] = {}
         models: dict[tuple[int, int], LoadedModel] = {}
         for cam_id, (model, params) in slots.items():
-            cam = self.cameras.get(cam_id)
-            worker = self._worker_of.get(cam_id, 0)
+            cam = cameras.get(cam_id)
+            worker = worker_of.get(cam_id, 0)
             if cam is None or worker not in workers:
                 continue
             frame = cam.slot.take()
@@ -594,7 +657,8 @@ class Pipeline:
                 if prepared.model.closed:
                     # Prepared for a model replaced and closed meanwhile (a rare race with the swap).
                     for f, _ in prepared.items:
-                        stats[f.camera].skipped += 1
+                        if f.camera in stats:
+                            stats[f.camera].skipped += 1
                 else:
                     try:
                         self._infer(prepared, stats, gen, worker)
@@ -654,7 +718,8 @@ class Pipeline:
             return  # the watchdog gave up on this run and restarted; whatever it returned is stale
         if error is not None:
             for f, _ in items:
-                stats[f.camera].errors += 1
+                if f.camera in stats:
+                    stats[f.camera].errors += 1
             if isinstance(error, ProviderFallback):
                 # The batch is lost, the backend goes on (on error.provider): report, run the next one.
                 log.warning("inference on %s: %s", model.key, error)
@@ -690,7 +755,9 @@ class Pipeline:
                 inference_ms=round(ms, 3),
                 detections=dets[:1000],
             )
-            st = stats[frame.camera]
+            st = stats.get(frame.camera)
+            if st is None:
+                continue  # the camera was removed while its frame was inferred
             with self._lock:
                 st.inferred += 1
                 # A batch prepared for the old model that finishes after the swap is still published

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
 
 from edge_agent.core.settings import CameraConfig
-from edge_agent.vision.capture import CameraWorker
+from edge_agent.vision.capture import CameraWorker, SourceOpener
 from edge_agent.vision.pipeline import Pipeline, PreprocessorFactory
 from fleet_protocol.messages import FrameDetections, InputSpec, ModelManifest
 
@@ -62,12 +63,42 @@ class FakeBackend:
 class Frames:
     fps: float | None = None
 
+    def __init__(self, on_release: Callable[[], None] | None = None) -> None:
+        self._on_release = on_release
+
     def read(self) -> np.ndarray | None:
         time.sleep(0.005)
         return np.full((48, 64, 3), 100, np.uint8)
 
     def release(self) -> None:
-        pass
+        if self._on_release is not None:
+            self._on_release()
+
+
+class Opener:
+    """A source opener that counts, per camera, the sources it opened and those released."""
+
+    def __init__(self) -> None:
+        self.opened: Counter[str] = Counter()
+        self.released: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, config: CameraConfig) -> Frames:
+        with self._lock:
+            self.opened[config.id] += 1
+        return Frames(on_release=lambda: self._release(config.id))
+
+    def _release(self, camera: str) -> None:
+        with self._lock:
+            self.released[camera] += 1
+
+
+def live_camera(
+    camera: str, p: Pipeline, stop: threading.Event, opener: SourceOpener | None = None
+) -> CameraWorker:
+    """A live camera made for ``p.add_camera``."""
+    config = CameraConfig(id=camera, source=f"rtsp://fake/{camera}")
+    return CameraWorker(config, stop=stop, opener=opener or (lambda c: Frames()), wake=p.wake)
 
 
 def make_pipeline(
@@ -78,9 +109,12 @@ def make_pipeline(
     *,
     recorded: bool = False,
     preprocessor_factory: PreprocessorFactory | None = None,
+    opener: SourceOpener | None = None,
+    start: bool = True,
 ) -> Pipeline:
     """``recorded``: the cameras play files at the pipeline's pace (realtime: false), so no frame is
-    dropped; otherwise they are live cameras far faster than the model."""
+    dropped; otherwise they are live cameras far faster than the model. ``opener``: the cameras'
+    sources (default: endless fake frames). ``start``: started before it is returned."""
     wake = threading.Event()
     cams = [
         CameraWorker(
@@ -90,7 +124,7 @@ def make_pipeline(
                 else {"id": f"c{i}", "source": f"rtsp://fake/{i}"}
             ),
             stop=stop,
-            opener=lambda c: Frames(),
+            opener=opener or (lambda c: Frames()),
             wake=wake,
         )
         for i in range(cameras)
@@ -104,7 +138,8 @@ def make_pipeline(
         workers=workers,
         preprocessor_factory=preprocessor_factory,
     )
-    p.start()
+    if start:
+        p.start()
     return p
 
 

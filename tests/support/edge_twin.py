@@ -14,6 +14,7 @@ import numpy as np
 from edge_agent.agent import Agent
 from edge_agent.core.settings import AgentSettings, CameraConfig, parse_settings
 from edge_agent.uplink.link import ChunkHandler, MessageHandler
+from edge_agent.vision.capture import SourceError, redact_source
 from fleet_protocol.codec import decode, encode
 from fleet_protocol.messages import (
     ArtifactRef,
@@ -173,23 +174,56 @@ def desired(
     return signed_desired(state, CONTROLLER_KEY) if sign_state else state
 
 
+def camera(manifest: ModelManifest | None, **kw: object) -> CameraDesired:
+    """A desired camera running ``manifest`` (its ref signed with the controller's key)."""
+    ref = signed(ArtifactRef(manifest=manifest), CONTROLLER_KEY) if manifest else None
+    return CameraDesired(model=ref, **kw)  # type: ignore[arg-type]
+
+
+def state(version: int, cameras: dict[str, CameraDesired], *, device: str = "dev-1") -> DesiredState:
+    """A desired state of ``cameras``, signed as a whole as the controller does."""
+    desired = DesiredState(version=version, issued_at=time.time(), device_id=device, cameras=cameras)
+    return signed_desired(desired, CONTROLLER_KEY)
+
+
+def put_secret(data_dir: Path, name: str, text: str, mode: int = 0o600) -> Path:
+    """A secret of the device, in the agent's default ``secrets_dir``."""
+    path = data_dir / "secrets" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return path
+
+
 class Harness:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.loads: list[str] = []
         self.failing: set[str] = set()
         self.agents: list[Agent] = []
+        self.opened: list[CameraConfig] = []  # every source the agents' cameras opened, in order
+        self.unreachable: set[str] = set()  # cameras whose source cannot be opened
 
     def factory(self, path: Path, manifest: ModelManifest) -> FakeBackend:
         self.loads.append(manifest.name)
         return FakeBackend(fail=manifest.name in self.failing)
+
+    def open_source(self, config: CameraConfig) -> Frames:
+        self.opened.append(config)
+        if config.id in self.unreachable:
+            # Worded as the real opener (CvVideoSource) words it.
+            raise SourceError(f"cannot open {redact_source(config.source)}")
+        return Frames()
+
+    def opens(self, camera: str) -> list[CameraConfig]:
+        return [c for c in self.opened if c.id == camera]
 
     def agent(self, **extra: object) -> tuple[Agent, FakeTransport]:
         t = FakeTransport()
         a = Agent.from_settings(
             settings(self.data_dir, **extra),
             transport=t,
-            source_opener=lambda c: Frames(),
+            source_opener=self.open_source,
             backend_factory=self.factory,
         )
         self.agents.append(a)

@@ -176,6 +176,8 @@ def test_source_credentials_never_reach_reasons() -> None:
     assert redact_source("rtsp://admin:s3cret@10.0.0.9:554/live") == "rtsp://***@10.0.0.9:554/live"
     assert redact_source("http://cam.local/mjpg") == "http://cam.local/mjpg"
     assert redact_source("/videos/a.avi") == "/videos/a.avi"
+    # A camera may take its credential as a query value (a pool camera's ?token={secret:NAME}).
+    assert redact_source("https://cam.local/mjpg?token=s3cret&fps") == "https://cam.local/mjpg?token=***&fps"
 
 
 def _recorded(tmp_path: Path, frames: int) -> tuple[CameraConfig, FakeSource]:
