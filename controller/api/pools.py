@@ -135,7 +135,9 @@ def pool_public(st: PoolState) -> PoolPublic:
             for m in st.members
         ],
         placements={
-            cam: PoolPlacementPublic(device=p.device_id, fps=p.fps, since=p.since)
+            cam: PoolPlacementPublic(
+                device=p.device_id, fps=p.fps, since=p.since, handover_from=p.handover_from
+            )
             for cam, p in sorted(st.placements.items())
         },
         unplaced=dict(plan.unplaced),

@@ -481,6 +481,11 @@ class PoolPlacementPublic(BaseModel):
     device: str
     fps: float
     since: datetime = Field(description="when the camera was placed on this device")
+    handover_from: str | None = Field(
+        default=None,
+        description="make-before-break: the device the camera left, which runs it until this one reports "
+        "it running",
+    )
 
 
 class PoolMove(BaseModel):

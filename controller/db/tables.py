@@ -580,3 +580,7 @@ class PoolPlacement(SQLModel, table=True):
     device_id: str = Field(max_length=64)
     fps: float
     since: datetime = Field(sa_type=UtcDateTime)
+    # Make-before-break: the live device the camera left, which keeps running it until ``device_id``
+    # reports it running (``controller/fleet/pools.py``, handovers).
+    handover_from: str | None = Field(default=None, max_length=64)
+    handover_since: datetime | None = Field(default=None, sa_type=UtcDateTime)

@@ -69,6 +69,15 @@ from fleet_protocol.sources import MAX_SOURCE_LEN, SECRET_REF, SOURCE_SCHEMES
 log = logging.getLogger(__name__)
 
 EVENT_MOVED = "camera_moved"
+EVENT_HANDOVER = "camera_handover"
+# Moves whose old device cannot keep the camera while the new one starts it: it is gone, or cannot
+# reach the source. Every other move is make-before-break (a handover).
+BREAK_FIRST = frozenset(
+    {placement.MoveReason.DEVICE_OFFLINE, placement.MoveReason.DEVICE_GONE, placement.MoveReason.UNREACHABLE}
+)
+# A handover whose new device has not reported the camera running by then ends all the same: the old
+# device stops, and the new one's failure (reported, in its desired state's sync) is the operator's to see.
+HANDOVER_TIMEOUT_S = 120.0
 SOURCE_MAX = MAX_SOURCE_LEN
 MAX_FPS = 240.0
 MAX_CAMERAS = 1000
@@ -264,9 +273,9 @@ class PlacedCamera:
 
 
 def placed_on(s: Session, device_id: str) -> dict[str, PlacedCamera]:
-    """The pool cameras the stored plans give ``device_id``, by camera id. Two pools that place the same
-    camera id on one device: the first pool by name keeps it (one desired entry per camera id), and the
-    other is logged."""
+    """The pool cameras the stored plans give ``device_id``, by camera id, with those it hands over (it
+    runs them until their new device does). Two pools that place the same camera id on one device: the
+    first pool by name keeps it (one desired entry per camera id), and the other is logged."""
     rows = s.exec(
         select(PoolCamera, PoolPlacement)
         .join(
@@ -276,7 +285,9 @@ def placed_on(s: Session, device_id: str) -> dict[str, PlacedCamera]:
                 col(PoolPlacement.camera) == col(PoolCamera.camera),
             ),
         )
-        .where(col(PoolPlacement.device_id) == device_id)
+        .where(
+            sa.or_(col(PoolPlacement.device_id) == device_id, col(PoolPlacement.handover_from) == device_id)
+        )
         .order_by(col(PoolCamera.pool), col(PoolCamera.camera))
     ).all()
     out: dict[str, PlacedCamera] = {}
@@ -653,9 +664,31 @@ def _unchanged(snap: Snapshot, plan: placement.Plan) -> bool:
     )
 
 
+_HANDOVER_WHY = {
+    "running": "the new device runs it",
+    "old_offline": "the old device is offline",
+    "timeout": f"the new device did not report it running within {HANDOVER_TIMEOUT_S:g} s",
+}
+
+
+def _handover_over(row: PoolPlacement, new: Device | None, old: Device | None, now: float) -> str | None:
+    """Why the handover of ``row`` is over (a key of ``_HANDOVER_WHY``), or None while it goes on."""
+    cams = ((new.reported if new is not None else None) or {}).get("cameras") or {}
+    if ((cams.get(row.camera) or {}).get("state")) == "running":
+        return "running"
+    if old is None or old.status != DeviceStatus.ONLINE:
+        return "old_offline"
+    started = row.handover_since
+    if started is None or now - _epoch(started) >= HANDOVER_TIMEOUT_S:
+        return "timeout"
+    return None
+
+
 def _holders(snap: Snapshot, plan: placement.Plan) -> set[str]:
     """The devices that held a camera of the pool before ``plan`` or hold one after it."""
-    return {p.device_id for p in snap.placements.values()} | {p.device for p in plan.placements.values()}
+    held = {p.device_id for p in snap.placements.values()}
+    handing = {p.handover_from for p in snap.placements.values() if p.handover_from is not None}
+    return held | handing | {p.device for p in plan.placements.values()}
 
 
 def _locked(s: Session, name: str) -> Pool:
@@ -854,6 +887,61 @@ class PoolService:
         self._placed(touched)
         return plan
 
+    def release_handovers(
+        self, *, now: float, fence: Callable[[Session], None]
+    ) -> list[tuple[str, str, str]]:
+        """End every handover that is over: the new device reports the camera running, the old device
+        is no longer online, or ``HANDOVER_TIMEOUT_S`` has passed. Each ends with an event, and the old
+        devices' desired states are recomputed (they stop the camera at their next apply); ``fence``
+        checks the transaction before it commits. Returns (pool, camera, old device) per handover ended."""
+        handing = (
+            select(PoolPlacement)
+            .where(col(PoolPlacement.handover_from).is_not(None))
+            .order_by(col(PoolPlacement.pool), col(PoolPlacement.camera))
+        )
+        with Session(self._engine) as s:
+            if s.exec(handing.limit(1)).first() is None:
+                return []  # read without a lock: a round with no handover takes no row lock
+            rows = list(s.exec(handing.with_for_update().execution_options(populate_existing=True)))
+            ids = {r.device_id for r in rows} | {r.handover_from for r in rows if r.handover_from}
+            devices = {d.id: d for d in crud.list_devices(s) if d.id in ids}
+            ended: list[tuple[str, str, str]] = []
+            for row in rows:
+                old = row.handover_from
+                assert old is not None
+                why = _handover_over(row, devices.get(row.device_id), devices.get(old), now)
+                if why is None:
+                    continue
+                severity = "info" if why == "running" else "warning"
+                s.add(
+                    Event(
+                        device_id=row.device_id,
+                        ts=_at(now),
+                        kind=EVENT_HANDOVER,
+                        severity=severity,
+                        camera=row.camera,
+                        message=f"pool {row.pool}: camera {row.camera} handed over from {old} to "
+                        f"{row.device_id} ({_HANDOVER_WHY[why]})",
+                        data={
+                            "pool": row.pool,
+                            "camera": row.camera,
+                            "source": old,
+                            "target": row.device_id,
+                            "end": why,
+                        },
+                        source=SOURCE_CONTROLLER,
+                    )
+                )
+                row.handover_from, row.handover_since = None, None
+                s.add(row)
+                ended.append((row.pool, row.camera, old))
+            if not ended:
+                return []
+            fence(s)
+            s.commit()
+        self._placed({old for _, _, old in ended})
+        return ended
+
     def cordon(self, name: str, device_id: str) -> PoolState:
         """No new camera on the device; those it runs stay."""
         return self._hold(name, device_id, cordoned=True, draining=False)
@@ -968,6 +1056,18 @@ class PoolService:
                     row.since = _at(p.since)
             s.add(row)
         stamp = _at(now)  # the moves' time is the plan's: a new placement's since is the same instant
+        rows = {p.camera: p for p in snap.placements.values()}
+        for m in plan.moves:
+            moved = rows.get(m.camera)
+            if moved is None:
+                continue
+            alive = (member := snap.members.get(m.source)) is not None and member.online
+            if m.reason in BREAK_FIRST or not alive or moved.handover_from == m.target:
+                moved.handover_from, moved.handover_since = None, None
+            elif moved.handover_from is None:
+                # A camera moved again mid-handover keeps the device that still runs it.
+                moved.handover_from, moved.handover_since = m.source, stamp
+            s.add(moved)
         for m in plan.moves:
             failure = m.reason in placement.FAILURE_REASONS
             s.add(
@@ -1062,4 +1162,10 @@ class PoolReplanner:
                 stored[name] = plan
         for gone in set(self._failing) - set(names):
             del self._failing[gone]
+        try:
+            self._service.release_handovers(now=now, fence=self._leadership.fence)
+        except FencedOut:
+            raise
+        except Exception:
+            log.exception("ending pool camera handovers failed")
         return stored

@@ -63,14 +63,21 @@ class Stack:
         self.controller.start(timeout)
         return self
 
-    def agent(self, device: str, *, mqtt_url: str | None = None, **extra: Any) -> AgentProcess:
-        """An agent process (not started) for ``device``, its cam1 on the footage; it trusts the
-        controller's artifact key. Stopped by :meth:`stop`."""
+    def agent(
+        self,
+        device: str,
+        *,
+        mqtt_url: str | None = None,
+        cameras: list[dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> AgentProcess:
+        """An agent process (not started) for ``device``, its cam1 on the footage (``cameras``: these
+        instead, [] for none of its own); it trusts the controller's artifact key. Stopped by :meth:`stop`."""
         a = AgentProcess(
             self.workdir,
             device,
             mqtt_url or self.broker.url,
-            cameras=[dict(self.camera)],
+            cameras=[dict(self.camera)] if cameras is None else cameras,
             controller=self.controller,
             **{**self.agent_extra, **extra},
         )

@@ -1,17 +1,24 @@
 """What a pool's plan makes devices run: each device's published desired state names the pool cameras
 placed on it, with their source as declared (the secret reference, never a credential) and the plan's
-frame rate; a drain moves the cameras' entries to the devices that take them and out of the drained
-one's state; a changed source reaches only the device that runs the camera; a deleted pool leaves
-nothing behind. Through the real app on SQLite and PostgreSQL (``fleet``)."""
+frame rate; a drain is make-before-break: the cameras' entries go to the devices that take them at
+once, and leave the drained one's state only when each new device reports its camera running (or the
+handover times out, or the old device goes offline), each end an event; a changed source reaches only
+the device that runs the camera; a deleted pool leaves nothing behind. Through the real app on SQLite
+and PostgreSQL (``fleet``)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
+from controller.fleet.pools import HANDOVER_TIMEOUT_S
+from fleet_protocol import TopicKind
+from fleet_protocol.messages import CameraReported, ReportedState
 from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
 from tests.support.pools import cameras_on, pool_camera, put_pool, sent_desired, sent_pool_cameras
+from tests.support.waiting import wait_for
 
 POOL = "site-north"
 BOXES = ("box-1", "box-2", "box-3")
@@ -51,16 +58,82 @@ def test_each_device_is_sent_the_pool_cameras_its_plan_gives_it(fleet: Fleet, si
         assert all(assignments[c]["source"] == "pool" for c in sent)
 
 
-def test_a_drain_moves_the_entries_with_the_cameras(fleet: Fleet, site: dict[str, Any]) -> None:
+def _drain(fleet: Fleet, device: str) -> dict[str, Any]:
+    r = fleet.client.post(f"/api/v1/pools/{POOL}/devices/{device}/drain")
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _report_running(fleet: Fleet, device: str, cameras: set[str]) -> None:
+    """What the device's agent reports once it runs ``cameras`` (its desired state taken)."""
+    state = sent_desired(fleet, device)
+    assert state is not None
+    fleet.send(
+        device,
+        TopicKind.TWIN_REPORTED,
+        ReportedState(
+            ts=time.time(),
+            desired_version=state.version,
+            cameras={c: CameraReported(model="tiny:1", state="running") for c in cameras},
+        ),
+    )
+    wait_for(
+        lambda: all((fleet.device(device)["models"].get(c) or {}).get("state") == "running" for c in cameras),
+        timeout=10,
+        what=f"{device}'s report of {sorted(cameras)} stored",
+    )
+
+
+def _round(fleet: Fleet, now: float | None = None) -> list[tuple[str, str, str]]:
+    """One handover round of the leader, as of ``now``."""
+    pools = fleet.client.app.state.runtime.pools  # type: ignore[attr-defined]
+    ended: list[tuple[str, str, str]] = pools.release_handovers(
+        now=time.time() if now is None else now, fence=lambda s: None
+    )
+    return ended
+
+
+def test_a_drain_is_make_before_break(fleet: Fleet, site: dict[str, Any]) -> None:
     kept = {box: set(sent_pool_cameras(fleet, box)) for box in ("box-2", "box-3")}
     moved = cameras_on(site, "box-1")
-    r = fleet.client.post(f"/api/v1/pools/{POOL}/devices/box-1/drain")
-    assert r.status_code == 200, r.text
-    assert sent_pool_cameras(fleet, "box-1") == {}
+    drained = _drain(fleet, "box-1")
     after = {box: set(sent_pool_cameras(fleet, box)) for box in ("box-2", "box-3")}
     # Nothing the other devices ran left them; the drained device's cameras are each somewhere.
     assert all(kept[box] <= after[box] for box in after)
     assert set().union(*after.values()) == set().union(*kept.values()) | moved
+    # ... and box-1 still runs them until they run there.
+    assert set(sent_pool_cameras(fleet, "box-1")) == moved
+    assert {
+        c: p["handover_from"] for c, p in drained["placements"].items() if p["handover_from"]
+    } == dict.fromkeys(moved, "box-1")
+    assert _round(fleet) == []  # nobody runs them yet
+
+    takers = {box: after[box] - kept[box] for box in after if after[box] - kept[box]}
+    left = set(moved)
+    for box in sorted(takers):
+        _report_running(fleet, box, after[box])
+        assert sorted(_round(fleet)) == sorted((POOL, c, "box-1") for c in takers[box])
+        left -= takers[box]
+        assert set(sent_pool_cameras(fleet, "box-1")) == left
+    assert left == set()
+    events = fleet.client.get("/api/v1/events", params={"kind": "camera_handover"}).json()
+    assert sorted(e["camera"] for e in events) == sorted(moved)
+    assert {(e["data"]["source"], e["data"]["end"]) for e in events} == {("box-1", "running")}
+
+
+def test_a_handover_ends_when_the_old_device_goes_or_the_new_one_never_runs_it(
+    fleet: Fleet, site: dict[str, Any]
+) -> None:
+    moved = cameras_on(site, "box-1")
+    _drain(fleet, "box-1")
+    # Not yet over: 119 s on, nobody runs them and box-1 is online.
+    assert _round(fleet, time.time() + HANDOVER_TIMEOUT_S - 1) == []
+    ended = _round(fleet, time.time() + HANDOVER_TIMEOUT_S + 1)
+    assert sorted(c for _, c, _ in ended) == sorted(moved)
+    assert sent_pool_cameras(fleet, "box-1") == {}
+    events = fleet.client.get("/api/v1/events", params={"kind": "camera_handover"}).json()
+    assert {(e["data"]["end"], e["severity"]) for e in events} == {("timeout", "warning")}
 
 
 def test_a_changed_source_reaches_only_the_device_that_runs_the_camera(
