@@ -451,6 +451,10 @@ def _empty(v: object) -> bool:
     return v == []
 
 
+def _no_entries(v: object) -> bool:
+    return v == {}
+
+
 class Heartbeat(Msg):
     type: Literal["heartbeat"] = "heartbeat"
     ts: float
@@ -473,6 +477,8 @@ class Heartbeat(Msg):
     costs: Annotated[list[VariantCost], AfterValidator(_one_per_variant)] = Field(
         default_factory=list, max_length=MAX_CAMERAS, exclude_if=_empty
     )
+    # Per camera of DesiredState.probe: whether this device reached its source at its last probe.
+    reach: dict[CameraId, bool] = Field(default_factory=dict, max_length=MAX_CAMERAS, exclude_if=_no_entries)
 
 
 Coord = Annotated[float, Field(allow_inf_nan=False)]
@@ -695,6 +701,11 @@ class DesiredState(Msg, Signed):
     cameras: dict[CameraId, CameraDesired] = Field(default_factory=dict, max_length=MAX_CAMERAS)
     # The agent version this device should run; None leaves the agent as it is.
     agent: AgentPackageRef | None = Field(default=None, exclude_if=_absent)
+    # Pool cameras this device could take over: it checks now and then that it reaches each source and
+    # says so in Heartbeat.reach (PROTOCOL.md "Pool cameras").
+    probe: dict[CameraId, Annotated[str, Field(min_length=1, max_length=MAX_SOURCE_LEN)]] = Field(
+        default_factory=dict, max_length=MAX_CAMERAS, exclude_if=_no_entries
+    )
     signature: str | None = Field(default=None, max_length=256)
     key_id: str | None = Field(default=None, max_length=64)
 
