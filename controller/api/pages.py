@@ -1,5 +1,6 @@
-"""The dashboard: its two pages (``/`` and the technician's ``/devices/{device_id}``) and its static
-files under ``/static``. The pages hold no data; they read it from the API with the user's token."""
+"""The dashboard: its pages (``/``, the technician's ``/devices/{device_id}`` and the site operator's
+``/pools/{name}``) and its static files under ``/static``. The pages hold no data; they read it from
+the API with the user's token."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def index() -> FileResponse:
 @router.get("/devices/{device_id}")
 def device_page(device_id: Annotated[str, PathParam(max_length=64)]) -> FileResponse:
     return FileResponse(STATIC_DIR / "device.html", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/pools/{name}")
+def pool_page(name: Annotated[str, PathParam(max_length=64)]) -> FileResponse:
+    return FileResponse(STATIC_DIR / "pool.html", headers={"Cache-Control": "no-cache"})
 
 
 def mount_static(app: FastAPI) -> None:

@@ -68,7 +68,8 @@ TOKENS_PATH = "/api/v1/tokens"
 # data they show comes from the API with the user's token). /docs, /openapi.json and /static are not
 # routes this guard sees: they are open too, and hold no fleet data.
 PUBLIC_PATHS = frozenset({"/healthz", "/"})
-PUBLIC_PAGE = re.compile(r"/devices/[^/]+")  # the technician page, /devices/{device_id}
+# The technician's page /devices/{device_id} and the site operator's /pools/{name}.
+PUBLIC_PAGE = re.compile(r"/(?:devices|pools)/[^/]+")
 READ_METHODS = frozenset({"GET", "HEAD"})
 # Changes on these paths, or below them, need the release role: the agent software that devices
 # install and run (the device's id is one path segment).

@@ -83,6 +83,30 @@
     }
   }
 
+  // ---- camera pools: hidden while there are none, so a fleet without pools sees no empty box
+  async function refreshPools() {
+    const section = document.getElementById("pools-section");
+    const errBox = document.getElementById("pools-error");
+    try {
+      const pools = await api("/api/v1/pools");
+      section.dataset.pools = String(pools.length);
+      section.hidden = pools.length === 0;
+      document.getElementById("pools").replaceChildren(...pools.map((p) => {
+        const short = p.placed < p.cameras;
+        return el("tr", { dataset: { pool: p.name, devices: String(p.devices), placed: String(p.placed), cameras: String(p.cameras) } },
+          el("td", {}, el("a", { class: "pool-link", href: `/pools/${encodeURIComponent(p.name)}` }, p.name)),
+          el("td", { class: "num" }, String(p.devices)),
+          el("td", { class: `num${short ? " warn" : ""}` }, `${p.placed} / ${p.cameras}`),
+          el("td", { class: "hide-sm" }, p.selector || el("span", { class: "muted" }, "every device")),
+          el("td", { class: "hide-sm" }, p.strategy));
+      }));
+      errBox.textContent = "";
+    } catch (e) {
+      section.hidden = false;
+      errBox.textContent = `could not load pools: ${e.message}`;
+    }
+  }
+
   // ---- live feed and chart
   const buckets = new Map(); // bucket start (s) -> {label: n}
   const labels = new Set();
@@ -130,6 +154,8 @@
 
   refreshDevices();
   setInterval(refreshDevices, 3000);
+  refreshPools();
+  setInterval(refreshPools, 5000);
   seedChart();
   setInterval(drawChart, 1000);
   window.addEventListener("resize", drawChart);

@@ -4,13 +4,12 @@ real footage. Also the snapshot API on that real agent."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import cv2
 import httpx
@@ -21,6 +20,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import Availability, CameraReported, ReportedState
+from tests.support.browser import PHONE, chromium, horizontal_overflow
 from tests.support.mqtt_broker import MosquittoBroker
 from tests.support.paths import FOOTAGE
 from tests.support.processes import AgentProcess, ControllerProcess, start_controller
@@ -29,15 +29,6 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.e2e
 
 DEVICE = "web-site-1"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 
 @dataclass
@@ -86,28 +77,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, broker: MosquittoBroker) -> 
         controller.stop()
 
 
-def _browser_missing(why: str) -> NoReturn:
-    """Skip, or fail where a browser is required: tests/run.sh sets EDGEFLEET_REQUIRE_BROWSER=1, so in
-    CI a missing chromium or playwright fails the run instead of skipping it quietly."""
-    if os.environ.get("EDGEFLEET_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"{why} (EDGEFLEET_REQUIRE_BROWSER=1)")
-    pytest.skip(why)
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        _browser_missing(
-            f"{CHROMIUM} missing: install the Debian package 'chromium' (tests/run.sh does as root)"
-        )
-    try:
-        import playwright.sync_api as sync_api
-    except ImportError as exc:
-        _browser_missing(f"playwright is not installed ({exc}): pip install -e '.[dev]'")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 def test_snapshot_of_the_real_camera_is_a_jpeg_of_the_footage_size(fleet: Fleet) -> None:
@@ -132,6 +105,9 @@ def test_overview_lists_the_device_online_and_live_detections_arrive(
         # Other tests of this module may add devices of other sites: north-gate is one of the groups.
         assert any("north-gate" in t for t in page.locator(".site h3").all_inner_texts())
         assert "ped_ssdlite" in row.inner_text()
+        # No pool in this fleet: the overview keeps no empty "Camera pools" box.
+        page.wait_for_selector('#pools-section[data-pools="0"]', state="attached", timeout=15_000)
+        assert page.locator("#pools-section").is_hidden()
         page.wait_for_selector('#feed li.det[data-label="person"]', timeout=30_000)
         assert page.locator("#feed-state").text_content() == "live"
         page.wait_for_timeout(1500)  # a few more detections and one chart redraw for the screenshot
@@ -252,7 +228,7 @@ def test_device_page_shows_how_far_a_model_on_its_way_has_come(
 def test_phone_viewport_has_no_horizontal_overflow(
     fleet: Fleet, browser: Any, tmp_path: Path, path: str
 ) -> None:
-    ctx = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True)
+    ctx = browser.new_context(**PHONE)
     page = ctx.new_page()
     try:
         page.goto(f"{fleet.controller.url}{path}#token={fleet.controller.token}")
@@ -261,9 +237,7 @@ def test_phone_viewport_has_no_horizontal_overflow(
         else:
             page.wait_for_selector('#cameras tr[data-camera="cam1"]', timeout=15_000)
         page.wait_for_timeout(500)
-        width = page.evaluate("document.documentElement.scrollWidth")
-        inner = page.evaluate("window.innerWidth")
-        assert width <= inner, f"{path}: page is {width}px wide on a {inner}px screen"
+        assert (overflow := horizontal_overflow(page)) is None, f"{path}: {overflow}"
         name = "phone-overview.png" if path == "/" else "phone-device.png"
         page.screenshot(path=str(tmp_path / name), full_page=True)
         _keep(tmp_path / name, fleet)

@@ -61,6 +61,7 @@ def test_no_token_or_a_bad_one_is_401_with_a_bearer_challenge(fleet: Fleet) -> N
     assert anon.get("/healthz").status_code == 200
     assert anon.get("/").status_code == 200
     assert anon.get("/devices/anything").status_code == 200
+    assert anon.get("/pools/anything").status_code == 200
     assert anon.get("/metrics").status_code == 401
 
 
@@ -82,6 +83,9 @@ def test_every_route_refuses_anonymous_calls_except_the_public_ones(fleet: Fleet
     assert checked > 30
     assert required_role("GET", "/devices/x1") is None  # the technician page (HTML only)
     assert required_role("GET", "/api/v1/devices/x1") is Role.VIEWER
+    assert required_role("GET", "/pools/x1") is None  # the pool page (HTML only)
+    assert required_role("GET", "/api/v1/pools/x1") is Role.VIEWER
+    assert required_role("GET", "/pools/x1/devices") is Role.VIEWER
     assert required_role(None, "/api/v1/detections/live") is Role.VIEWER
     assert required_role("DELETE", "/api/v1/deployments/x1") is Role.OPERATOR
     assert required_role("GET", "/api/v1/tokens") is Role.ADMIN

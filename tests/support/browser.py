@@ -1,0 +1,58 @@
+"""Headless Chromium for the dashboard's browser tests: Debian's /usr/bin/chromium driven by playwright,
+nothing downloaded. A test module wraps :func:`chromium` in a module fixture of its own."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+# What the phone-size tests open the pages at (an iPhone 12-14 in CSS pixels).
+PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 2, "is_mobile": True}
+
+
+def browser_missing(why: str) -> NoReturn:
+    """Skip, or fail where a browser is required: tests/run.sh sets EDGEFLEET_REQUIRE_BROWSER=1, so in
+    CI a missing chromium or playwright fails the run instead of skipping it quietly."""
+    if os.environ.get("EDGEFLEET_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{why} (EDGEFLEET_REQUIRE_BROWSER=1)")
+    pytest.skip(why)
+
+
+@contextmanager
+def chromium() -> Iterator[Any]:
+    """A launched headless browser (playwright's ``Browser``), closed on exit."""
+    if not Path(CHROMIUM).exists():
+        browser_missing(
+            f"{CHROMIUM} missing: install the Debian package 'chromium' (tests/run.sh does as root)"
+        )
+    try:
+        import playwright.sync_api as sync_api
+    except ImportError as exc:
+        browser_missing(f"playwright is not installed ({exc}): pip install -e '.[dev]'")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def horizontal_overflow(page: Any) -> str | None:
+    """None when the page fits its viewport's width; else what sticks out, to name in a failure."""
+    width = page.evaluate("document.documentElement.scrollWidth")
+    inner = page.evaluate("window.innerWidth")
+    return None if width <= inner else f"page is {width}px wide on a {inner}px screen"
