@@ -307,6 +307,34 @@ def placed_on(s: Session, device_id: str) -> dict[str, PlacedCamera]:
     return out
 
 
+def probe_for(s: Session, dev: Device, *, limit: int) -> dict[str, str]:
+    """The pool cameras ``dev`` could be given (those of the pools whose selector matches it, placed on
+    another device or on none) by camera id, with their sources: what it probes. At most ``limit``,
+    the highest priority first. The first pool by name keeps a camera id two pools declare."""
+    found: list[tuple[int, str, str]] = []
+    seen: set[str] = set()
+    for pool in s.exec(select(Pool).order_by(col(Pool.name))):
+        try:
+            if not matching([dev], parse_selector(pool.selector)):
+                continue
+        except SelectorError:
+            continue
+        placed = dict(
+            s.exec(
+                select(PoolPlacement.camera, PoolPlacement.device_id).where(
+                    col(PoolPlacement.pool) == pool.name
+                )
+            ).all()
+        )
+        for cam in s.exec(select(PoolCamera).where(col(PoolCamera.pool) == pool.name)):
+            if cam.camera in seen:
+                continue
+            seen.add(cam.camera)
+            if placed.get(cam.camera) != dev.id:
+                found.append((-cam.priority, cam.camera, cam.source))
+    return {cam: source for _, cam, source in sorted(found)[:limit]}
+
+
 # --------------------------------------------------------------------------- the snapshot
 
 
@@ -337,6 +365,15 @@ def _ms(value: Any, *, zero_ok: bool = False) -> float | None:
 
 def _items(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
+
+
+def heartbeat_reach(health: Any) -> dict[str, bool]:
+    """Per probed camera, whether the device that sent this heartbeat reached its source (its JSON as
+    stored; anything malformed is left out, and a camera left out counts as reachable)."""
+    reach = health.get("reach") if isinstance(health, Mapping) else None
+    if not isinstance(reach, Mapping):
+        return {}
+    return {str(cam): ok for cam, ok in reach.items() if isinstance(ok, bool)}
 
 
 def heartbeat_costs(health: Any, *, cpu_only: bool) -> dict[str, placement.Cost]:
@@ -514,9 +551,14 @@ def build_site(
         # Keyed by the device's camera id: it counts for the pool camera of that id once agents run them.
         for cam_id, ms in heartbeat_decode_ms(dev.last_health).items():
             decode[(cam_id, dev.id)] = ms
-    # Reach: every member for now. The agents will report which sources they can open; until then a
-    # camera is taken to be reachable from every device of its pool.
+    # Reach: every member but those whose last heartbeat says they could not reach the source (the
+    # agents probe the pool cameras their desired state lists); no report is taken as reachable.
     everyone = frozenset(members)
+    unreached: dict[str, set[str]] = {}
+    for dev in devices:
+        for cam_id, ok in heartbeat_reach(dev.last_health).items():
+            if not ok:
+                unreached.setdefault(cam_id, set()).add(dev.id)
     declared = {cam.camera for cam in cameras}
     current = {
         cam: placement.Placement(p.device_id, p.fps, _epoch(p.since))
@@ -526,7 +568,8 @@ def build_site(
     planned_cams: list[placement.Camera] = []
     for cam in cameras:
         here = current.get(cam.camera)
-        reach = (everyone - no_new) | (
+        # The device that runs the camera is not probed for it (its camera state says how it fares).
+        reach = (everyone - no_new - unreached.get(cam.camera, set())) | (
             frozenset({here.device}) & everyone if here is not None else frozenset()
         )
         planned_cams.append(
@@ -792,7 +835,7 @@ class PoolService:
             except IntegrityError:
                 s.rollback()
                 raise ConflictError(f"pool {name!r} was changed at the same time: try again") from None
-            return self._replan_commit(s, _locked(s, name))
+            return self._replan_commit(s, _locked(s, name), members=True)
 
     @staticmethod
     def _declare(s: Session, name: str, decl: PoolDeclaration) -> None:
@@ -836,8 +879,9 @@ class PoolService:
 
     def delete(self, name: str) -> None:
         with Session(self._engine) as s:
-            _locked(s, name)
+            pool = _locked(s, name)
             held = set(s.exec(select(PoolPlacement.device_id).where(col(PoolPlacement.pool) == name)))
+            held |= set(load_snapshot(s, pool, now=self._clock()).members)  # they probe its cameras
             for table in (PoolPlacement, PoolDevice, PoolCamera):
                 s.exec(delete(table).where(col(table.pool) == name))
             s.exec(delete(Pool).where(col(Pool.name) == name))
@@ -1013,8 +1057,10 @@ class PoolService:
             raise NotFoundError(f"camera {camera!r} is not in pool {pool.name!r}")
         return row
 
-    def _replan_commit(self, s: Session, pool: Pool) -> PoolState:
-        _, touched = self._replan(s, pool, self._clock())
+    def _replan_commit(self, s: Session, pool: Pool, *, members: bool = False) -> PoolState:
+        """``members``: every device of the pool is recomputed, not only those whose cameras changed
+        (a declaration changes what each probes)."""
+        _, touched = self._replan(s, pool, self._clock(), members=members)
         try:
             s.commit()
         except IntegrityError:
@@ -1023,13 +1069,17 @@ class PoolService:
         self._placed(touched)
         return self._state(s, pool)
 
-    def _replan(self, s: Session, pool: Pool, now: float) -> tuple[placement.Plan, set[str]]:
+    def _replan(
+        self, s: Session, pool: Pool, now: float, *, members: bool = False
+    ) -> tuple[placement.Plan, set[str]]:
         """Plan the locked pool as of ``now`` and write the plan in the caller's transaction; also the
         devices that held or now hold one of its cameras (a declaration's change of source or model
         changes what they run even where nothing moves)."""
         snap = load_snapshot(s, pool, now=now)
         plan = placement.plan(snap.site, now)
         touched = _holders(snap, plan)  # before the store, which moves the snapshot's rows
+        if members:
+            touched |= set(snap.members)
         self._store(s, snap, plan, now)
         return plan, touched
 

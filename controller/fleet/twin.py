@@ -34,7 +34,7 @@ from controller.fleet.deployments import (
     layers,
 )
 from controller.fleet.gate import AGENT_TRIAL_STATE, failed_attempt
-from controller.fleet.pools import placed_on
+from controller.fleet.pools import placed_on, probe_for
 from controller.fleet.sync import device_sync
 from controller.link.artifacts import artifact_file, ref_chunk_size, with_chunk_hashes
 from controller.link.bridge import MqttBridge
@@ -229,17 +229,23 @@ class TwinService:
         if assignments != (dev.assignments or {}):
             dev.assignments = assignments
         agent = self._agent(s, dev, agent_layer(dev, deployments, admitted))
+        probe = probe_for(s, dev, limit=MAX_CAMERAS)
         s.add(dev)
         old = self.current(dev.desired)
-        new = self._signed(old.model_copy(update={"cameras": cameras, "agent": agent}), dev.id)
-        same = {k: v.model_dump(mode="json") for k, v in new.cameras.items()} == {
-            k: v.model_dump(mode="json") for k, v in old.cameras.items()
-        } and _agent_json(new.agent) == _agent_json(old.agent)
+        new = self._signed(
+            old.model_copy(update={"cameras": cameras, "agent": agent, "probe": probe}), dev.id
+        )
+        same = (
+            {k: v.model_dump(mode="json") for k, v in new.cameras.items()}
+            == {k: v.model_dump(mode="json") for k, v in old.cameras.items()}
+            and _agent_json(new.agent) == _agent_json(old.agent)
+            and new.probe == old.probe
+        )
         if same:
             s.commit()
             return None
         log.info("desired state of %s changed; publishing", dev.id)
-        return self._commit(s, dev.id, old, cameras, agent)
+        return self._commit(s, dev.id, old, cameras, agent, probe)
 
     def _agent(self, s: Session, dev: Device, layer: AgentLayer | None) -> AgentPackageRef | None:
         """The agent ref of ``dev``'s desired state, keeping ``dev.agent_desired`` up to date.
@@ -338,6 +344,7 @@ class TwinService:
         old: DesiredState,
         cameras: dict[str, CameraDesired],
         agent: AgentPackageRef | None,
+        probe: dict[str, str],
     ) -> DesiredState:
         dev = crud.get_device(s, device_id=device_id)
         assert dev is not None
@@ -347,6 +354,7 @@ class TwinService:
                 issued_at=_issue_time(old),
                 cameras=cameras,
                 agent=agent,
+                probe=probe,
             ),
             device_id,
         )
@@ -462,7 +470,11 @@ class TwinService:
             version = max(old.version, dev.desired_version, dev.reported_version or 0) + 1
             new = self._signed(
                 DesiredState(
-                    version=version, issued_at=_issue_time(old), cameras=old.cameras, agent=old.agent
+                    version=version,
+                    issued_at=_issue_time(old),
+                    cameras=old.cameras,
+                    agent=old.agent,
+                    probe=old.probe,
                 ),
                 device_id,
             )

@@ -2,8 +2,10 @@
 placed on it, with their source as declared (the secret reference, never a credential) and the plan's
 frame rate; a drain is make-before-break: the cameras' entries go to the devices that take them at
 once, and leave the drained one's state only when each new device reports its camera running (or the
-handover times out, or the old device goes offline), each end an event; a changed source reaches only
-the device that runs the camera; a deleted pool leaves nothing behind. Through the real app on SQLite
+handover times out, or the old device goes offline), each end an event; every device probes the pool
+cameras it could be given (their sources in its desired state), and one whose heartbeat says it cannot
+reach a source is never given that camera; a changed source reaches the device that runs the camera and
+those that probe it; a deleted pool leaves nothing behind. Through the real app on SQLite
 and PostgreSQL (``fleet``)."""
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import pytest
 
 from controller.fleet.pools import HANDOVER_TIMEOUT_S
 from fleet_protocol import TopicKind
-from fleet_protocol.messages import CameraReported, ReportedState
+from fleet_protocol.messages import CameraReported, CameraState, CameraStats, Heartbeat, ReportedState
 from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
 from tests.support.pools import cameras_on, pool_camera, put_pool, sent_desired, sent_pool_cameras
 from tests.support.waiting import wait_for
 
 POOL = "site-north"
 BOXES = ("box-1", "box-2", "box-3")
+CAMERAS = tuple(f"door-{i}" for i in range(1, 7))
 
 
 @pytest.fixture
@@ -30,7 +33,7 @@ def fleet(make_fleet: FleetFactory) -> Fleet:
 
 
 def _declaration(**over_cam: Any) -> dict[str, Any]:
-    cams = [pool_camera(f"door-{i}") for i in range(1, 7)]
+    cams = [pool_camera(cam) for cam in CAMERAS]
     cams[0].update(over_cam)
     return {"name": POOL, "selector": "site=north", "cameras": cams}
 
@@ -136,18 +139,27 @@ def test_a_handover_ends_when_the_old_device_goes_or_the_new_one_never_runs_it(
     assert {(e["data"]["end"], e["severity"]) for e in events} == {("timeout", "warning")}
 
 
-def test_a_changed_source_reaches_only_the_device_that_runs_the_camera(
+def test_a_changed_source_reaches_the_device_that_runs_the_camera_and_those_that_probe_it(
     fleet: Fleet, site: dict[str, Any]
 ) -> None:
     holder = next(box for box in BOXES if "door-1" in cameras_on(site, box))
-    versions = {box: sent_desired(fleet, box).version for box in BOXES}  # type: ignore[union-attr]
+    before = {box: sent_desired(fleet, box) for box in BOXES}
     new_source = "rtsp://{secret:north-cams}@10.0.9.1/stream2"
     put_pool(fleet, _declaration(source=new_source))
-    assert sent_pool_cameras(fleet, holder)["door-1"].source == new_source
     for box in BOXES:
-        now = sent_desired(fleet, box)
-        assert now is not None
-        assert now.version == versions[box] + (1 if box == holder else 0), box
+        now, was = sent_desired(fleet, box), before[box]
+        assert now is not None and was is not None
+        if box == holder:
+            assert now.cameras["door-1"].source == new_source and "door-1" not in now.probe
+        else:
+            assert now.probe["door-1"] == new_source and "door-1" not in now.cameras
+        # Nothing else of any state changed.
+        assert {c: cd.source for c, cd in now.cameras.items() if c != "door-1"} == {
+            c: cd.source for c, cd in was.cameras.items() if c != "door-1"
+        }
+        assert {c: u for c, u in now.probe.items() if c != "door-1"} == {
+            c: u for c, u in was.probe.items() if c != "door-1"
+        }
 
 
 def test_a_deleted_pool_leaves_no_camera_on_any_device(fleet: Fleet, site: dict[str, Any]) -> None:
@@ -156,3 +168,37 @@ def test_a_deleted_pool_leaves_no_camera_on_any_device(fleet: Fleet, site: dict[
     for box in BOXES:
         assert sent_pool_cameras(fleet, box) == {}
         assert not any(a["pool"] for a in fleet.device(box)["assignments"].values())
+
+
+def test_each_device_probes_the_pool_cameras_it_could_be_given(fleet: Fleet, site: dict[str, Any]) -> None:
+    for box in BOXES:
+        state = sent_desired(fleet, box)
+        assert state is not None
+        others = set(CAMERAS) - cameras_on(site, box)
+        assert state.probe == {cam: pool_camera(cam)["source"] for cam in others}
+
+
+def _reach_beat(fleet: Fleet, device: str, reach: dict[str, bool]) -> None:
+    """A heartbeat of ``device`` with its measured cost (as enroll_measured's) and ``reach``."""
+    cams = [CameraStats(camera="cam1", state=CameraState.UP, fps=10.0, inference_ms=9.0, model="tiny:1")]
+    fleet.send(device, TopicKind.HEARTBEAT, Heartbeat(ts=time.time(), cameras=cams, reach=reach))
+    wait_for(
+        lambda: (fleet.device(device)["last_health"] or {}).get("reach") == reach,
+        timeout=10,
+        what=f"{device}'s heartbeat with reach {reach} stored",
+    )
+
+
+def test_a_device_that_cannot_reach_a_source_is_never_given_that_camera(
+    fleet: Fleet, site: dict[str, Any]
+) -> None:
+    on_1 = sorted(cameras_on(site, "box-1"))
+    # box-2 cannot reach the first of box-1's cameras, and nobody but box-1 reaches the second.
+    _reach_beat(fleet, "box-2", {on_1[0]: False, on_1[1]: False})
+    _reach_beat(fleet, "box-3", {on_1[1]: False})
+    r = fleet.client.post(f"/api/v1/pools/{POOL}/plan", json={"fail": ["box-1"]})
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    targets = {m["camera"]: m["target"] for m in plan["moves"]}
+    assert targets == {on_1[0]: "box-3"}
+    assert "no usable device reaches its source" in plan["unplaced"][on_1[1]]
