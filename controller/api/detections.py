@@ -65,7 +65,10 @@ def list_detections(
         if more and last is not None and last.id is not None
         else None
     )
-    return DetectionPage(items=[detection_out(r) for r in rows], next_cursor=nxt)
+    superseded = crud.superseded_ids(session, rows)
+    return DetectionPage(
+        items=[detection_out(r, superseded=r.id in superseded) for r in rows], next_cursor=nxt
+    )
 
 
 @router.websocket("/live")
@@ -150,6 +153,13 @@ def detection_stats(
     device: FilterQuery = None,
     camera: FilterQuery = None,
     min_score: Annotated[float | None, Query(ge=0.0, le=1.0)] = None,
+    superseded: Annotated[
+        bool,
+        Query(
+            description="also count superseded detections (a pool camera's old device analysing it after a "
+            "move); by default each camera counts one analyser"
+        ),
+    ] = False,
 ) -> dict[str, Any]:
     since_, until_ = time_window(since, until, timedelta(hours=1))
     if (until_ - since_).total_seconds() / bucket > MAX_STAT_BUCKETS:
@@ -162,6 +172,7 @@ def detection_stats(
         device_id=device,
         camera=camera,
         min_score=min_score,
+        superseded=superseded,
     )
     buckets: dict[int, dict[str, int]] = {}
     labels: dict[str, int] = {}

@@ -304,8 +304,9 @@ def model_version_public(mv: ModelVersion, variants: Sequence[Any]) -> ModelVers
     )
 
 
-def detection_out(r: Detection) -> DetectionOut:
+def detection_out(r: Detection, *, superseded: bool = False) -> DetectionOut:
     return DetectionOut(
+        superseded=superseded,
         device=r.device_id,
         camera=r.camera,
         seq=r.seq,

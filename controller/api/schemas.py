@@ -207,6 +207,11 @@ class DetectionOut(BaseModel):
     class_id: int
     score: float
     box: BoxOut
+    superseded: bool = Field(
+        default=False,
+        description="this device analysed the camera after a camera pool moved it to another device "
+        "(partitioned, or handing over): kept, but not counted in the detection stats by default",
+    )
 
 
 class DetectionPage(BaseModel):

@@ -25,6 +25,7 @@ from controller.db.tables import (
     IngestedSeq,
     ModelVariant,
     ModelVersion,
+    SupersededAnalysis,
     utcnow,
 )
 
@@ -317,6 +318,39 @@ def list_detections(
     return session.exec(q).all()
 
 
+def superseded_ids(session: Session, rows: Sequence[Detection]) -> set[int]:
+    """The ids of ``rows`` that a superseded span covers (their device analysed the camera after a move
+    gave it to another device)."""
+    pairs = {(r.device_id, r.camera) for r in rows}
+    if not pairs:
+        return set()
+    spans: dict[tuple[str, str], list[tuple[datetime, datetime | None]]] = {}
+    q = select(SupersededAnalysis).where(
+        col(SupersededAnalysis.device_id).in_({d for d, _ in pairs}),
+        col(SupersededAnalysis.camera).in_({c for _, c in pairs}),
+    )
+    for span in session.exec(q):
+        spans.setdefault((span.device_id, span.camera), []).append((span.since, span.until))
+    out: set[int] = set()
+    for r in rows:
+        for since, until in spans.get((r.device_id, r.camera), ()):
+            if r.id is not None and since <= r.captured_at and (until is None or r.captured_at < until):
+                out.add(r.id)
+                break
+    return out
+
+
+def _not_superseded(t: sa.Table) -> Any:
+    """A detection row of ``t`` that no superseded span covers."""
+    span = cast(sa.Table, SupersededAnalysis.__table__)  # type: ignore[attr-defined]
+    return ~sa.exists().where(
+        span.c.device_id == t.c.device_id,
+        span.c.camera == t.c.camera,
+        t.c.captured_at >= span.c.since,
+        sa.or_(span.c.until.is_(None), t.c.captured_at < span.c.until),
+    )
+
+
 def _bucket_start(session: Session, column: Any, bucket: int) -> Any:
     """The start of ``column``'s ``bucket``-second bucket, in unix seconds (an integer)."""
     if session.get_bind().dialect.name == "sqlite":
@@ -336,9 +370,10 @@ def detection_counts(
     device_id: str | None,
     camera: str | None,
     min_score: float | None,
+    superseded: bool = False,
 ) -> list[tuple[int, str, int]]:
     """Detections captured in ``[since, until)`` per ``(bucket start in unix seconds, label)``,
-    oldest bucket first."""
+    oldest bucket first; ``superseded`` False counts one analyser per camera (superseded spans left out)."""
     t = cast(sa.Table, Detection.__table__)  # type: ignore[attr-defined]
     b = _bucket_start(session, t.c.captured_at, bucket).label("b")
     q = sa.select(b, t.c.label, sa.func.count()).where(t.c.captured_at >= since, t.c.captured_at < until)
@@ -348,6 +383,8 @@ def detection_counts(
         q = q.where(t.c.camera == camera)
     if min_score is not None:
         q = q.where(t.c.score >= min_score)
+    if not superseded:
+        q = q.where(_not_superseded(t))
     q = q.group_by(b, t.c.label).order_by(b)
     return [(int(start), lbl, int(n)) for start, lbl, n in session.execute(q)]
 

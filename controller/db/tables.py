@@ -570,6 +570,23 @@ class PoolDevice(SQLModel, table=True):
     since: datetime = Field(default_factory=utcnow, sa_type=UtcDateTime)
 
 
+class SupersededAnalysis(SQLModel, table=True):
+    """A span in which ``device_id`` analysed ``camera`` after a move gave it to another device (a
+    partitioned device that went on, or the tail of a handover): its detections of the camera
+    captured in ``[since, until)`` are superseded (``until`` null: still open)."""
+
+    __tablename__ = "superseded_analysis"
+    __table_args__ = (sa.Index("ix_superseded_device_camera", "device_id", "camera"),)
+
+    id: int | None = Field(default=None, primary_key=True, sa_type=BigIntId)
+    pool: str = Field(max_length=64)
+    device_id: str = Field(max_length=64)
+    camera: str = Field(max_length=64)
+    since: datetime = Field(sa_type=UtcDateTime)
+    until: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    reason: str = Field(max_length=32)
+
+
 class PoolPlacement(SQLModel, table=True):
     """Where each camera of a pool runs in the last stored plan: what the next plan keeps."""
 

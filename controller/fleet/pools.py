@@ -58,6 +58,7 @@ from controller.db.tables import (
     PoolCamera,
     PoolDevice,
     PoolPlacement,
+    SupersededAnalysis,
     utcnow,
 )
 from controller.errors import ConflictError, InvalidError, NotFoundError
@@ -978,6 +979,13 @@ class PoolService:
                 )
                 row.handover_from, row.handover_since = None, None
                 s.add(row)
+                if why != "old_offline":
+                    # Until the old device has applied a state without the camera, both analyse it.
+                    s.add(
+                        SupersededAnalysis(
+                            pool=row.pool, device_id=old, camera=row.camera, since=_at(now), reason="handover"
+                        )
+                    )
                 ended.append((row.pool, row.camera, old))
             if not ended:
                 return []
@@ -985,6 +993,40 @@ class PoolService:
             s.commit()
         self._placed({old for _, _, old in ended})
         return ended
+
+    def close_superseded(self, *, now: float, fence: Callable[[Session], None]) -> int:
+        """Close every open superseded span whose device has stopped the camera: online and reporting it
+        not running (or the camera placed on it again, or the device gone). A device that stays offline
+        keeps its span open: partitioned, it may still be analysing. Returns how many were closed."""
+        opened = select(SupersededAnalysis).where(col(SupersededAnalysis.until).is_(None))
+        with Session(self._engine) as s:
+            if s.exec(opened.limit(1)).first() is None:
+                return 0  # read without a lock, as every quiet round
+            spans = list(s.exec(opened.with_for_update().execution_options(populate_existing=True)))
+            devices = {d.id: d for d in crud.list_devices(s) if d.id in {x.device_id for x in spans}}
+            placed = {
+                (p.pool, p.camera): p.device_id
+                for p in s.exec(
+                    select(PoolPlacement).where(col(PoolPlacement.pool).in_({x.pool for x in spans}))
+                )
+            }
+            closed = 0
+            for span in spans:
+                dev = devices.get(span.device_id)
+                back = placed.get((span.pool, span.camera)) == span.device_id
+                if dev is not None and not back:
+                    if dev.status != DeviceStatus.ONLINE:
+                        continue
+                    cams = (dev.reported or {}).get("cameras") or {}
+                    if (cams.get(span.camera) or {}).get("state") == "running":
+                        continue
+                span.until = _at(now)
+                s.add(span)
+                closed += 1
+            if closed:
+                fence(s)
+                s.commit()
+            return closed
 
     def cordon(self, name: str, device_id: str) -> PoolState:
         """No new camera on the device; those it runs stay."""
@@ -1112,6 +1154,17 @@ class PoolService:
             if moved is None:
                 continue
             alive = (member := snap.members.get(m.source)) is not None and member.online
+            if m.reason in BREAK_FIRST or not alive:
+                # Nothing stops a device that does not answer: what it still analyses is superseded.
+                s.add(
+                    SupersededAnalysis(
+                        pool=pool.name,
+                        device_id=m.source,
+                        camera=m.camera,
+                        since=stamp,
+                        reason=m.reason.value,
+                    )
+                )
             if m.reason in BREAK_FIRST or not alive or moved.handover_from == m.target:
                 moved.handover_from, moved.handover_since = None, None
             elif moved.handover_from is None:
@@ -1212,10 +1265,14 @@ class PoolReplanner:
                 stored[name] = plan
         for gone in set(self._failing) - set(names):
             del self._failing[gone]
-        try:
-            self._service.release_handovers(now=now, fence=self._leadership.fence)
-        except FencedOut:
-            raise
-        except Exception:
-            log.exception("ending pool camera handovers failed")
+        for step, what in (
+            (self._service.release_handovers, "ending pool camera handovers"),
+            (self._service.close_superseded, "closing superseded analysis spans"),
+        ):
+            try:
+                step(now=now, fence=self._leadership.fence)
+            except FencedOut:
+                raise
+            except Exception:
+                log.exception("%s failed", what)
         return stored

@@ -9,12 +9,12 @@ from fleet_protocol.messages import Box, Detection, DetectionBatch, FrameDetecti
 
 
 def detection_batch(
-    seq: int, labels: Sequence[str] = ("person",), *, captured_at: float | None = None
+    seq: int, labels: Sequence[str] = ("person",), *, captured_at: float | None = None, camera: str = "cam1"
 ) -> DetectionBatch:
-    """One frame of cam1 (frame number = seq), one 5x5 box at score 0.8 per label."""
+    """One frame of ``camera`` (frame number = seq), one 5x5 box at score 0.8 per label."""
     at = time.time() if captured_at is None else captured_at
     frame = FrameDetections(
-        camera="cam1",
+        camera=camera,
         frame=seq,
         captured_at=at,
         width=640,
