@@ -8,6 +8,7 @@ Threads (all named, all stopped by ONE event, joined with timeouts):
   twin              applies desired states (LatestSlot: a newer desired replaces a pending one)
   commands          runs commands (bounded queue; when full the command is refused with "busy")
   heartbeat         health every heartbeat_interval_s (QoS 0)
+  reach             probes the sources of pool cameras the device could be given (probe_interval_s)
   watchdog          abandons an inference that hangs, restarts it (rate-limited), reports each step
   + paho's network thread inside MqttLink.
 
@@ -35,6 +36,7 @@ from edge_agent import __version__
 from edge_agent.control.commands import CommandRunner
 from edge_agent.control.heartbeat import HeartbeatSender
 from edge_agent.control.pool import PoolCameras, SecretFiles
+from edge_agent.control.reach import ReachProbes
 from edge_agent.control.twin import EngineBuilds, Twin
 from edge_agent.core.disk_guard import Reserve
 from edge_agent.core.queues import DropOldestQueue
@@ -285,6 +287,7 @@ class Agent:
             fetcher=PackageFetcher(data_dir, request_chunks, **fetch_options),
         )
         fetcher = ArtifactFetcher(data_dir / "models", request_chunks, **fetch_options)
+        reach = ReachProbes(stop=stop, interval_s=settings.probe_interval_s)
         twin = Twin(
             pipeline=pipeline,
             publisher=publisher,
@@ -302,6 +305,7 @@ class Agent:
                 read_secret=SecretFiles(settings.secrets_dir or data_dir / "secrets"),
                 removed=camera_events.forget,
             ),
+            probes=reach.set_probes,
         )
         updater.report = twin.report
         fetcher.keep = twin.needed_models  # the models' store is collected on the twin thread
@@ -327,6 +331,7 @@ class Agent:
             publish=link.publish,
             interval_s=settings.heartbeat_interval_s,
             stop=stop,
+            reach=reach.reach,
         )
         return cls(
             settings,
@@ -342,6 +347,7 @@ class Agent:
             heartbeats=heartbeats,
             backends=builds.backends if builds is not None else backend_factory,
             updater=updater,
+            reach=reach,
         )
 
     def __init__(
@@ -360,6 +366,7 @@ class Agent:
         heartbeats: HeartbeatSender,
         backends: object | None = None,
         updater: AgentUpdater | None = None,
+        reach: ReachProbes | None = None,
     ) -> None:
         """Takes built parts (see :meth:`from_settings`) that share ``stop``, and ties them to the link.
 
@@ -381,6 +388,7 @@ class Agent:
         self.heartbeats = heartbeats
         self.backends = backends
         self.updater = updater
+        self.reach = reach
         self._capabilities: Capabilities | None = None
         # Backend faults on the inference path (see the module docstring).
         pipeline.watchdog.on_fatal = self._on_cuda_fatal
@@ -409,6 +417,8 @@ class Agent:
         ]
         if updater is not None:
             self._threads.append(threading.Thread(target=updater.run, name="agent-update", daemon=True))
+        if reach is not None:
+            self._threads.append(threading.Thread(target=reach.run, name="reach", daemon=True))
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle

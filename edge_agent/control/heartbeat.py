@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from edge_agent.device.health import Health
@@ -33,6 +33,7 @@ def build_heartbeat(
     outbox_dropped: int,
     queue_dropped: int,
     costs: Sequence[VariantCost] = (),
+    reach: Mapping[str, bool] | None = None,
 ) -> Heartbeat:
     """The device-wide inference figures are the slowest camera's, so one slow camera is not averaged
     away."""
@@ -55,6 +56,7 @@ def build_heartbeat(
         queue_dropped=queue_dropped,
         inference_p99_ms=round(max(p99), 2) if p99 else None,
         costs=list(costs),
+        reach=dict(reach or {}),
     )
 
 
@@ -114,7 +116,10 @@ class HeartbeatSender:
         publish: PublishFn,
         interval_s: float,
         stop: threading.Event,
+        reach: Callable[[], Mapping[str, bool]] | None = None,
     ) -> None:
+        """``reach``: the outcome of the probes of pool camera sources
+        (:meth:`~edge_agent.control.reach.ReachProbes.reach`); None: nothing is probed."""
         self.health = health
         self.pipeline = pipeline
         self.outbox = outbox
@@ -122,6 +127,7 @@ class HeartbeatSender:
         self.interval_s = interval_s
         self._stop = stop
         self._lanes = LaneShares()
+        self._reach = reach
 
     def heartbeat(self) -> Heartbeat:
         figures = self.pipeline.variant_costs()
@@ -133,6 +139,7 @@ class HeartbeatSender:
             outbox_dropped=self.outbox.dropped,
             queue_dropped=self.pipeline.out.dropped,
             costs=variant_costs(figures, busy),
+            reach=self._reach() if self._reach is not None else None,
         )
 
     def run(self) -> None:

@@ -91,6 +91,15 @@ class PoolCameras:
             self._removed(camera)
 
 
+def file_url_path(url: str) -> str | None:
+    """The local path a ``file:///path`` URL names (no host but ``localhost``, no query or fragment),
+    percent-decoded; None when ``url`` is no such URL."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost") or not parts.path or parts.query or parts.fragment:
+        return None
+    return unquote(parts.path)
+
+
 def pool_camera_config(
     camera: str, source: str, max_fps: float | None, read_secret: SecretReader
 ) -> CameraConfig:
@@ -110,11 +119,11 @@ def pool_camera_config(
         raise PoolCameraError(f"source {source}: {exc}") from None
     fields: dict[str, object] = {"id": camera, "max_fps": max_fps}
     if scheme == "file":
-        parts = urlsplit(url)
-        if parts.netloc not in ("", "localhost") or not parts.path or parts.query or parts.fragment:
+        path = file_url_path(url)
+        if path is None:
             raise PoolCameraError(f"source {source} is not a local file URL (file:///path)")
         # A file stands for a live camera: it loops, paced at its own rate.
-        fields |= {"source": unquote(parts.path), "loop": True}
+        fields |= {"source": path, "loop": True}
     else:
         fields["source"] = url
     try:

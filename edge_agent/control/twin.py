@@ -34,6 +34,8 @@ model cleared, its capture closed) and leaves the reported state, or restarts fr
 that cannot run (its id is a configured camera, a secret it names is missing, a source the device
 cannot open) is reported failed and the rest of the state applies. The cameras a state keeps are not
 touched. The twin remembers which cameras are pool cameras: the configured ones are never stopped.
+The sources a state asks the device to probe (``probe``) are handed to the probe thread as the state's
+apply begins (:mod:`edge_agent.control.reach`).
 
 The reported state names, per camera, the model and its state, and the desired version last applied.
 """
@@ -44,7 +46,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -206,15 +208,18 @@ class Twin:
         builds: EngineBuilds | None = None,
         agent_update: AgentUpdateHooks | None = None,
         pool: PoolCameras | None = None,
+        probes: Callable[[Mapping[str, str]], None] | None = None,
     ) -> None:
         """``builds`` None: the pipeline's backends come from elsewhere and report no build steps.
         ``agent_update``: where a taken state's agent version goes, and what the reported state says of
         the agent (edge_agent/update/self_update.py); None: agent updates are not handled. ``pool``:
         how pool cameras are started; None: a desired camera with a source is not run (reported
-        failed as a camera this device lacks). The pipeline's cameras when the twin is made are the
-        device's configured ones."""
+        failed as a camera this device lacks). ``probes``: given the probe set of each state applied
+        (:class:`~edge_agent.control.reach.ReachProbes`); None: no source is probed. The pipeline's
+        cameras when the twin is made are the device's configured ones."""
         self.pipeline = pipeline
         self._pool = pool
+        self._probes = probes
         self._configured = frozenset(pipeline.cameras)
         # The pool cameras running: id -> the source the desired state gave (with its references).
         # Read and changed on the twin thread only.
@@ -487,6 +492,11 @@ class Twin:
         with self._lock:
             self._applying = desired
         try:
+            if self._probes is not None:
+                # First: the probes run on their own thread while this one may fetch and load for
+                # minutes. A camera the state gives the device is not probed: its capture says
+                # whether it is up.
+                self._probes({c: s for c, s in desired.probe.items() if c not in desired.cameras})
             failed = self._apply_pool(desired)
             cameras = [c for c in self.pipeline.cameras if c not in failed]
             for cam_id in sorted(cameras, key=lambda c: self._needs_download(desired, c)):

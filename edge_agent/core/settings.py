@@ -234,6 +234,10 @@ class AgentSettings(_Strict):
     their sources as ``{secret:NAME}``; default ``<data_dir>/secrets``. A file is read when a camera
     needs it, so a secret added later is found by the next desired state naming it."""
     heartbeat_interval_s: float = Field(default=5.0, gt=0.0)
+    probe_interval_s: float = Field(default=30.0, gt=0.0)
+    """How often the device checks that it reaches the source of each pool camera it could be given
+    (the desired state's ``probe``: a TCP connection, or the file existing; no secret is read), and
+    reports it in its heartbeat. The first check comes within seconds of a new desired state."""
     # As many as a heartbeat and a reported state may carry: one more would make both undecodable.
     cameras: list[CameraConfig] = Field(default_factory=list, max_length=MAX_CAMERAS)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)

@@ -180,9 +180,18 @@ def camera(manifest: ModelManifest | None, **kw: object) -> CameraDesired:
     return CameraDesired(model=ref, **kw)  # type: ignore[arg-type]
 
 
-def state(version: int, cameras: dict[str, CameraDesired], *, device: str = "dev-1") -> DesiredState:
-    """A desired state of ``cameras``, signed as a whole as the controller does."""
-    desired = DesiredState(version=version, issued_at=time.time(), device_id=device, cameras=cameras)
+def state(
+    version: int,
+    cameras: dict[str, CameraDesired],
+    *,
+    device: str = "dev-1",
+    probe: dict[str, str] | None = None,
+) -> DesiredState:
+    """A desired state of ``cameras`` (and the sources to ``probe``), signed as a whole as the
+    controller does."""
+    desired = DesiredState(
+        version=version, issued_at=time.time(), device_id=device, cameras=cameras, probe=probe or {}
+    )
     return signed_desired(desired, CONTROLLER_KEY)
 
 
