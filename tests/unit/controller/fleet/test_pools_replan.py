@@ -3,8 +3,10 @@ grace loses exactly its cameras, each to a live device with a ``camera_moved`` e
 operator change; a replica that does not lead, or whose lead was fenced off, writes nothing; a round
 with nothing to change writes nothing at all; a device that comes back gets nothing back under
 failback ``never`` (and its cameras back under ``preferred`` once the dwell has passed, as of the
-time the round is given); one pool that cannot be planned is logged once, does not hold the others
-back, and its recovery is logged. On SQLite and PostgreSQL (``make_fleet``)."""
+time the round is given, make-before-break); a device whose measured costs rise sheds one camera
+(reason ``overload``) and nothing comes back within the dwell; one pool that cannot be planned is
+logged once, does not hold the others back, and its recovery is logged. On SQLite and PostgreSQL
+(``make_fleet``)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from controller.db.leader import FencedOut
 from controller.db.tables import Pool
 from controller.fleet.pools import PoolReplanner
 from fleet_protocol import TopicKind
-from fleet_protocol.messages import Availability, Capabilities
+from fleet_protocol.messages import Availability, CameraState, CameraStats, Capabilities, Heartbeat
 from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
 from tests.support.pools import (
     cameras_on,
@@ -241,7 +243,62 @@ def test_under_failback_never_a_returning_device_gets_nothing_back(make_fleet: F
     assert {(m.camera, m.target, m.reason.value) for m in plans[POOL].moves} == {
         (c, "box-3", "failback") for c in on_3
     }
-    assert cameras_on(get_pool(fleet, POOL), "box-3") == on_3
+    back = get_pool(fleet, POOL)
+    assert cameras_on(back, "box-3") == on_3
+    # Make-before-break: the devices that ran them keep them until box-3 reports them running.
+    for cam in on_3:
+        assert back["placements"][cam]["handover_from"] == where[cam]
+        wait_for(
+            lambda cam=cam: cam in sent_pool_cameras(fleet, where[cam]),  # type: ignore[misc]
+            timeout=10,
+            what=f"{where[cam]} still sent {cam}",
+        )
+
+
+def _measured(fleet: Fleet, device: str, ms: float) -> None:
+    """A heartbeat of ``device`` saying the tiny model now takes ``ms`` a frame there."""
+    cams = [CameraStats(camera="cam1", state=CameraState.UP, fps=10.0, inference_ms=ms, model="tiny:1")]
+    fleet.send(device, TopicKind.HEARTBEAT, Heartbeat(ts=time.time(), cameras=cams))
+    wait_for(
+        lambda: (
+            [c.get("inference_ms") for c in (fleet.device(device)["last_health"] or {}).get("cameras", [])]
+            == [ms]
+        ),
+        timeout=10,
+        what=f"{device}'s heartbeat at {ms} ms stored",
+    )
+
+
+def test_an_overloaded_device_sheds_one_camera_and_nothing_comes_back_within_the_dwell(
+    make_fleet: FleetFactory,
+) -> None:
+    fleet = make_fleet(**DRIVEN)
+    for box in BOXES:
+        enroll_measured(fleet, box, site="north")
+    ids = [f"{POOL}-{i}" for i in range(1, 7)]
+    prefer = {c: BOXES[i % 3] for i, c in enumerate(ids)}  # where the first plan puts them anyway
+    site = put_pool(fleet, _declaration(prefer=prefer, failback="preferred"))
+    on_1 = cameras_on(site, "box-1")
+    assert len(on_1) == 2
+    leader = StandInLeadership()
+    start = time.time()
+
+    # box-1's model now takes 50 ms a frame: its two cameras at 10 FPS are 1000 ms/s, over its 800;
+    # one of them alone (500, with the admission margin about 580) is not.
+    _measured(fleet, "box-1", 50.0)
+    plans = _replanner(fleet, leader).replan(start + 1)
+    (move,) = plans[POOL].moves
+    assert (move.source, move.reason.value) == ("box-1", "overload") and move.camera in on_1
+    assert [e["camera"] for e in moved_events(fleet)] == [move.camera]
+
+    # Cheap again at once: nothing comes back within the dwell, however many rounds.
+    _measured(fleet, "box-1", 9.0)
+    for later in (start + 60, start + 300, start + 590):
+        assert _replanner(fleet, leader).replan(later) == {}, later
+    assert len(moved_events(fleet)) == 1
+    # Nor after it: failback is for a device that came back (up since the camera left), and box-1 never
+    # went away; the plan stays sticky.
+    assert _replanner(fleet, leader).replan(start + 700) == {}
 
 
 def test_a_pool_that_cannot_be_planned_is_logged_once_and_holds_no_other_back(
