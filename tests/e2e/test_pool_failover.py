@@ -10,7 +10,6 @@ superseded."""
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -20,8 +19,8 @@ import httpx
 import pytest
 
 from tests.support.mqtt_broker import MosquittoBroker
-from tests.support.paths import FOOTAGE
-from tests.support.stack import MODEL, Stack
+from tests.support.pool_site import Watch, camera_moves, footage_pool
+from tests.support.stack import Stack
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.waiting import wait_for
 
@@ -35,57 +34,6 @@ GRACE_S = 2.0
 # The controller's replan round. A kill -9 is seen at once through the broker's will, a cut link after
 # 1.5 keepalives of silence; the heartbeat timeout is only the fallback.
 REPLAN_S = "0.5"
-
-
-def _declaration() -> dict[str, Any]:
-    return {
-        "name": POOL,
-        "selector": "site=e2e",
-        "failover_grace_s": GRACE_S,
-        "failback": "never",
-        "cameras": [
-            {
-                "id": cam,
-                "source": f"file://{FOOTAGE}",
-                "model": MODEL,
-                "version": "1",
-                "target_fps": FPS,
-                "min_fps": FPS,
-            }
-            for cam in CAMERAS
-        ],
-    }
-
-
-class Watch:
-    """Per camera, the device that last reported inferring it and when (the agents' own clock, this
-    machine's), as the controller's device views show it."""
-
-    def __init__(self, api: httpx.Client) -> None:
-        self.api = api
-        self.seen: dict[str, tuple[str, float]] = {}
-        self.gaps: dict[str, float] = dict.fromkeys(CAMERAS, 0.0)
-
-    def poll(self) -> dict[str, str]:
-        """Camera -> the device running it now (reported ``running`` and inferring since the last poll
-        or before). Also keeps each camera's longest gap between inferences seen so far."""
-        running: dict[str, str] = {}
-        for dev in DEVICES:
-            view = self.api.get(f"/api/v1/devices/{dev}").json()
-            if view.get("status") != "online":
-                continue
-            models = view.get("models") or {}
-            for stats in view.get("cameras") or []:
-                cam, at = stats.get("camera"), stats.get("last_inferred_at")
-                if cam not in CAMERAS or at is None or (models.get(cam) or {}).get("state") != "running":
-                    continue
-                running[cam] = dev
-                before = self.seen.get(cam)
-                if before is None or at > before[1]:
-                    if before is not None:
-                        self.gaps[cam] = max(self.gaps[cam], at - before[1])
-                    self.seen[cam] = (dev, at)
-        return running
 
 
 @pytest.fixture
@@ -127,35 +75,21 @@ def site(tmp_path: Path, broker: MosquittoBroker, link: TcpProxy) -> Iterator[St
             timeout=60,
             what="agents online",
         )
-        stack.call("PUT", f"/api/v1/pools/{POOL}", json=_declaration())
+        stack.call(
+            "PUT",
+            f"/api/v1/pools/{POOL}",
+            json=footage_pool(POOL, "site=e2e", CAMERAS, fps=FPS, grace_s=GRACE_S),
+        )
         yield stack
     finally:
         stack.stop()
 
 
-def _moves(api: httpx.Client) -> list[dict[str, Any]]:
-    r = api.get("/api/v1/events", params={"kind": "camera_moved"})
-    assert r.status_code == 200, r.text
-    return list(r.json())
-
-
-def _spread(site: Stack, watch: Watch) -> dict[str, str]:
-    """Every pool camera analysed, two on each device: camera -> device."""
-    spread = wait_for(
-        lambda: r if len(r := watch.poll()) == len(CAMERAS) else None,
-        timeout=180,
-        interval=0.5,
-        what="every pool camera analysed (agent logs: " + ", ".join(str(a.log) for a in site.agents) + ")",
-    )
-    assert Counter(spread.values()) == dict.fromkeys(DEVICES, 2), spread
-    return spread
-
-
 def test_a_killed_agents_cameras_are_analysed_elsewhere_within_seconds(site: Stack) -> None:
     with site.api() as api:
-        watch = Watch(api)
-        spread = _spread(site, watch)
-        assert _moves(api) == []  # placing a new pool's cameras is not a move
+        watch = Watch(api, DEVICES, CAMERAS)
+        spread = watch.spread(2, "agent logs: " + ", ".join(str(a.log) for a in site.agents))
+        assert camera_moves(api) == []  # placing a new pool's cameras is not a move
         victim = site.agents[0]
         orphans = {cam for cam, dev in spread.items() if dev == victim.device_id}
         watch.gaps = dict.fromkeys(CAMERAS, 0.0)  # the gaps of the failover, not of the start
@@ -187,7 +121,7 @@ def test_a_killed_agents_cameras_are_analysed_elsewhere_within_seconds(site: Sta
         assert {cam: dev for cam, dev in after.items() if cam not in orphans} == {
             cam: dev for cam, dev in spread.items() if cam not in orphans
         }
-        moves = _moves(api)
+        moves = camera_moves(api)
         assert sorted(m["camera"] for m in moves) == sorted(orphans)
         assert {(m["data"]["source"], m["data"]["reason"]) for m in moves} == {
             (victim.device_id, "device_offline")
@@ -203,7 +137,7 @@ def test_a_killed_agents_cameras_are_analysed_elsewhere_within_seconds(site: Sta
 
         view = wait_for(victim_in_pool, timeout=30, what="the pool sees the victim online")
         assert view["pending"] == [], view["pending"]  # the plan as of now moves nothing
-        assert len(_moves(api)) == len(moves)
+        assert len(camera_moves(api)) == len(moves)
         site.alive()
 
 
@@ -221,13 +155,13 @@ def test_a_partitioned_agent_stops_its_moved_cameras_at_its_first_apply_and_its_
 ) -> None:
     victim = site.agents[0]
     with site.api() as api:
-        watch = Watch(api)
-        spread = _spread(site, watch)
+        watch = Watch(api, DEVICES, CAMERAS)
+        spread = watch.spread(2, "agent logs: " + ", ".join(str(a.log) for a in site.agents))
         orphans = sorted(cam for cam, dev in spread.items() if dev == victim.device_id)
 
         link.blackhole()  # the victim goes on analysing, its detections kept in its outbox
         moved = wait_for(
-            lambda: m if len(m := _moves(api)) == len(orphans) else None,
+            lambda: m if len(m := camera_moves(api)) == len(orphans) else None,
             timeout=60,
             interval=0.5,
             what="the cut-off device's cameras moved",
