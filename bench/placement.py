@@ -1,8 +1,10 @@
-"""Placement benchmark: ``controller.fleet.placement.plan`` on 100 sites x 10 devices x 100 cameras.
+"""Placement benchmark: ``controller.fleet.placement.plan`` on 100 sites x 10 devices x 100 cameras, then
+the publish of the desired states a plan changes.
 
-Pure computation on this machine, no broker and no database. Each site has 10 devices drawn from three
-device classes whose per-frame costs are the INT8 variants' figures measured in BENCHMARKS.md (model
-variants, ms at 1 and 2 intra-op threads; OpenCV decode and the preprocessing of a 768x576 frame):
+The planner's figures are pure computation on this machine, no broker and no database. Each site has
+10 devices drawn from three device classes whose per-frame costs are the INT8 variants' figures
+measured in BENCHMARKS.md (model variants, ms at 1 and 2 intra-op threads; OpenCV decode and the
+preprocessing of a 768x576 frame):
 ``xeon-2t`` (Intel VM, one lane of 2 threads), ``epyc-2t`` (AMD EPYC VM, one lane of 2 threads),
 ``epyc-1t`` (AMD EPYC VM, two lanes of one thread each). 7 devices of 10 report their own costs (each
 within ±5 % of its class figure); the others are planned on their class's median. Each camera runs
@@ -20,22 +22,54 @@ Figures, each printed:
     within ±15 % of the truth: moves per site-hour (should be 0), beside a planner without stickiness
     (every minute's plan made from nothing) on the same draws;
   - energy: spread against pack, site power from the plan's CPU loads, under an assumed power model
-    (``IDLE_W`` and ``BUSY_W`` per device: not measured, a model), with idle devices on and asleep.
+    (``IDLE_W`` and ``BUSY_W`` per device: not measured, a model), with idle devices on and asleep;
+  - publish (``--publish N`` devices, 0 skips it): what the controller does once a plan has moved
+    cameras, on real parts: a mosquitto the bench starts, SQLite in a temp dir, the bundled models
+    registered, and the controller's own ``TwinService`` on its ``MqttBridge`` and ``PahoTransport``
+    (wired as ``controller/runtime.py`` wires them; the runtime's workers stay off). N enrolled devices
+    in sites of 10, one pool per site, ``--cameras-per-device`` pool cameras placed on each. Each of
+    ``--publish-runs`` runs stores a plan that moves every camera to the next device of its site, then
+    times ``TwinService.recompute_many`` over the N devices: each device's state derived again (its
+    pool cameras through ``placed_on``, those it could be given to probe through ``probe_for``),
+    signed, committed and published retained at QoS 1, the PUBACK waited for, one device after the
+    other. Printed: total and per-device time, the part spent in the
+    confirmed publish, and the ratio to the raw limit measured after it in the same run: a bare paho
+    client publishing the same N signed payloads (retained, QoS 1) to the same broker, one in flight
+    at a time as the controller does, and pipelined (all sent, then every PUBACK waited for). Then a
+    new subscriber on every device's desired topic counts what the broker retains: N states, signed
+    for their device, at the version committed, naming the cameras (and sources) the last plan gives.
+
+Results and what limits each figure: BENCHMARKS.md, "Camera placement".
 
 Usage (from the repository root):
-``python -m bench.placement [--sites 100] [--runs 5] [--minutes 60] [--seed 1] [--fps-scale 1] [--smoke]``
+``python -m bench.placement [--sites 100] [--runs 5] [--minutes 60] [--seed 1] [--fps-scale 1]
+[--publish 1000] [--publish-runs 3] [--cameras-per-device 10] [--smoke]``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from functools import partial
+from pathlib import Path
 
+import paho.mqtt.client as mqtt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from paho.mqtt.enums import CallbackAPIVersion
+from pydantic import SecretStr
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from controller.db import crud, tables
+from controller.db.engine import make_engine, migrate
 from controller.fleet.placement import (
     Camera,
     Cost,
@@ -47,6 +81,17 @@ from controller.fleet.placement import (
     Strategy,
     plan,
 )
+from controller.fleet.twin import PUBLISH_TIMEOUT_S, TwinService
+from controller.link.bridge import MqttBridge, PahoTransport
+from controller.link.budget import device_budgets
+from controller.registry.bundled import register_bundled_models
+from controller.security.keys import load_or_create_signer
+from controller.settings import ControllerSettings
+from fleet_protocol import TopicKind, Topics, decode
+from fleet_protocol.endpoint import MqttEndpoint
+from fleet_protocol.messages import MAX_CAMERAS, Capabilities, DesiredState
+from fleet_protocol.signing import SignatureError, verify_desired
+from tests.support.mqtt_broker import MosquittoBroker
 
 DEVICES_PER_SITE = 10
 CAMERAS_PER_SITE = 100
@@ -164,6 +209,335 @@ def site_power_w(p: Plan, site: Site, asleep: bool) -> float:
     return total
 
 
+# --------------------------------------------------------------------------- the publish after a plan
+
+
+class TimedTransport(PahoTransport):
+    """The controller's own MQTT transport, keeping what it published and the time spent in each
+    confirmed publish (the send and the wait for its PUBACK), so a run says where its time went and the
+    raw limit can send exactly the same bytes."""
+
+    def __init__(self, target: MqttEndpoint, *, client_id: str) -> None:
+        super().__init__(target, client_id=client_id)
+        self.sent: dict[str, bytes] = {}
+        self.confirm_s = 0.0
+        self.unconfirmed = 0
+
+    def publish_confirmed(self, topic: str, payload: bytes, qos: int, retain: bool, timeout_s: float) -> bool:
+        t = time.perf_counter()
+        ok = super().publish_confirmed(topic, payload, qos, retain, timeout_s)
+        self.confirm_s += time.perf_counter() - t
+        self.sent[topic] = payload
+        self.unconfirmed += not ok
+        return ok
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The publish section's devices: sites of about ``DEVICES_PER_SITE`` (N shared out evenly), each
+    site a pool whose cameras are spread over its devices, ``per_device`` to a device."""
+
+    sites: tuple[tuple[str, ...], ...]
+    per_device: int
+
+    @staticmethod
+    def of(n: int, per_device: int) -> Fleet:
+        n_sites = max(1, round(n / DEVICES_PER_SITE))
+        sizes = [n // n_sites + (i < n % n_sites) for i in range(n_sites)]
+        return Fleet(
+            tuple(tuple(f"site{k:03d}-box{i:02d}" for i in range(size)) for k, size in enumerate(sizes)),
+            per_device,
+        )
+
+    @property
+    def devices(self) -> list[str]:
+        return [d for site in self.sites for d in site]
+
+    @staticmethod
+    def pool(k: int) -> str:
+        return f"site{k:03d}"
+
+    def cameras(self, k: int) -> list[str]:
+        return [f"site{k:03d}-cam{j:03d}" for j in range(len(self.sites[k]) * self.per_device)]
+
+    def source(self, k: int, j: int) -> str:
+        return f"rtsp://{{secret:{self.pool(k)}-cams}}@10.{k // 256}.{k % 256}.{j + 1}/stream1"
+
+    def sources(self) -> dict[str, str]:
+        """Camera -> its source, every pool's."""
+        return {
+            cam: self.source(k, j) for k in range(len(self.sites)) for j, cam in enumerate(self.cameras(k))
+        }
+
+    def placement(self, step: int) -> dict[tuple[str, str], str]:
+        """(pool, camera) -> device after ``step`` moves: every camera of a site one device further on
+        each step, so every device's cameras change at every step."""
+        out: dict[tuple[str, str], str] = {}
+        for k, site in enumerate(self.sites):
+            for j, cam in enumerate(self.cameras(k)):
+                out[(self.pool(k), cam)] = site[(j + step) % len(site)]
+        return out
+
+
+PUBLISH_MODELS = (("ped_ssdlite", "1"), ("nanodet_coco", "1"))
+PUBLISH_FPS = 4.0
+
+
+def _populate(engine: Engine, fleet: Fleet) -> None:
+    """Enrolled devices reporting a CPU-only agent, and each site's pool with its cameras placed as at
+    step 0 (rows written as ``PoolService`` stores a plan; the planner itself is timed above)."""
+    caps = Capabilities(
+        cpu_count=2, execution_providers=["CPUExecutionProvider"], cpu_flags=["avx2", "avx512_vnni"]
+    )
+    placed = fleet.placement(0)
+    since = datetime.now(UTC)
+    with Session(engine) as s:
+        for k, site in enumerate(fleet.sites):
+            for dev_id in site:
+                dev = crud.enroll_device(
+                    s, device_in=tables.DeviceCreate(id=dev_id, labels={"site": fleet.pool(k)})
+                )
+                dev.capabilities = caps.model_copy(update={"hostname": dev_id}).model_dump(mode="json")
+                s.add(dev)
+            name = fleet.pool(k)
+            s.add(tables.Pool(name=name, selector=f"site={name}"))
+            s.flush()
+            for j, cam in enumerate(fleet.cameras(k)):
+                model, version = PUBLISH_MODELS[j % len(PUBLISH_MODELS)]
+                s.add(
+                    tables.PoolCamera(
+                        pool=name,
+                        camera=cam,
+                        source=fleet.source(k, j),
+                        model=model,
+                        version=version,
+                        target_fps=PUBLISH_FPS,
+                        min_fps=PUBLISH_FPS / 2,
+                    )
+                )
+                s.add(
+                    tables.PoolPlacement(
+                        pool=name, camera=cam, device_id=placed[(name, cam)], fps=PUBLISH_FPS, since=since
+                    )
+                )
+        s.commit()
+
+
+def _move(engine: Engine, fleet: Fleet, step: int) -> None:
+    """Store the plan of ``step``: every camera on the next device of its site."""
+    placed = fleet.placement(step)
+    since = datetime.now(UTC)
+    with Session(engine) as s:
+        for row in s.exec(select(tables.PoolPlacement)):
+            row.device_id, row.since = placed[(row.pool, row.camera)], since
+            s.add(row)
+        s.commit()
+
+
+def _bare_client(broker: MosquittoBroker, name: str) -> mqtt.Client:
+    """A paho client as the controller's is set up for publishing: clean session, no in-flight window."""
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=name, clean_session=True)
+    c.max_inflight_messages_set(0)
+    c.max_queued_messages_set(0)
+    c.connect(broker.host, broker.port)
+    c.loop_start()
+    return c
+
+
+def raw_publish(client: mqtt.Client, payloads: list[tuple[str, bytes]], *, pipelined: bool) -> float:
+    """The raw limit: the same signed payloads, retained at QoS 1, every PUBACK waited for; one at a
+    time as the controller sends them, or all sent before the first wait."""
+    t = time.perf_counter()
+    if pipelined:
+        infos = [client.publish(topic, payload, qos=1, retain=True) for topic, payload in payloads]
+    else:
+        infos = []
+        for topic, payload in payloads:
+            info = client.publish(topic, payload, qos=1, retain=True)
+            info.wait_for_publish(PUBLISH_TIMEOUT_S)
+            infos.append(info)
+    for info in infos:
+        info.wait_for_publish(PUBLISH_TIMEOUT_S)
+    elapsed = time.perf_counter() - t
+    if not all(info.is_published() for info in infos):
+        raise RuntimeError("a raw publish was not acknowledged by the broker")
+    return elapsed
+
+
+def retained(
+    broker: MosquittoBroker, topic_filter: str, expect: int, timeout_s: float = 15.0
+) -> dict[str, bytes]:
+    """What the broker retains under ``topic_filter``, as a new subscriber receives it: every retained
+    message arrives at once after the SUBACK, so ``expect`` of them, or a second with nothing new, ends it."""
+    got: dict[str, bytes] = {}
+    lock = threading.Lock()
+    last = [time.monotonic()]
+
+    def on_message(_c: mqtt.Client, _u: object, m: mqtt.MQTTMessage) -> None:
+        if m.retain:
+            with lock:
+                got[m.topic] = bytes(m.payload)
+                last[0] = time.monotonic()
+
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-placement-check-{os.getpid()}")
+    c.on_message = on_message
+    c.connect(broker.host, broker.port)
+    c.loop_start()
+    try:
+        c.subscribe(topic_filter, qos=1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with lock:
+                if len(got) >= expect or time.monotonic() - last[0] > 1.0:
+                    break
+            time.sleep(0.05)
+        with lock:
+            return dict(got)
+    finally:
+        c.loop_stop()
+        c.disconnect()
+
+
+def publish_bench(n: int, runs: int, per_device: int) -> bool:
+    """The publish after a plan: each run moves every camera, then times ``recompute_many`` over every
+    device (derive, sign, commit, publish retained at QoS 1 and wait for the PUBACK, one device after
+    the other), beside the raw limit on the same broker. True when every figure checked out."""
+    fleet = Fleet.of(n, per_device)
+    devices = fleet.devices
+    with tempfile.TemporaryDirectory(prefix="edgefleet-placement-") as tmp:
+        work = Path(tmp)
+        broker = MosquittoBroker(work / "mosquitto")
+        broker.start()
+        settings = ControllerSettings(
+            data_dir=work / "controller",
+            mqtt_url=SecretStr(broker.url),
+            database_url=SecretStr(f"sqlite:///{work / 'controller' / 'edgefleet.db'}"),
+            mqtt_client_id="bench-placement-controller",
+        )
+        url = settings.resolved_database_url()
+        engine = make_engine(url)
+        transport = TimedTransport(settings.mqtt_target(), client_id=settings.controller_client_id())
+        topics = Topics(settings.topic_prefix)
+        bridge = MqttBridge(transport, topics, budgets=device_budgets(settings))
+        bare = _bare_client(broker, f"bench-placement-raw-{os.getpid()}")
+        try:
+            # Wired as controller/runtime.py wires them; the runtime's workers stay off, so nothing
+            # else takes the twin's lock or the database meanwhile.
+            migrate(url, engine=engine)
+            register_bundled_models(engine, settings.models_dir)
+            signer = load_or_create_signer(settings.data_dir)
+            twin = TwinService(engine, bridge, chunk_size=settings.chunk_size, signer=signer)
+            bridge.start()
+            if not transport.wait_connected(10.0):
+                raise RuntimeError(f"the controller's transport did not connect to {broker.url}")
+            _populate(engine, fleet)
+            first = twin.recompute_many(devices)  # the fleet's first states, and a warm-up
+            sizes = [len(p) for p in transport.sent.values()]
+            print(
+                f"publish     : {len(devices)} devices in {len(fleet.sites)} pools, {per_device} pool "
+                f"cameras each ({len(devices) * per_device} in all); {first} first states published, "
+                f"{statistics.median(sizes) / 1024:.1f} KiB each (median); SQLite in a temp dir, mosquitto "
+                f"on port {broker.port}"
+            )
+            raw_topics = Topics("bench-raw/v1")  # no controller or check subscription matches it
+
+            ctl_s: list[float] = []
+            confirm_s: list[float] = []
+            seq_s: list[float] = []
+            pipe_s: list[float] = []
+            ok = first == len(devices)
+            for step in range(1, runs + 1):
+                _move(engine, fleet, step)
+                transport.sent.clear()
+                transport.confirm_s = 0.0
+                t = time.perf_counter()
+                changed = twin.recompute_many(devices)
+                ctl_s.append(time.perf_counter() - t)
+                confirm_s.append(transport.confirm_s)
+                ok = ok and changed == len(devices) and len(transport.sent) == len(devices)
+                payloads = [
+                    (
+                        raw_topics.device(d, TopicKind.TWIN_DESIRED),
+                        transport.sent[topics.device(d, TopicKind.TWIN_DESIRED)],
+                    )
+                    for d in devices
+                    if topics.device(d, TopicKind.TWIN_DESIRED) in transport.sent
+                ]
+                seq_s.append(raw_publish(bare, payloads, pipelined=False))
+                pipe_s.append(raw_publish(bare, payloads, pipelined=True))
+            ok = ok and transport.unconfirmed == 0
+
+            def ms(xs: list[float]) -> str:
+                return (
+                    f"{statistics.median(xs) * 1000:.0f} ms (range {min(xs) * 1000:.0f}-{max(xs) * 1000:.0f})"
+                )
+
+            def per(xs: list[float]) -> float:
+                return statistics.median(xs) * 1000 / len(devices)
+
+            print(
+                f"publish time: {ms(ctl_s)} for {len(devices)} changed states over {runs} runs, "
+                f"{per(ctl_s):.2f} ms per device (in the confirmed publish {per(confirm_s):.2f} ms; "
+                f"deriving, signing, committing {per(ctl_s) - per(confirm_s):.2f} ms); "
+                f"{transport.unconfirmed} not confirmed (load {os.getloadavg()[0]:.1f})"
+            )
+            print(
+                f"raw publish : sequential {ms(seq_s)}, {per(seq_s):.2f} ms per state; pipelined "
+                f"{ms(pipe_s)}, {per(pipe_s):.2f} ms per state"
+            )
+            seq_r = [c / r for c, r in zip(ctl_s, seq_s, strict=True)]
+            pipe_r = [c / r for c, r in zip(ctl_s, pipe_s, strict=True)]
+            print(
+                f"ratio publish / raw: sequential median {statistics.median(seq_r):.1f} (range "
+                f"{min(seq_r):.1f}-{max(seq_r):.1f}), pipelined median {statistics.median(pipe_r):.1f} "
+                f"(range {min(pipe_r):.1f}-{max(pipe_r):.1f}) over {runs} runs"
+            )
+            ok = _check_retained(broker, engine, fleet, topics, signer.private_key.public_key(), runs) and ok
+        finally:
+            bare.loop_stop()
+            bare.disconnect()
+            bridge.stop()
+            engine.dispose()
+            broker.stop()
+    return ok
+
+
+def _check_retained(
+    broker: MosquittoBroker, engine: Engine, fleet: Fleet, topics: Topics, key: Ed25519PublicKey, step: int
+) -> bool:
+    """A new subscriber on every device's desired state: the broker holds one per device, signed by the
+    controller's key, at the version committed, naming the cameras the last plan gives the device."""
+    devices = fleet.devices
+    got = retained(broker, topics.all_devices(TopicKind.TWIN_DESIRED), len(devices))
+    with Session(engine) as s:
+        committed = {d.id: d.desired_version for d in s.exec(select(tables.Device))}
+    sources = fleet.sources()
+    expected: dict[str, dict[str, str]] = {d: {} for d in devices}
+    for (_, cam), dev in fleet.placement(step).items():
+        expected[dev][cam] = sources[cam]
+    signed = current = right = 0
+    for d in devices:
+        payload = got.get(topics.device(d, TopicKind.TWIN_DESIRED))
+        if payload is None:
+            continue
+        state = decode(TopicKind.TWIN_DESIRED, payload)
+        assert isinstance(state, DesiredState)
+        try:
+            verify_desired(state, key)
+            signed += state.device_id == d
+        except SignatureError:
+            pass
+        current += state.version == committed.get(d)
+        right += {cam: c.source for cam, c in state.cameras.items()} == expected[d]
+    n = len(devices)
+    print(
+        f"retained    : {len(got)} desired states held by the broker for {n} devices; {signed} signed for "
+        f"their device, {current} at the version committed, {right} naming the cameras the last plan gives "
+        "them (with their sources)"
+    )
+    return len(got) == signed == current == right == n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sites", type=int, default=100)
@@ -173,10 +547,30 @@ def main() -> None:
     ap.add_argument(
         "--fps-scale", type=float, default=1.0, help="every camera's FPS times this (a fuller site)"
     )
-    ap.add_argument("--smoke", action="store_true", help="5 sites, 2 runs, 5 simulated minutes")
+    ap.add_argument(
+        "--publish",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="devices whose desired states are published after a plan over a real mosquitto (0: skip)",
+    )
+    ap.add_argument("--publish-runs", type=int, default=3, help="timed publishes of all N changed states")
+    ap.add_argument(
+        "--cameras-per-device", type=int, default=CAMERAS_PER_SITE // DEVICES_PER_SITE, help="in the publish"
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="5 sites, 2 runs, 5 simulated minutes; 20 devices published twice",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.sites, args.runs, args.minutes = 5, 2, 5
+        args.publish, args.publish_runs = min(args.publish, 20), 2
+    if args.publish == 1 or args.publish < 0:
+        ap.error("--publish needs 0 (skip it) or at least 2 devices: a camera moves between two")
+    if args.publish_runs < 1 or not 1 <= args.cameras_per_device <= MAX_CAMERAS:
+        ap.error(f"--publish-runs needs >= 1, --cameras-per-device 1-{MAX_CAMERAS} (a desired state's bound)")
     rng = random.Random(args.seed)
     built = [make_site(rng, n, args.fps_scale) for n in range(args.sites)]
     sites = [s for s, _ in built]
@@ -281,6 +675,9 @@ def main() -> None:
             f"energy {strategy.value:<6}: {used} of {n_devs} devices loaded, modelled {on / 1000:.2f} kW with idle "
             f"devices on, {asleep / 1000:.2f} kW with them asleep (assumed {IDLE_W:g} W idle, {BUSY_W:g} W busy)"
         )
+
+    if args.publish and not publish_bench(args.publish, args.publish_runs, args.cameras_per_device):
+        raise SystemExit("publish: a state was not published, not confirmed or not retained as committed")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """bench/placement.py runs in its ``--smoke`` configuration and prints every figure it promises, with no
-collateral move and no move under noise (those two are the planner's promises, not timings); the
-timings themselves are BENCHMARKS.md's business, not a test's."""
+collateral move and no move under noise (those two are the planner's promises, not timings), and its
+publish section puts every changed desired state on a real mosquitto: each one confirmed, and retained
+signed, at the version committed, naming the cameras the plan gives its device. The timings themselves
+are BENCHMARKS.md's business, not a test's."""
 
 from __future__ import annotations
 
@@ -26,3 +28,21 @@ def test_placement_bench_smoke_prints_its_figures_and_ratio() -> None:
         assert re.search(
             rf"^energy {strategy} *: \d+ of 50 devices loaded, modelled \d+\.\d+ kW", out, re.M
         ), out
+    assert re.search(
+        r"^publish time: \d+ ms \(range \d+-\d+\) for 20 changed states over 2 runs, \d+\.\d+ ms per device "
+        r".*; 0 not confirmed",
+        out,
+        re.M,
+    ), out
+    assert re.search(r"^raw publish : sequential \d+ ms .*; pipelined \d+ ms ", out, re.M), out
+    assert re.search(
+        r"^ratio publish / raw: sequential median \d+\.\d+ .*pipelined median \d+\.\d+ .* over 2 runs$",
+        out,
+        re.M,
+    ), out
+    assert re.search(
+        r"^retained +: 20 desired states held by the broker for 20 devices; 20 signed for their device, "
+        r"20 at the version committed, 20 naming the cameras the last plan gives them",
+        out,
+        re.M,
+    ), out
