@@ -591,6 +591,11 @@ class PoolPlacement(SQLModel, table=True):
     """Where each camera of a pool runs in the last stored plan: what the next plan keeps."""
 
     __tablename__ = "pool_placement"
+    # A device's desired state reads its placements (and handovers) by device.
+    __table_args__ = (
+        sa.Index("ix_pool_placement_device", "device_id"),
+        sa.Index("ix_pool_placement_handover", "handover_from"),
+    )
 
     pool: str = Field(primary_key=True, max_length=64, foreign_key="pool.name")
     camera: str = Field(primary_key=True, max_length=64)

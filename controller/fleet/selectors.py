@@ -7,6 +7,7 @@ Keys and values: letters, digits, '-', '_', '.', '/' (keys) — as on devices' l
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -105,8 +106,10 @@ def _value(value: str, part: str) -> str:
 _SET_RE = re.compile(r"^(?P<key>\S+)\s+(?P<op>in|notin)\s*\((?P<values>[^()]*)\)$")
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_selector(text: str) -> Selector:
-    """Parse ``text``; an empty selector matches every device."""
+    """Parse ``text``; an empty selector matches every device. Cached: a Selector is immutable, and
+    every device's desired state parses every pool's selector."""
     if len(text) > 1024:
         raise SelectorError("selector longer than 1024 characters")
     stripped = text.strip()

@@ -232,14 +232,13 @@ class TwinService:
         probe = probe_for(s, dev, limit=MAX_CAMERAS)
         s.add(dev)
         old = self.current(dev.desired)
-        new = self._signed(
-            old.model_copy(update={"cameras": cameras, "agent": agent, "probe": probe}), dev.id
-        )
+        # Compared with the refs signed (as stored) but without signing the whole state: that is done
+        # once, by the commit, only when something changed.
         same = (
-            {k: v.model_dump(mode="json") for k, v in new.cameras.items()}
+            {k: v.model_dump(mode="json") for k, v in self._signed_refs(cameras).items()}
             == {k: v.model_dump(mode="json") for k, v in old.cameras.items()}
-            and _agent_json(new.agent) == _agent_json(old.agent)
-            and new.probe == old.probe
+            and _agent_json(agent) == _agent_json(old.agent)
+            and probe == old.probe
         )
         if same:
             s.commit()
@@ -376,7 +375,10 @@ class TwinService:
             dev = _locked(s, device_id)
             if dev is None or dev.desired is None or dev.status == DeviceStatus.DECOMMISSIONED:
                 return False
-            state = self._signed(self.current(dev.desired), device_id)
+            state = self.current(dev.desired)
+            if state.signature is None or state.key_id != self._signer.key_id or state.device_id != device_id:
+                # Stored before signing existed, or under a replaced key: signed now by the current one.
+                state = self._signed(state, device_id)
             try:
                 ok = self._bridge.publish_confirmed(
                     device_id, TopicKind.TWIN_DESIRED, state, timeout_s=self._publish_timeout_s
@@ -395,14 +397,12 @@ class TwinService:
         whole state signed (version, issue time, device id, every camera setting: PROTOCOL.md "What is
         signed"), so the device obeys it only as this controller's word for it.
 
-        Done at every publish, not once at assignment: refs and states stored before signing existed,
-        or under a replaced key, then go out signed by the current key. Ed25519 is deterministic, so an
-        unchanged state gets the same signature and a republish is byte-identical.
+        Done at each commit of a changed state, and at a publish of a state stored unsigned or under
+        another key: refs and states stored before signing existed, or under a replaced key, go out
+        signed by the current key. Ed25519 is deterministic, so an unchanged state gets the same
+        signature and a republish is byte-identical.
         """
-        cameras = {
-            cam: cd.model_copy(update={"model": self._signer.sign(cd.model)}) if cd.model is not None else cd
-            for cam, cd in state.cameras.items()
-        }
+        cameras = self._signed_refs(state.cameras)
         # The agent package is signed on its own too: the agent checks it before fetching a byte.
         agent = sign_agent_package(state.agent, self._signer.private_key) if state.agent is not None else None
         bound = state.model_copy(
@@ -416,6 +416,13 @@ class TwinService:
         )
         # Through validation again: a copy is not validated, and what is signed must be what decodes.
         return signed_desired(DesiredState.model_validate(bound.model_dump()), self._signer.private_key)
+
+    def _signed_refs(self, cameras: dict[str, CameraDesired]) -> dict[str, CameraDesired]:
+        """``cameras`` with every artifact ref signed by this controller's key."""
+        return {
+            cam: cd.model_copy(update={"model": self._signer.sign(cd.model)}) if cd.model is not None else cd
+            for cam, cd in cameras.items()
+        }
 
     def republish_all(self) -> int:
         """Publish every stored desired state again (retained): a broker without persistence forgets.
