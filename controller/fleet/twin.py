@@ -199,21 +199,22 @@ class TwinService:
                 )
         cameras: dict[str, CameraDesired] = {}
         assignments: dict[str, Any] = {}
+        # Looked up once per model version and pin: a device's cameras mostly share a few models.
+        found: dict[tuple[str, str, str], tuple[ModelVersion, Choice, ArtifactRef] | None] = {}
         for cam, layer in sorted(chosen.items()):
-            mv = crud.get_model_version(s, name=layer.model, version=layer.version)
-            if mv is None:
+            key = (layer.model, layer.version, layer.pin)
+            if key not in found:
+                found[key] = self._resolve(s, dev, layer)
+            resolved = found[key]
+            if resolved is None:
                 continue
-            try:
-                choice = choose(s, mv=mv, capabilities=dev.capabilities, pin=layer.pin)
-            except ConflictError as exc:
-                # A pinned variant that is not there: fp32 runs, and the API says why.
-                choice = Choice("fp32", f"{exc}; fp32 instead", mv.sha256, mv.size)
+            mv, choice, ref = resolved
             placed = pooled.get(cam)
             max_fps = layer.max_fps
             if placed is not None and (max_fps is None or max_fps > placed.fps):
                 max_fps = placed.fps  # the rate the plan gave it: its share of the device
             cameras[cam] = CameraDesired(
-                model=artifact_ref(mv, choice, self._chunk_size, _artifact_path(s, choice.sha256)),
+                model=ref,
                 threshold=layer.threshold,
                 max_fps=max_fps,
                 labels=layer.labels,
@@ -245,6 +246,21 @@ class TwinService:
             return None
         log.info("desired state of %s changed; publishing", dev.id)
         return self._commit(s, dev.id, old, cameras, agent, probe)
+
+    def _resolve(
+        self, s: Session, dev: Device, layer: Layer
+    ) -> tuple[ModelVersion, Choice, ArtifactRef] | None:
+        """The model version a layer names, the variant this device gets of it, and its artifact ref;
+        None when the version is not registered."""
+        mv = crud.get_model_version(s, name=layer.model, version=layer.version)
+        if mv is None:
+            return None
+        try:
+            choice = choose(s, mv=mv, capabilities=dev.capabilities, pin=layer.pin)
+        except ConflictError as exc:
+            # A pinned variant that is not there: fp32 runs, and the API says why.
+            choice = Choice("fp32", f"{exc}; fp32 instead", mv.sha256, mv.size)
+        return mv, choice, artifact_ref(mv, choice, self._chunk_size, _artifact_path(s, choice.sha256))
 
     def _agent(self, s: Session, dev: Device, layer: AgentLayer | None) -> AgentPackageRef | None:
         """The agent ref of ``dev``'s desired state, keeping ``dev.agent_desired`` up to date.
