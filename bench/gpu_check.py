@@ -44,16 +44,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_agent.inference import gpu_stack
 
+if TYPE_CHECKING:
+    from edge_agent.inference.tensorrt.build_config import Precision
+
 REPO = Path(__file__).resolve().parents[1]
 FOOTAGE = REPO / "models" / "footage" / "vtest.avi"
 PASS_BAR = 0.95  # F1 and mean IoU against onnxruntime CPU
-PRECISION = "fp16"
+PRECISION: Precision = "fp16"
 
 
 # --------------------------------------------------------------------------- output

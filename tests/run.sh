@@ -48,7 +48,7 @@ echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 echo "== mypy"
-.venv/bin/mypy fleet_protocol controller edge_agent
+.venv/bin/mypy fleet_protocol controller edge_agent bench
 echo "== pytest"
 # PostgreSQL-parametrized tests fail instead of skipping when the server is unreachable (tests/support/databases.py).
 export EDGEFLEET_REQUIRE_POSTGRES=${EDGEFLEET_REQUIRE_POSTGRES:-1}
