@@ -306,6 +306,7 @@ class Agent:
                 removed=camera_events.forget,
             ),
             probes=reach.set_probes,
+            pool_retry_s=settings.pool_retry_s,
         )
         updater.report = twin.report
         fetcher.keep = twin.needed_models  # the models' store is collected on the twin thread

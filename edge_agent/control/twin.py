@@ -209,14 +209,17 @@ class Twin:
         agent_update: AgentUpdateHooks | None = None,
         pool: PoolCameras | None = None,
         probes: Callable[[Mapping[str, str]], None] | None = None,
+        pool_retry_s: float = 30.0,
     ) -> None:
         """``builds`` None: the pipeline's backends come from elsewhere and report no build steps.
         ``agent_update``: where a taken state's agent version goes, and what the reported state says of
         the agent (edge_agent/update/self_update.py); None: agent updates are not handled. ``pool``:
         how pool cameras are started; None: a desired camera with a source is not run (reported
         failed as a camera this device lacks). ``probes``: given the probe set of each state applied
-        (:class:`~edge_agent.control.reach.ReachProbes`); None: no source is probed. The pipeline's
-        cameras when the twin is made are the device's configured ones."""
+        (:class:`~edge_agent.control.reach.ReachProbes`); None: no source is probed.
+        ``pool_retry_s``: how soon the state in effect is applied again while a pool camera of it could
+        not start (a secret added on the device meanwhile is then found). The pipeline's cameras when
+        the twin is made are the device's configured ones."""
         self.pipeline = pipeline
         self._pool = pool
         self._probes = probes
@@ -224,6 +227,10 @@ class Twin:
         # The pool cameras running: id -> the source the desired state gave (with its references).
         # Read and changed on the twin thread only.
         self._pool_sources: dict[str, str] = {}
+        self._pool_retry_s = pool_retry_s
+        # When to apply the state in effect again for its pool cameras that could not start; None: none.
+        # Twin thread only.
+        self._pool_retry_at: float | None = None
         self.publisher = publisher
         self.fetcher = fetcher
         self._publish = publish
@@ -466,6 +473,8 @@ class Twin:
             self._wake.clear()
             desired = self._slot.take()
             if desired is None:
+                desired = self._pool_retry_due()
+            if desired is None:
                 self._collect()
                 continue
             try:
@@ -477,6 +486,18 @@ class Twin:
                 return
             except Exception:
                 log.exception("applying desired version %s failed", desired.version)
+
+    def _pool_retry_due(self) -> DesiredState | None:
+        """The state in effect, when its pool cameras that could not start are due to be tried again."""
+        if self._pool_retry_at is None or time.monotonic() < self._pool_retry_at:
+            return None
+        self._pool_retry_at = None
+        with self._lock:
+            taken = self._taken
+        if taken is None or taken.version != self.applied_version:
+            return None  # a newer state is on its way: it is applied anyway
+        log.info("trying the pool cameras of v%s that could not start again", taken.version)
+        return taken
 
     def _collect(self) -> None:
         # Between states, on this thread: never while one of its own fetches or loads is under way.
@@ -526,7 +547,9 @@ class Twin:
     def _apply_pool(self, desired: DesiredState) -> set[str]:
         """Run the pool cameras ``desired`` names, before their models are applied: the ones it no
         longer names (or names with another source) stopped, the new ones started. Returns the
-        cameras that cannot run, reported failed here; the others are left to the model apply."""
+        cameras that cannot run, reported failed here; the others are left to the model apply. One
+        that failed for a reason the device can mend (a secret, its file) schedules a retry."""
+        self._pool_retry_at = None
         for cam, source in sorted(self._pool_sources.items()):
             cd = desired.cameras.get(cam)
             if cd is not None and cd.source == source:
@@ -561,6 +584,9 @@ class Twin:
                     continue
             log.error("pool camera %s cannot run: %s", cam, problem)
             failed.add(cam)
+            if cam not in self._configured and self._pool is not None:
+                # A secret may be added on the device: tried again without a new state.
+                self._pool_retry_at = time.monotonic() + self._pool_retry_s
             self.set_reported(cam, CameraReported(state="failed", error=problem[:1000]), publish=False)
         return failed
 

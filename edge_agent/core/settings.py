@@ -232,7 +232,10 @@ class AgentSettings(_Strict):
     secrets_dir: Path | None = None
     """The device's own secrets, one file per name (mode 0600 or 0400), that pool cameras name in
     their sources as ``{secret:NAME}``; default ``<data_dir>/secrets``. A file is read when a camera
-    needs it, so a secret added later is found by the next desired state naming it."""
+    needs it, so a secret added later is found within ``pool_retry_s``."""
+    pool_retry_s: float = Field(default=30.0, gt=0.0)
+    """How soon a pool camera that could not start (a secret missing or unreadable, a source it cannot
+    open) is tried again, without waiting for a new desired state."""
     heartbeat_interval_s: float = Field(default=5.0, gt=0.0)
     probe_interval_s: float = Field(default=30.0, gt=0.0)
     """How often the device checks that it reaches the source of each pool camera it could be given

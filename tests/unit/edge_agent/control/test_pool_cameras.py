@@ -1,5 +1,6 @@
 """Pool cameras (PROTOCOL.md "Pool cameras"): cameras the desired state gives the device with a source,
-started, kept, restarted and stopped by the twin while the device's own cameras run on untouched."""
+started, kept, restarted and stopped by the twin while the device's own cameras run on untouched; one
+that could not start is tried again without a new state."""
 
 from __future__ import annotations
 
@@ -166,6 +167,23 @@ def test_a_failed_pool_camera_leaves_the_report_with_the_state_that_named_it(har
     t.deliver(TopicKind.TWIN_DESIRED, state(3, {"cam1": camera(model)}))
     rep = wait_for(reported(t, 3, cam1="running"), what="v3")
     assert rep.cameras.keys() == {"cam1"}
+
+
+def test_a_pool_camera_whose_secret_is_added_later_starts_without_a_new_state(harness: Harness) -> None:
+    model = model_in_store(harness.data_dir, "a")
+    _agent, t = harness.agent(pool_retry_s=0.2)
+    t.deliver(TopicKind.TWIN_DESIRED, state(1, {"cam1": camera(model), "door": camera(model, source=DOOR)}))
+    failed = wait_for(reported(t, 1, cam1="running", door="failed"), what="door failed: no secret")
+    assert "north" in (failed.cameras["door"].error or "")
+    assert harness.opens("door") == []
+    # A technician puts the secret on the device; the same state (still v1) now runs the door.
+    put_secret(harness.data_dir, "north", DOOR_PASSWORD)
+    wait_for(
+        reported(t, 1, cam1="running", door="running"), what="door runs from v1 once its secret is there"
+    )
+    (door,) = harness.opens("door")
+    assert door.source == "rtsp://viewer:pw-7QX@10.0.0.21/stream1"
+    assert len(harness.opens("cam1")) == 1  # the device's own camera was not reopened by the retry
 
 
 def test_pool_cameras_come_back_after_an_offline_restart(harness: Harness, tmp_path: Path) -> None:
