@@ -97,15 +97,12 @@ def test_a_killed_agents_cameras_are_analysed_elsewhere_within_seconds(site: Sta
         killed_at = time.time()
         victim.kill9()
 
-        def taken_over() -> dict[str, str] | None:
-            now = watch.poll()
-            moved = all(
-                now.get(cam) not in (None, victim.device_id) and watch.seen[cam][1] > killed_at
-                for cam in orphans
-            )
-            return now if moved else None
-
-        after = wait_for(taken_over, timeout=30, interval=0.25, what=f"{sorted(orphans)} analysed elsewhere")
+        after = wait_for(
+            lambda: watch.taken_over(orphans, victim.device_id, killed_at),
+            timeout=30,
+            interval=0.25,
+            what=f"{sorted(orphans)} analysed elsewhere",
+        )
         took_s = max(watch.seen[cam][1] for cam in orphans) - killed_at
         assert took_s < 15.0, f"the orphans were analysed again {took_s:.1f} s after the kill"
         # Watch a little longer than the worst gap allowed, so a camera that stalled shows it.

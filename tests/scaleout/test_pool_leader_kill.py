@@ -85,15 +85,12 @@ def test_the_next_leader_finishes_a_failover_the_killed_one_began(
         victim.kill9()
         leader.kill9()
 
-        def taken_over() -> dict[str, str] | None:
-            now = watch.poll()
-            ok = all(
-                now.get(cam) not in (None, victim.device_id) and watch.seen[cam][1] > killed_at
-                for cam in orphans
-            )
-            return now if ok else None
-
-        after = wait_for(taken_over, timeout=60, interval=0.25, what=f"{sorted(orphans)} analysed elsewhere")
+        after = wait_for(
+            lambda: watch.taken_over(orphans, victim.device_id, killed_at),
+            timeout=60,
+            interval=0.25,
+            what=f"{sorted(orphans)} analysed elsewhere",
+        )
         took_s = max(watch.seen[cam][1] for cam in orphans) - killed_at
         assert rs.leaders() == [survivor]
         assert took_s < 15.0, f"the orphans were analysed again {took_s:.1f} s after the kills"

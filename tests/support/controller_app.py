@@ -178,15 +178,25 @@ FleetFactory = Callable[..., Fleet]
 FAST = {"soak_s": 0, "step_timeout_s": 30, "offline_timeout_s": 30}
 
 
-def enroll(fleet: Fleet, device: str, **labels: str) -> None:
-    r = fleet.client.post("/api/v1/devices", json={"id": device, "labels": labels})
-    assert r.status_code == 201, r.text
+def birth(device: str) -> Availability:
+    """What an agent sends as it comes online: 2 CPUs, one camera cam1, the CPU provider."""
     caps = Capabilities(
         hostname=device, cpu_count=2, cameras=["cam1"], execution_providers=["CPUExecutionProvider"]
     )
-    fleet.send(
-        device, TopicKind.AVAILABILITY, Availability(state="online", agent_version="0.1.0", capabilities=caps)
-    )
+    return Availability(state="online", agent_version="0.1.0", capabilities=caps)
+
+
+def set_availability(fleet: Fleet, device: str, state: str) -> None:
+    """``device`` comes online (its birth) or goes offline (its will), as the controller then says."""
+    msg = birth(device) if state == "online" else Availability(state="offline")
+    fleet.send(device, TopicKind.AVAILABILITY, msg)
+    wait_for(lambda: fleet.device(device)["status"] == state, timeout=10, what=f"{device} {state}")
+
+
+def enroll(fleet: Fleet, device: str, **labels: str) -> None:
+    r = fleet.client.post("/api/v1/devices", json={"id": device, "labels": labels})
+    assert r.status_code == 201, r.text
+    fleet.send(device, TopicKind.AVAILABILITY, birth(device))
     beat(fleet, device, 10.0)
     wait_for(lambda: fleet.device(device)["capabilities"], timeout=10, what=f"{device} birth stored")
 
@@ -202,15 +212,21 @@ def enroll_measured(
     """An enrolled, online device whose last heartbeat says it ran ``model`` at ``ms`` a frame: what a
     camera pool's plan takes as that device's cost."""
     enroll(fleet, device, **labels)
+    measured_beat(fleet, device, ms=ms, model=model)
+
+
+def measured_beat(
+    fleet: Fleet, device: str, *, ms: float = 9.0, model: str = "tiny:1", reach: dict[str, bool] | None = None
+) -> None:
+    """A heartbeat of ``device`` saying cam1 ran ``model`` at ``ms`` a frame (and, where given, which
+    pool cameras' sources it reached), stored by the controller before this returns."""
     cams = [CameraStats(camera="cam1", state=CameraState.UP, fps=10.0, inference_ms=ms, model=model)]
-    fleet.send(device, TopicKind.HEARTBEAT, Heartbeat(ts=time.time(), cameras=cams))
+    ts = time.time()
+    fleet.send(device, TopicKind.HEARTBEAT, Heartbeat(ts=ts, cameras=cams, reach=reach or {}))
     wait_for(
-        lambda: (
-            [c.get("model") for c in (fleet.device(device)["last_health"] or {}).get("cameras", [])]
-            == [model]
-        ),
+        lambda: (fleet.device(device)["last_health"] or {}).get("ts") == ts,
         timeout=10,
-        what=f"{device}'s heartbeat with {model} stored",
+        what=f"{device}'s heartbeat with {model} at {ms} ms stored",
     )
 
 

@@ -73,6 +73,13 @@ class Watch:
                     self.seen[cam] = (dev, at)
         return running
 
+    def taken_over(self, cameras: set[str], gone: str, since: float) -> dict[str, str] | None:
+        """Camera -> device once every one of ``cameras`` runs on a device other than ``gone`` and was
+        inferred after ``since``; None until then."""
+        now = self.poll()
+        done = all(now.get(c) not in (None, gone) and self.seen[c][1] > since for c in cameras)
+        return now if done else None
+
     def spread(self, per_device: int, what: str) -> dict[str, str]:
         """Every camera analysed, ``per_device`` on each device: camera -> device."""
         spread = wait_for(

@@ -17,8 +17,8 @@ import pytest
 
 from controller.fleet.pools import HANDOVER_TIMEOUT_S
 from fleet_protocol import TopicKind
-from fleet_protocol.messages import CameraReported, CameraState, CameraStats, Heartbeat, ReportedState
-from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
+from fleet_protocol.messages import CameraReported, ReportedState
+from tests.support.controller_app import Fleet, FleetFactory, enroll_measured, measured_beat
 from tests.support.pools import cameras_on, pool_camera, put_pool, sent_desired, sent_pool_cameras
 from tests.support.waiting import wait_for
 
@@ -178,24 +178,13 @@ def test_each_device_probes_the_pool_cameras_it_could_be_given(fleet: Fleet, sit
         assert state.probe == {cam: pool_camera(cam)["source"] for cam in others}
 
 
-def _reach_beat(fleet: Fleet, device: str, reach: dict[str, bool]) -> None:
-    """A heartbeat of ``device`` with its measured cost (as enroll_measured's) and ``reach``."""
-    cams = [CameraStats(camera="cam1", state=CameraState.UP, fps=10.0, inference_ms=9.0, model="tiny:1")]
-    fleet.send(device, TopicKind.HEARTBEAT, Heartbeat(ts=time.time(), cameras=cams, reach=reach))
-    wait_for(
-        lambda: (fleet.device(device)["last_health"] or {}).get("reach") == reach,
-        timeout=10,
-        what=f"{device}'s heartbeat with reach {reach} stored",
-    )
-
-
 def test_a_device_that_cannot_reach_a_source_is_never_given_that_camera(
     fleet: Fleet, site: dict[str, Any]
 ) -> None:
     on_1 = sorted(cameras_on(site, "box-1"))
     # box-2 cannot reach the first of box-1's cameras, and nobody but box-1 reaches the second.
-    _reach_beat(fleet, "box-2", {on_1[0]: False, on_1[1]: False})
-    _reach_beat(fleet, "box-3", {on_1[1]: False})
+    measured_beat(fleet, "box-2", reach={on_1[0]: False, on_1[1]: False})
+    measured_beat(fleet, "box-3", reach={on_1[1]: False})
     r = fleet.client.post(f"/api/v1/pools/{POOL}/plan", json={"fail": ["box-1"]})
     assert r.status_code == 200, r.text
     plan = r.json()

@@ -16,8 +16,8 @@ from sqlmodel import Session, select
 from controller.db.tables import SupersededAnalysis
 from controller.fleet.pools import PoolReplanner
 from fleet_protocol import TopicKind
-from fleet_protocol.messages import Availability, CameraReported, Capabilities, ReportedState
-from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
+from fleet_protocol.messages import CameraReported, ReportedState
+from tests.support.controller_app import Fleet, FleetFactory, enroll_measured, set_availability
 from tests.support.messages import detection_batch
 from tests.support.pools import cameras_on, devices_of, get_pool, moved_events, pool_camera, put_pool
 from tests.support.waiting import wait_for
@@ -88,8 +88,7 @@ def test_what_a_cut_off_device_analysed_after_its_camera_moved_is_kept_and_marke
     _send(fleet, "box-1", 1, cam, start, stored=1)  # before the cut: box-1 is the camera's analyser
 
     # Cut off: the controller sees box-1 offline and, past the grace, moves its cameras.
-    fleet.send("box-1", TopicKind.AVAILABILITY, Availability(state="offline"))
-    wait_for(lambda: fleet.device("box-1")["status"] == "offline", timeout=10, what="box-1 offline")
+    set_availability(fleet, "box-1", "offline")
     _round(fleet, time.time() + 2)
     target = devices_of(get_pool(fleet, POOL))[cam]
     assert target != "box-1"
@@ -105,15 +104,7 @@ def test_what_a_cut_off_device_analysed_after_its_camera_moved_is_kept_and_marke
     assert _person_count(fleet, cam, start, superseded="true") == 3
 
     # Back, box-1 takes its new desired state and stops the camera: the span closes at the next round.
-    caps = Capabilities(
-        hostname="box-1", cpu_count=2, cameras=["cam1"], execution_providers=["CPUExecutionProvider"]
-    )
-    fleet.send(
-        "box-1",
-        TopicKind.AVAILABILITY,
-        Availability(state="online", agent_version="0.1.0", capabilities=caps),
-    )
-    wait_for(lambda: fleet.device("box-1")["status"] == "online", timeout=10, what="box-1 online")
+    set_availability(fleet, "box-1", "online")
     engine = _runtime(fleet).engine
     with Session(engine) as s:
         (span,) = s.exec(select(SupersededAnalysis).where(SupersededAnalysis.camera == cam)).all()

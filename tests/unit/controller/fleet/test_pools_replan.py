@@ -26,9 +26,7 @@ from sqlmodel import Session, col
 from controller.db.leader import FencedOut
 from controller.db.tables import Pool
 from controller.fleet.pools import PoolReplanner
-from fleet_protocol import TopicKind
-from fleet_protocol.messages import Availability, CameraState, CameraStats, Capabilities, Heartbeat
-from tests.support.controller_app import Fleet, FleetFactory, enroll_measured
+from tests.support.controller_app import Fleet, FleetFactory, enroll_measured, measured_beat, set_availability
 from tests.support.pools import (
     cameras_on,
     devices_of,
@@ -102,18 +100,6 @@ def _site(fleet: Fleet, **policy: Any) -> dict[str, Any]:
     return site
 
 
-def _set_availability(fleet: Fleet, device: str, state: str) -> None:
-    if state == "online":
-        caps = Capabilities(
-            hostname=device, cpu_count=2, cameras=["cam1"], execution_providers=["CPUExecutionProvider"]
-        )
-        msg = Availability(state="online", agent_version="0.1.0", capabilities=caps)
-    else:
-        msg = Availability(state="offline")
-    fleet.send(device, TopicKind.AVAILABILITY, msg)
-    wait_for(lambda: fleet.device(device)["status"] == state, timeout=10, what=f"{device} {state}")
-
-
 def _wait_moved_off(fleet: Fleet, device: str) -> dict[str, Any]:
     """The pool once no camera is placed on ``device``."""
 
@@ -150,7 +136,7 @@ def test_the_leader_moves_an_offline_devices_cameras_once_its_grace_is_over(make
     on_3 = cameras_on(site, "box-3")
     assert moved_events(fleet) == []
 
-    _set_availability(fleet, "box-3", "offline")
+    set_availability(fleet, "box-3", "offline")
     # No operator change: the app's own loop moves them once the grace is over.
     moved = _wait_moved_off(fleet, "box-3")
     where = devices_of(moved)
@@ -189,7 +175,7 @@ def test_a_replica_that_does_not_lead_or_is_fenced_off_changes_nothing(make_flee
     assert _runtime(fleet).pool_replanner is None  # interval 0: no loop
     site = _site(fleet, failover_grace_s=10)
     on_3 = cameras_on(site, "box-3")
-    _set_availability(fleet, "box-3", "offline")
+    set_availability(fleet, "box-3", "offline")
     later = time.time() + 60.0  # the round's own time: box-3 is then past its grace
 
     follower = StandInLeadership(leading=False)
@@ -226,12 +212,12 @@ def test_rounds_with_nothing_to_change_write_nothing(make_fleet: FleetFactory) -
 def test_under_failback_never_a_returning_device_gets_nothing_back(make_fleet: FleetFactory) -> None:
     fleet = make_fleet(**FAST)
     on_3 = cameras_on(_site(fleet), "box-3")
-    _set_availability(fleet, "box-3", "offline")
+    set_availability(fleet, "box-3", "offline")
     _wait_moved_off(fleet, "box-3")
     prefer = dict.fromkeys(on_3, "box-3")
     where = devices_of(put_pool(fleet, _declaration(prefer=prefer, failback="never")))
 
-    _set_availability(fleet, "box-3", "online")
+    set_availability(fleet, "box-3", "online")
     after_dwell = time.time() + 700.0  # past min_dwell_s (600) for box-3 and for the moved cameras
     assert _replanner(fleet, StandInLeadership()).replan(after_dwell) == {}
     assert devices_of(get_pool(fleet, POOL)) == where and cameras_on(get_pool(fleet, POOL), "box-3") == set()
@@ -255,20 +241,6 @@ def test_under_failback_never_a_returning_device_gets_nothing_back(make_fleet: F
         )
 
 
-def _measured(fleet: Fleet, device: str, ms: float) -> None:
-    """A heartbeat of ``device`` saying the tiny model now takes ``ms`` a frame there."""
-    cams = [CameraStats(camera="cam1", state=CameraState.UP, fps=10.0, inference_ms=ms, model="tiny:1")]
-    fleet.send(device, TopicKind.HEARTBEAT, Heartbeat(ts=time.time(), cameras=cams))
-    wait_for(
-        lambda: (
-            [c.get("inference_ms") for c in (fleet.device(device)["last_health"] or {}).get("cameras", [])]
-            == [ms]
-        ),
-        timeout=10,
-        what=f"{device}'s heartbeat at {ms} ms stored",
-    )
-
-
 def test_an_overloaded_device_sheds_one_camera_and_nothing_comes_back_within_the_dwell(
     make_fleet: FleetFactory,
 ) -> None:
@@ -285,14 +257,14 @@ def test_an_overloaded_device_sheds_one_camera_and_nothing_comes_back_within_the
 
     # box-1's model now takes 50 ms a frame: its two cameras at 10 FPS are 1000 ms/s, over its 800;
     # one of them alone (500, with the admission margin about 580) is not.
-    _measured(fleet, "box-1", 50.0)
+    measured_beat(fleet, "box-1", ms=50.0)
     plans = _replanner(fleet, leader).replan(start + 1)
     (move,) = plans[POOL].moves
     assert (move.source, move.reason.value) == ("box-1", "overload") and move.camera in on_1
     assert [e["camera"] for e in moved_events(fleet)] == [move.camera]
 
     # Cheap again at once: nothing comes back within the dwell, however many rounds.
-    _measured(fleet, "box-1", 9.0)
+    measured_beat(fleet, "box-1", ms=9.0)
     for later in (start + 60, start + 300, start + 590):
         assert _replanner(fleet, leader).replan(later) == {}, later
     assert len(moved_events(fleet)) == 1
@@ -312,7 +284,7 @@ def test_a_pool_that_cannot_be_planned_is_logged_once_and_holds_no_other_back(
     engine = _runtime(fleet).engine
     with engine.begin() as conn:  # a hand-edited row: no strategy the planner knows
         conn.execute(sa.update(Pool).where(col(Pool.name) == POOL).values(strategy="bogus"))
-    _set_availability(fleet, "box-3", "offline")
+    set_availability(fleet, "box-3", "offline")
     later = time.time() + 60.0
     replanner = _replanner(fleet, StandInLeadership())
 
