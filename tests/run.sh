@@ -40,6 +40,29 @@ if ! command -v faketime >/dev/null; then
   fi
 fi
 
+# The RTSP camera tests stream the footage from GStreamer's RTSP server, run by the Debian python with
+# python3-gi (tests/support/rtsp_server.py): x264enc from -ugly, the footage's decoder from -libav.
+RTSP_PACKAGES="gir1.2-gst-rtsp-server-1.0 gstreamer1.0-rtsp gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-ugly gstreamer1.0-libav python3-gi"
+rtsp_ready() {
+  [ -x /usr/bin/python3 ] && /usr/bin/python3 -c "
+import gi, sys
+gi.require_version('Gst', '1.0'); gi.require_version('GstRtspServer', '1.0')
+from gi.repository import Gst, GstRtspServer
+Gst.init(None)
+sys.exit(any(Gst.ElementFactory.find(e) is None for e in ('x264enc', 'avdec_msmpeg4', 'rtph264pay', 'decodebin', 'appsrc')))
+" >/dev/null 2>&1
+}
+if ! rtsp_ready; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "installing GStreamer's RTSP server packages for the RTSP camera tests"
+    # shellcheck disable=SC2086
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $RTSP_PACKAGES >/dev/null
+  else
+    echo "the RTSP camera tests need GStreamer's RTSP server under /usr/bin/python3: sudo apt-get install $RTSP_PACKAGES" >&2
+    exit 1
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[dev]'
