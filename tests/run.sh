@@ -63,6 +63,17 @@ if ! rtsp_ready; then
   fi
 fi
 
+# The metrics test scrapes a controller with a real Prometheus and lints with promtool (Debian's 'prometheus').
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "installing the 'prometheus' package for the metrics test"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+  else
+    echo "the metrics test needs prometheus and promtool: install the Debian package 'prometheus' (sudo apt-get install prometheus)" >&2
+    exit 1
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[dev]'

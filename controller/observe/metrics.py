@@ -111,13 +111,13 @@ class _SourcesCollector(Collector):
         )
         up = GaugeMetricFamily("edgefleet_camera_up", "1 when the camera is up", labels=["device", "camera"])
         infer = GaugeMetricFamily(
-            "edgefleet_inference_latency_ms",
-            "Inference latency (ms), median of the last 50 inferences of the model running now",
+            "edgefleet_inference_latency_seconds",
+            "Inference latency of the model running now, median of its last 50 inferences",
             labels=["device", "camera"],
         )
         infer_p99 = GaugeMetricFamily(
-            "edgefleet_inference_latency_p99_ms",
-            "Inference latency (ms), p99 of the last 200 inferences of the model running now "
+            "edgefleet_inference_latency_p99_seconds",
+            "Inference latency of the model running now, p99 of its last 200 inferences "
             "(absent: the agent does not report it)",
             labels=["device", "camera"],
         )
@@ -149,8 +149,8 @@ class _SourcesCollector(Collector):
                 _add(frames, lbl, c.get("frames"))
                 _add(dropped, lbl, c.get("dropped"))
                 up.add_metric(lbl, 1.0 if c.get("state") == "up" else 0.0)
-                _add(infer, lbl, c.get("inference_ms"))
-                _add(infer_p99, lbl, c.get("inference_p99_ms"))
+                _add(infer, lbl, _seconds(c.get("inference_ms")))
+                _add(infer_p99, lbl, _seconds(c.get("inference_p99_ms")))
             for g in health.get("gpus") or []:
                 if not isinstance(g, dict):
                     continue
@@ -171,6 +171,10 @@ def _add(metric: GaugeMetricFamily | CounterMetricFamily, labels: list[str], val
     if isinstance(value, bool) or not isinstance(value, int | float):
         return
     metric.add_metric(labels, float(value))
+
+
+def _seconds(ms: Any) -> float | None:
+    return ms / 1000.0 if isinstance(ms, int | float) and not isinstance(ms, bool) else None
 
 
 def _rollouts(conn: sa.Connection) -> dict[str, int] | None:

@@ -320,7 +320,9 @@ def test_metrics_snapshot_errors_and_energy(controller: ControllerProcess, publi
         assert val("edgefleet_ingest_queue_depth") == 0
         assert val("edgefleet_camera_fps", device=DEVICE, camera="cam1") == 25.0
         assert val("edgefleet_camera_dropped_frames_total", device=DEVICE, camera="cam1") == 3
-        assert val("edgefleet_inference_latency_ms", device=DEVICE, camera="cam1") == 8.5
+        assert val("edgefleet_inference_latency_seconds", device=DEVICE, camera="cam1") == pytest.approx(
+            0.0085
+        )
         assert val("edgefleet_gpu_temperature_celsius", device=DEVICE, gpu="0") == 61.0
         assert val("edgefleet_gpu_power_watts", device=DEVICE, gpu="0") == 30.0
         # 30 W for 1 s over 30 frames.
