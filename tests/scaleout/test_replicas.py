@@ -153,8 +153,8 @@ def test_one_fast_device_over_three_replicas_is_acked_without_resends(
     db_url: str,
     simulators: list[SimulatorProcess],
 ) -> None:
-    # Regression for the replay in research/scale-out.md (E7): with per-replica seq trackers, each
-    # replica saw a third of the seqs and acked only up to its first gap, so most seqs were resent.
+    # Acks must come from the database's seq truth: a replica that tracked only the seqs it stored
+    # itself would see a third of them, ack only up to its first gap and make the device resend.
     prefix = "sb-"
     sim = SimulatorProcess(
         tmp_path / "sim",
