@@ -33,7 +33,13 @@ The algorithm, greedy best-fit-decreasing and sticky:
    device where it would run fastest, after cameras of *lower* priority on that device give up FPS
    toward their minimum, lowest priority first; it then runs at what is left, down to its own
    minimum. Only then is it unplaced, with the reason.
-6. **Raise** degraded cameras back toward their target where room is left, highest priority first.
+6. **Canaries**: a camera a rollout wants on a new variant (``Camera.canary``) switches to it where
+   it runs, at the FPS it runs at, only if the device has room for the difference at the canary's
+   cost (the same sources as any cost: measured on the device, else its class's median, else the
+   controller's figure scaled), at the admission factor and, under the reserve, keeping N+1;
+   otherwise it keeps its variant and the plan says why (``Plan.canary_held``). A canary admitted
+   once stays while its measured load fits, like any placement.
+7. **Raise** degraded cameras back toward their target where room is left, highest priority first.
 
 Choices made, and why:
 
@@ -60,6 +66,12 @@ Choices made, and why:
   failure moves (the device offline, gone, cordoned, unable to reach or run the camera, overloaded)
   are never held back. ``min_dwell_s`` is how long a camera stays where it was placed, and a
   device stays up, before failback moves it.
+- *A canary never moves a camera*: it is tried where the camera runs and held there when it does not
+  fit, so a rollout's wave changes no placement and the pool's promise of no collateral holds. A
+  camera that moves for a failure (its device offline, overloaded, gone) leaves its canary behind and
+  is placed on its declared variant, the cheaper one it is known to fit on, then given the canary
+  again in the same plan where its new device has room: a failover never leaves a camera unplaced for
+  a canary's sake. Planned moves (a pin, a failback) take the camera with the variant it runs.
 - *N+1* (``reserve_n1``) is a coarse aggregate check, not a trial failover: for each usable device,
   its cameras' load at their minimum FPS, in each resource, must fit in the free room of the
   others. It is always reported; with the flag on, a new camera that would break it is left
@@ -164,6 +176,8 @@ class Camera:
     spread_group: str | None = None
     prefer: str | None = None
     pin: str | None = None  # an operator's choice: only this device
+    # The variant a rollout wants it to run instead of ``variant``; admitted only where it fits.
+    canary: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.min_fps <= self.target_fps:
@@ -192,6 +206,7 @@ class Placement:
     device: str
     fps: float
     since: float
+    canary: str | None = None  # the camera's canary variant, admitted here; None: its own variant
 
 
 @dataclass(frozen=True)
@@ -252,6 +267,8 @@ class Plan:
     degraded: Mapping[str, Degraded]
     loads: Mapping[str, Load]  # every usable device
     n_plus_one: bool
+    # camera -> why its canary variant is not admitted where it runs (no room, cannot run it, N+1)
+    canary_held: Mapping[str, str] = field(default_factory=dict)
 
 
 def _floor_fps(x: float) -> float:
@@ -350,8 +367,11 @@ class _Planner:
         self.devices = {d.id: d for d in site.devices}
         self.cams = {c.id: c for c in site.cameras}
         self.medians = class_medians(site.measured, site.devices)
-        self._units: dict[tuple[str, str], _Unit | None] = {}
+        self._units: dict[tuple[str, str, str], _Unit | None] = {}
         self._cands: dict[str, list[tuple[_Dev, _Unit]]] = {}
+        # camera -> its canary variant, admitted where it is assigned now (its cost is the canary's)
+        self.canary_on: dict[str, str] = {}
+        self.canary_held: dict[str, str] = {}
         h = self.pool.headroom
         self.usable = {
             d.id: _Dev(d, h * d.lane_ms_per_s, h * d.cpu_ms_per_s)
@@ -370,13 +390,15 @@ class _Planner:
 
     # --- costs and fit
 
-    def unit(self, cam: Camera, dev: Device) -> _Unit | None:
-        key = (cam.id, dev.id)
+    def unit(self, cam: Camera, dev: Device, variant: str | None = None) -> _Unit | None:
+        """A frame of ``cam`` on ``dev`` with ``variant``, by default the one it runs in this plan."""
+        v = variant if variant is not None else self.canary_on.get(cam.id, cam.variant)
+        key = (cam.id, dev.id, v)
         if key in self._units:
             return self._units[key]
         u: _Unit | None = None
-        if dev.runs is None or cam.variant in dev.runs:
-            cost = estimate_cost(cam.variant, dev, self.site.measured, self.medians)
+        if dev.runs is None or v in dev.runs:
+            cost = estimate_cost(v, dev, self.site.measured, self.medians)
             if cost is not None:
                 decode = estimate_decode_ms(cam.id, dev, self.site.measured, self.devices)
                 u = _Unit(cost.infer_ms, cost.cpu_ms + decode, cost.joules)
@@ -450,7 +472,14 @@ class _Planner:
             if cur is None:
                 todo.append(cam)
                 continue
+            if cur.canary is not None and cur.canary == cam.canary:
+                self.canary_on[cam.id] = cur.canary
+                dev = self.devices.get(cur.device)
+                if dev is not None and self.unit(cam, dev) is None:
+                    # It can no longer run the canary there: its own variant, and the canary is held.
+                    del self.canary_on[cam.id]
             if (why := self.why_not(cam, cur.device)) is not None:
+                self.canary_on.pop(cam.id, None)  # an orphan is placed on its own variant
                 self.orphan_why[cam.id] = (why, cur.device)
                 todo.append(cam)
                 continue
@@ -472,6 +501,7 @@ class _Planner:
                 if d.lane <= d.lane_limit * (1 + _EPS) and d.cpu <= d.cpu_limit * (1 + _EPS):
                     break
                 self.remove(cam)
+                self.canary_on.pop(cam.id, None)
                 self.orphan_why[cam.id] = (MoveReason.OVERLOAD, d.dev.id)
                 self.excluded[cam.id] = d.dev.id
                 shed.append(cam)
@@ -699,8 +729,49 @@ class _Planner:
             "even with lower-priority cameras there at their minimum"
         )
 
+    def admit_canaries(self) -> None:
+        """Step 6: cameras a rollout wants on a canary variant switch to it where they run, at the FPS
+        they run at, when the device has room for the difference; never moved for it."""
+        for cam in sorted(self.site.cameras, key=lambda c: (-c.priority, c.id)):
+            if cam.canary is None or self.canary_on.get(cam.id) == cam.canary:
+                continue
+            if cam.id not in self.assign:
+                self.canary_held[cam.id] = "not placed on any device"
+                continue
+            dev_id, fps, since = self.assign[cam.id]
+            d = self.usable[dev_id]
+            new = self.unit(cam, d.dev, cam.canary)
+            if new is None:
+                self.canary_held[cam.id] = f"{dev_id} cannot run {cam.canary}"
+                continue
+            old = self.unit(cam, d.dev)
+            assert old is not None
+            lane = d.lane + fps * (new.lane - old.lane) * self.k
+            cpu = d.cpu + fps * (new.cpu - old.cpu) * self.k
+            short = []
+            if lane > d.lane_limit * (1 + _EPS):
+                short.append(f"inference lane {lane:.0f} of {d.lane_limit:.0f} ms/s")
+            if cpu > d.cpu_limit * (1 + _EPS):
+                short.append(f"CPU {cpu:.0f} of {d.cpu_limit:.0f} ms/s")
+            if short:
+                self.canary_held[cam.id] = (
+                    f"{cam.canary} at {fps:g} FPS does not fit on {dev_id}: it would need "
+                    + " and ".join(short)
+                    + f" (headroom {self.pool.headroom:g}, costs x{self.k:.2f} at admission)"
+                )
+                continue
+            kept_n1 = self.pool.reserve_n1 and self._n1_ok()
+            self.remove(cam)
+            self.canary_on[cam.id] = cam.canary
+            self.add(cam, d, fps, since)
+            if kept_n1 and not self._n1_ok():
+                self.remove(cam)
+                del self.canary_on[cam.id]
+                self.add(cam, d, fps, since)
+                self.canary_held[cam.id] = f"{cam.canary} on {dev_id} would break the N+1 reserve"
+
     def raise_fps(self) -> None:
-        """Step 6: degraded cameras regain FPS in place, highest priority first."""
+        """Step 7: degraded cameras regain FPS in place, highest priority first."""
         for cam in sorted(self.site.cameras, key=lambda c: (-c.priority, c.id)):
             if cam.id not in self.assign:
                 continue
@@ -723,6 +794,7 @@ class _Planner:
         todo += self.shed_overload()
         self.planned_moves()
         self.degrade(self.place(todo))
+        self.admit_canaries()
         self.raise_fps()
         degraded: dict[str, Degraded] = {}
         for cam_id, (_, fps, _) in self.assign.items():
@@ -736,7 +808,8 @@ class _Planner:
         }
         return Plan(
             placements={
-                c: Placement(dev, fps, since) for c, (dev, fps, since) in sorted(self.assign.items())
+                c: Placement(dev, fps, since, self.canary_on.get(c))
+                for c, (dev, fps, since) in sorted(self.assign.items())
             },
             unplaced=dict(sorted(self.unplaced.items())),
             moves=tuple(self.moves),
@@ -744,6 +817,7 @@ class _Planner:
             degraded=degraded,
             loads=loads,
             n_plus_one=self._n1_ok(),
+            canary_held=dict(sorted(self.canary_held.items())),
         )
 
 

@@ -5,8 +5,10 @@ Properties: no device is ever above headroom, and no camera runs on an offline, 
 or unfit device; one device's failure moves only its own cameras; re-planning a plan moves nothing;
 ±15 % noise in the measured costs moves nothing; a whole-site outage moves nothing; a device coming
 back gets nothing back under ``never`` and only the cameras that prefer it under ``preferred``; with
-the N+1 reserve, a fresh plan survives the loss of any one device; and when room runs short,
-lower-priority cameras lose FPS first.
+the N+1 reserve, a fresh plan survives the loss of any one device; when room runs short,
+lower-priority cameras lose FPS first; a canary variant a rollout wants is admitted only where its
+cost fits, moves no camera, survives the same noise, and withdrawn gives every camera its own
+variant back where it runs.
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ def check_valid(site: Site, p: Plan) -> None:
         assert pl.device in cam.reach, (cam_id, pl)
         assert cam.pin is None or cam.pin == pl.device
         assert cam.min_fps - 1e-9 <= pl.fps <= cam.target_fps + 1e-9, (cam_id, pl)
-        cost = estimate_cost(cam.variant, dev, site.measured, medians)
+        assert pl.canary is None or pl.canary == cam.canary, (cam_id, pl)
+        cost = estimate_cost(pl.canary or cam.variant, dev, site.measured, medians)
         assert cost is not None
         lane[dev.id] += pl.fps * cost.infer_ms
         cpu[dev.id] += pl.fps * (cost.cpu_ms + estimate_decode_ms(cam_id, dev, site.measured, devices))
@@ -472,3 +475,119 @@ def test_n_plus_one_is_reported_and_with_the_reserve_new_cameras_keep_it(reserve
     else:
         assert not p.n_plus_one
         assert len(p.placements) == 10  # 5 a device: admitted at x1.35, 135 of 800 ms/s each
+
+
+# --- canary variants (a rollout of pool cameras)
+
+
+def with_canaries(site: Site, wanted: dict[str, str]) -> Site:
+    """The same site with ``wanted`` (camera -> variant) as the variants rollouts want."""
+    return replace(site, cameras=tuple(replace(c, canary=wanted.get(c.id)) for c in site.cameras))
+
+
+def other(variant: str) -> str:
+    return VARIANTS[1] if variant == VARIANTS[0] else VARIANTS[0]
+
+
+@PROPS
+@given(site=sites(), data=st.data())
+def test_a_canary_is_admitted_only_where_its_cost_fits_and_never_moves_a_camera(
+    site: Site, data: st.DataObject
+) -> None:
+    first = plan(site, T0)
+    chosen = data.draw(st.sets(st.sampled_from([c.id for c in site.cameras]))) if site.cameras else set()
+    wanted = {c.id: other(c.variant) for c in site.cameras if c.id in chosen}
+    canary = replace(with_canaries(site, wanted), current=first.placements)
+    p = plan(canary, T0 + 60)
+    check_valid(canary, p)  # headroom holds with every admitted canary at its own cost
+    assert not p.moves and devices_of(p) == devices_of(first)
+    for cam_id, variant in wanted.items():
+        placed = p.placements.get(cam_id)
+        admitted = placed is not None and placed.canary == variant
+        assert admitted != (cam_id in p.canary_held), (cam_id, placed, p.canary_held)
+    assert set(p.canary_held) <= set(wanted)
+    # Withdrawn (a roll back): every camera runs its own variant again, where it ran.
+    back = plan(replace(site, current=p.placements), T0 + 120)
+    check_valid(site, back)
+    assert not back.moves and devices_of(back) == devices_of(first)
+    assert all(pl.canary is None for pl in back.placements.values()) and not back.canary_held
+
+
+@PROPS
+@given(site=sites(), seed=st.integers(0, 2**32 - 1))
+def test_an_admitted_canary_survives_fifteen_percent_noise(site: Site, seed: int) -> None:
+    site = replace(site, pool=replace(site.pool, failback=Failback.NEVER))
+    first = plan(site, T0)
+    canary = with_canaries(site, {c.id: other(c.variant) for c in site.cameras})
+    admitted = plan(replace(canary, current=first.placements), T0 + 60)
+    rng = random.Random(seed)
+    current = admitted.placements
+    for i in range(3):
+        s = replace(canary, measured=noisy(canary.measured, rng), current=current)
+        p = plan(s, T0 + 120 + 60 * i)
+        check_valid(s, p)
+        assert not p.moves
+        # Once admitted, a canary stays (a held one may get in on a low sample, and then stays too).
+        assert all(p.placements[c].canary == pl.canary for c, pl in current.items() if pl.canary)
+        current = p.placements
+
+
+def canary_site(lane_ms: float, canary_ms: float, **pool: Any) -> Site:
+    """Box a runs three 5 FPS cameras of v (20 ms a frame: 300 of its 800 ms/s); box b is empty. cam-0's
+    rollout wants v2 on it, measured at ``canary_ms`` a frame on a."""
+    devices = [Device("a", "epyc", lane_ms_per_s=lane_ms), Device("b", "xeon")]
+    cameras = [cam(i, {"a", "b"}) for i in range(3)]
+    current = {c.id: Placement("a", 5.0, T0 - 60) for c in cameras}
+    measured = Measured(
+        costs={("v", "a"): Cost(20.0), ("v", "b"): Cost(20.0), ("v2", "a"): Cost(canary_ms)},
+        priors={"v2": Cost(infer_ms=canary_ms)},
+    )
+    site = Site(Pool(**pool), tuple(devices), tuple(cameras), measured, current=current)
+    return with_canaries(site, {"cam-0": "v2"})
+
+
+def test_a_canary_that_fits_runs_where_the_camera_is() -> None:
+    # At the admission factor (x1.35): 300 ms/s of v, and 5 FPS x 40 ms more for v2: 676 of 800 ms/s.
+    site = canary_site(1000.0, 60.0)
+    p = plan(site, T0)
+    check_valid(site, p)
+    assert p.placements["cam-0"] == Placement("a", 5.0, T0 - 60, canary="v2")
+    assert not p.moves and not p.canary_held
+    assert p.loads["a"].lane_ms_per_s == 500.0  # measured: 2 x 100 + 300
+
+
+def test_a_canary_that_does_not_fit_is_held_with_why_and_nothing_is_overloaded() -> None:
+    # At the admission factor (x1.35): 300 ms/s of v, and 5 FPS x 100 ms more for v2: 1,082 of 800 ms/s.
+    # Held: the camera stays on v.
+    site = canary_site(1000.0, 120.0)
+    p = plan(site, T0)
+    check_valid(site, p)
+    assert p.placements["cam-0"] == Placement("a", 5.0, T0 - 60)
+    assert not p.moves  # no camera moved to make room, none moved to where it would fit
+    assert p.canary_held["cam-0"] == (
+        "v2 at 5 FPS does not fit on a: it would need inference lane 1082 of 800 ms/s "
+        "(headroom 0.8, costs x1.35 at admission)"
+    )
+    assert p.loads["a"].lane_ms_per_s == 300.0
+    # A device that cannot run the canary at all says so.
+    unfit = with_devices(site, runs={"a": frozenset({"v"})})
+    assert plan(unfit, T0).canary_held["cam-0"] == "a cannot run v2"
+
+
+def test_a_failover_places_the_camera_on_its_own_variant_and_gives_it_the_canary_where_it_fits() -> None:
+    admitted = plan(canary_site(1000.0, 60.0), T0)
+    down = with_devices(replace(canary_site(1000.0, 60.0), current=admitted.placements), online={"a": False})
+    p = plan(down, T0 + 30)
+    check_valid(down, p)
+    assert {m.camera for m in p.moves} == {"cam-0", "cam-1", "cam-2"}
+    # b has no measurement of v2: the controller's figure (60 ms, speed 1) decides, and it fits.
+    assert p.placements["cam-0"].device == "b" and p.placements["cam-0"].canary == "v2"
+    # With room for the camera but not its canary, it runs its own variant there, held.
+    tight = with_devices(
+        replace(canary_site(1000.0, 200.0), current={"cam-0": Placement("a", 5.0, T0 - 60, "v2")}),
+        online={"a": False},
+    )
+    p = plan(tight, T0 + 30)
+    check_valid(tight, p)
+    assert p.placements["cam-0"] == Placement("b", 5.0, T0 + 30)
+    assert "does not fit on b" in p.canary_held["cam-0"]
