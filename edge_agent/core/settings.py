@@ -78,6 +78,17 @@ class CameraConfig(_Strict):
     codec: Literal["h264", "h265"] = "h264"
     """The stream's codec, for the hardware decode pipeline (which names its depayloader, parser and
     decoder up front); software decode finds it by itself."""
+    rtsp_transport: Literal["tcp", "udp"] | None = None
+    """How an ``rtsp://`` stream's packets travel: ``tcp`` (interleaved in the RTSP connection: through
+    NAT and firewalls, no loss) or ``udp`` (RTP datagrams: lower latency on a clean network, a lost
+    packet is a damaged frame). Unset: OpenCV's default, TCP when the camera offers it, else UDP.
+    ``rtsps://`` streams take TCP only."""
+    open_timeout_s: float = Field(default=10.0, gt=0.0, le=300.0)
+    """Network sources (RTSP, HTTP): how long opening may take before the attempt fails (the camera
+    goes down and is retried with the backoff)."""
+    read_timeout_s: float = Field(default=10.0, gt=0.0, le=300.0)
+    """Network sources: how long a read may wait for a frame before the stream counts as lost; what
+    notices a camera that stops sending without closing the connection (UDP, a dead link)."""
 
     @property
     def is_file(self) -> bool:
@@ -91,6 +102,16 @@ class CameraConfig(_Strict):
     def _backoff_order(self) -> CameraConfig:
         if self.reconnect_max_s < self.reconnect_min_s:
             raise ValueError("reconnect_max_s must be >= reconnect_min_s")
+        return self
+
+    @model_validator(mode="after")
+    def _rtsp_transport_source(self) -> CameraConfig:
+        if self.rtsp_transport is None:
+            return self
+        if not self.is_rtsp:
+            raise ValueError("rtsp_transport applies to rtsp:// and rtsps:// sources only")
+        if self.rtsp_transport == "udp" and self.source.lower().startswith("rtsps://"):
+            raise ValueError("rtsps:// streams over TCP only: use rtsp_transport: tcp or leave it unset")
         return self
 
     @model_validator(mode="after")

@@ -37,6 +37,7 @@ import numpy as np
 from edge_agent.core.queues import LatestSlot
 from edge_agent.core.restart_policy import capped_backoff
 from edge_agent.core.settings import CameraConfig
+from edge_agent.vision.rtsp import FfmpegOptionsGate, Transport, describe, ffmpeg_gate
 from fleet_protocol.messages import COST_EWMA_ALPHA, CameraState, InputSpec
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,11 @@ class RetryAttempt:
 
 
 def redact_source(source: str) -> str:
-    """``source`` without URL credentials (``rtsp://user:pass@host`` -> ``rtsp://***@host``) and
-    without query values (``?token=abc`` -> ``?token=***``, where a camera may take its credential):
-    it ends up in logs and events."""
+    """``source`` without its secrets: the password of URL credentials (``rtsp://user:pass@host`` ->
+    ``rtsp://user:***@host``; credentials without a password may be a token: ``rtsp://***@host``) and
+    query values (``?token=abc`` -> ``?token=***``, where a camera may take its credential). The one
+    function that makes a source printable: whatever names a source in a log, an event, a reported
+    error or an exception goes through it."""
     if "://" not in source:
         return source
     try:
@@ -116,7 +119,9 @@ def redact_source(source: str) -> str:
     except ValueError:
         return "<unparsable url>"
     if "@" in parts.netloc:
-        parts = parts._replace(netloc=f"***@{parts.netloc.rsplit('@', 1)[1]}")
+        userinfo, host = parts.netloc.rsplit("@", 1)
+        user, colon, _ = userinfo.partition(":")
+        parts = parts._replace(netloc=f"{user}:***@{host}" if colon and user else f"***@{host}")
     if parts.query:
         hidden = (p.split("=", 1)[0] + "=***" if "=" in p else p for p in parts.query.split("&"))
         parts = parts._replace(query="&".join(hidden))
@@ -198,7 +203,12 @@ def _quoted(value: str) -> str:
 
 
 def hw_pipeline(
-    source: str, *, codec: Codec, platform: Platform, latency_ms: int = RTSP_LATENCY_MS
+    source: str,
+    *,
+    codec: Codec,
+    platform: Platform,
+    latency_ms: int = RTSP_LATENCY_MS,
+    transport: Transport | None = None,
 ) -> HwPipeline:
     """The hardware decode pipeline of an ``rtsp://`` source or a file (pure).
 
@@ -208,6 +218,7 @@ def hw_pipeline(
     NVIDIA documents for OpenCV on a Jetson). A live camera's appsink keeps only the newest frame
     (``drop=true max-buffers=1``); a file's blocks the decoder instead, so no frame is lost and the
     capture thread paces it as it does any file. ``sync=false``: the capture thread does the pacing.
+    ``transport`` (the camera's ``rtsp_transport``) limits rtspsrc to TCP or UDP; None lets it try both.
     """
     depay, parse = f"rtp{codec}depay", f"{codec}parse"
     if platform == "jetson":
@@ -217,7 +228,8 @@ def hw_pipeline(
         decoder = f"nv{codec}dec"
         decode = [decoder, "videoconvert"]
     if source.lower().startswith(("rtsp://", "rtsps://")):
-        head = [f"rtspsrc location={_quoted(source)} latency={int(latency_ms)}", depay]
+        protocols = f" protocols={transport}" if transport is not None else ""
+        head = [f"rtspsrc location={_quoted(source)} latency={int(latency_ms)}{protocols}", depay]
         sink = "appsink drop=true max-buffers=1 sync=false"
     elif "://" not in source and not source.isdigit():
         ext = PurePath(source).suffix.lower()
@@ -375,7 +387,9 @@ def plan_decode(config: CameraConfig, probe: DecodeProbe) -> DecodePlan:
         return DecodePlan(mode, reason=problem)
     platform = probe.platform()
     try:
-        pipeline = hw_pipeline(config.source, codec=config.codec, platform=platform)
+        pipeline = hw_pipeline(
+            config.source, codec=config.codec, platform=platform, transport=config.rtsp_transport
+        )
     except UnsupportedSource as exc:
         return DecodePlan(mode, platform=platform, reason=str(exc))
     for element in pipeline.elements:
@@ -390,17 +404,27 @@ class CvVideoSource:
 
     ``decode`` says what decodes it (``software``, or ``hardware:<element>``); ``decode_note`` is for
     the camera_up event: which hardware decoder is used, or why ``auto`` decodes in software.
-    ``probe``: the seam for tests (default: the process's :func:`default_probe`);
-    ``capture``: ``cv2.VideoCapture`` unless a test passes a fake.
+    Seams for tests: ``probe`` (default: the process's :func:`default_probe`); ``capture``
+    (``cv2.VideoCapture``); ``gate`` (the process's :func:`~edge_agent.vision.rtsp.ffmpeg_gate`, which
+    sets the camera's RTSP transport for FFmpeg while it opens); ``diagnose`` (why an ``rtsp://``
+    stream did not open: :func:`~edge_agent.vision.rtsp.describe`).
     """
 
     def __init__(
-        self, config: CameraConfig, *, probe: DecodeProbe | None = None, capture: CaptureFactory | None = None
+        self,
+        config: CameraConfig,
+        *,
+        probe: DecodeProbe | None = None,
+        capture: CaptureFactory | None = None,
+        gate: FfmpegOptionsGate | None = None,
+        diagnose: Callable[[str, float], str | None] = describe,
     ) -> None:
         import cv2
 
         self._cv2: Any = cv2
         self._capture: CaptureFactory = capture or cv2.VideoCapture
+        self._gate = gate
+        self._diagnose = diagnose
         self.decode = "software"
         self.decode_note = ""
         if config.is_file and not os.path.exists(config.source):
@@ -439,21 +463,44 @@ class CvVideoSource:
         return None
 
     def _open_software(self, config: CameraConfig) -> Capture:
-        """Exactly the path every camera took before ``decode`` existed."""
+        """OpenCV's own decoding (FFmpeg for files and network streams)."""
         cv2 = self._cv2
         src: str | int = int(config.source) if config.source.isdigit() else config.source
-        if config.is_file:
-            cap = self._capture(config.source)
-        elif isinstance(src, int):
-            cap = self._capture(src)
-        else:
-            # Network reads must not block the thread forever, or stop could hang on a dead camera.
-            params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, 10_000, cv2.CAP_PROP_READ_TIMEOUT_MSEC, 10_000]
-            cap = self._capture(src, cv2.CAP_ANY, params)
+        # Every FFmpeg open passes the gate, files too: FFmpeg reads the options variable at each open,
+        # so an open outside it could take another camera's transport.
+        with (self._gate or ffmpeg_gate()).opening(config.rtsp_transport):
+            if config.is_file:
+                cap = self._capture(config.source)
+            elif isinstance(src, int):
+                cap = self._capture(src)
+            else:
+                # Network opens and reads must not block the thread for long, or a dead camera would
+                # hold its thread (and the agent's stop) for as long as the connection lingers.
+                params = [
+                    cv2.CAP_PROP_OPEN_TIMEOUT_MSEC,
+                    round(config.open_timeout_s * 1000),
+                    cv2.CAP_PROP_READ_TIMEOUT_MSEC,
+                    round(config.read_timeout_s * 1000),
+                ]
+                cap = self._capture(src, cv2.CAP_ANY, params)
         if not cap.isOpened():
             cap.release()
-            raise SourceError(f"cannot open {redact_source(config.source)}")
+            raise SourceError(f"cannot open {redact_source(config.source)}{self._why(config)}")
         return cap
+
+    def _why(self, config: CameraConfig) -> str:
+        """ ": <reason>" for an ``rtsp://`` stream that did not open, as its camera tells it; else ""."""
+        if not config.source.lower().startswith("rtsp://"):
+            return ""
+        try:
+            why = self._diagnose(config.source, min(config.open_timeout_s, 5.0))
+        except Exception as exc:  # the diagnosis is a courtesy: its own failure must not hide the open's
+            log.debug("RTSP diagnosis failed: %s", type(exc).__name__)
+            return ""
+        if why is None:
+            transport = config.rtsp_transport or "OpenCV's default transport"
+            why = f"the camera serves the stream, but no video could be read from it over {transport}"
+        return f": {why}"
 
     def read(self) -> np.ndarray | None:
         ok, frame = self._cap.read()
@@ -656,6 +703,8 @@ class CameraWorker:
 
     def _failed(self, reason: str) -> None:
         """An attempt failed: go DOWN (once per outage) and wait out the capped backoff."""
+        # A reason from an opener or library not written here may quote the source as given.
+        reason = reason.replace(self.config.source, redact_source(self.config.source))
         self.failures += 1
         delay = capped_backoff(self.failures, self.config.reconnect_min_s, self.config.reconnect_max_s)
         self.retries.append(RetryAttempt(time.monotonic(), delay, reason))

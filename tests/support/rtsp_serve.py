@@ -10,7 +10,7 @@ Every client gets its own media (not shared): an ``appsrc`` that hands out the e
 with their timestamps, which the server's sinks play at the footage's rate like a live camera.
 
 Usage: /usr/bin/python3 rtsp_serve.py --port P --path /cam --footage F --cache C [--frames N]
-[--fps R] [--user U] (password from the environment variable RTSP_SERVE_PASSWORD, kept out of ps).
+[--fps R] [--user U [--auth basic|digest]] (password from the environment variable RTSP_SERVE_PASSWORD, kept out of ps).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from pathlib import Path
 import gi
 
 gi.require_version("Gst", "1.0")
+gi.require_version("GstRtsp", "1.0")
 gi.require_version("GstRtspServer", "1.0")
-from gi.repository import GLib, Gst, GstRtspServer  # noqa: E402
+from gi.repository import GLib, Gst, GstRtsp, GstRtspServer  # noqa: E402
 
 PASSWORD_ENV = "RTSP_SERVE_PASSWORD"
 _LEN = struct.Struct(">I")
@@ -104,16 +105,29 @@ class LoopFactory(GstRtspServer.RTSPMediaFactory):
         src.connect("need-data", need_data)
 
 
+def _log_setups(_server: object, client: GstRtspServer.RTSPClient) -> None:
+    """Each SETUP's path and the transport the client asked for (``SETUP /cam RTP/AVP/TCP;...``), for
+    the tests that check which transport a camera took."""
+
+    def on_setup(_client: object, ctx: GstRtspServer.RTSPContext) -> None:
+        path = ctx.uri.abspath if ctx.uri is not None else "?"
+        found, transport = ctx.request.get_header(GstRtsp.RTSPHeaderField.TRANSPORT, 0)
+        print(f"SETUP {path} {transport if found == GstRtsp.RTSPResult.OK else '?'}", flush=True)
+
+    client.connect("setup-request", on_setup)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--path", default="/cam")
+    ap.add_argument("--path", action="append", help="a mount path (repeatable; default /cam)")
     ap.add_argument("--footage", type=Path, required=True)
     ap.add_argument("--cache", type=Path, required=True)
     ap.add_argument("--frames", type=int, default=200)
     ap.add_argument("--fps", type=int, default=10)
     ap.add_argument("--key-int", type=int, default=10)
     ap.add_argument("--user")
+    ap.add_argument("--auth", choices=("basic", "digest"), default="basic")
     args = ap.parse_args()
     Gst.init(None)
     units = load_or_encode(args.cache, args.footage, args.frames, args.key_int)
@@ -127,20 +141,27 @@ def main() -> None:
         auth = GstRtspServer.RTSPAuth()
         token = GstRtspServer.RTSPToken()
         token.set_string("media.factory.role", "viewer")
-        auth.add_basic(GstRtspServer.RTSPAuth.make_basic(args.user, password), token)
+        if args.auth == "digest":
+            auth.set_supported_methods(GstRtsp.RTSPAuthMethod.DIGEST)
+            auth.add_digest(args.user, password, token)
+        else:
+            auth.add_basic(GstRtspServer.RTSPAuth.make_basic(args.user, password), token)
         server.set_auth(auth)
         permissions = GstRtspServer.RTSPPermissions()
         permissions.add_permission_for_role("viewer", "media.factory.access", True)
         permissions.add_permission_for_role("viewer", "media.factory.construct", True)
         factory.set_permissions(permissions)
-    server.get_mount_points().add_factory(args.path, factory)
+    paths = args.path or ["/cam"]
+    for path in paths:
+        server.get_mount_points().add_factory(path, factory)
+    server.connect("client-connected", _log_setups)
     if server.attach(None) == 0:
         raise SystemExit(f"cannot listen on 127.0.0.1:{args.port}")
 
     loop = GLib.MainLoop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         GLib.unix_signal_add(GLib.PRIORITY_DEFAULT, sig, loop.quit)
-    print(f"serving rtsp://127.0.0.1:{args.port}{args.path} ({len(units)} frames looped)", flush=True)
+    print(f"serving {' '.join(paths)} on 127.0.0.1:{args.port} ({len(units)} frames looped)", flush=True)
     loop.run()
 
 

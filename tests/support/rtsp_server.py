@@ -15,9 +15,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import re
 import socket
 import subprocess
 from pathlib import Path
+from typing import Literal
 
 from tests.support.mqtt_broker import free_port, wait_port
 from tests.support.paths import FOOTAGE
@@ -36,17 +38,18 @@ RTSP_HINT = (
 
 
 class RtspServer:
-    """One RTSP server process serving the footage looped at ``path``; with ``user`` and ``password``
-    it asks for Basic credentials."""
+    """One RTSP server process serving the footage looped at each of ``paths`` (the first is the
+    stream's); with ``user`` and ``password`` it asks for credentials (``auth``: Basic or Digest)."""
 
     def __init__(
         self,
         workdir: Path,
         *,
         cache: Path | None = None,
-        path: str = "/cam",
+        paths: tuple[str, ...] = ("/cam",),
         user: str | None = None,
         password: str | None = None,
+        auth: Literal["basic", "digest"] = "basic",
         port: int | None = None,
         frames: int = 200,
         fps: int = 10,
@@ -58,8 +61,9 @@ class RtspServer:
         self.cache = cache or workdir / "footage.h264au"
         self.host = "127.0.0.1"
         self.port = port or free_port()
-        self.path = path
-        self.user, self.password = user, password
+        self.paths = paths
+        self.path = paths[0]
+        self.user, self.password, self.auth = user, password, auth
         self.frames, self.fps = frames, fps
         self.log = workdir / "rtsp-server.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -78,7 +82,7 @@ class RtspServer:
             str(DEBIAN_PYTHON),
             str(SERVE_SCRIPT),
             f"--port={self.port}",
-            f"--path={self.path}",
+            *(f"--path={p}" for p in self.paths),
             f"--footage={FOOTAGE}",
             f"--cache={self.cache}",
             f"--frames={self.frames}",
@@ -86,7 +90,7 @@ class RtspServer:
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
         if self.user is not None:
-            cmd.append(f"--user={self.user}")
+            cmd += [f"--user={self.user}", f"--auth={self.auth}"]
             env["RTSP_SERVE_PASSWORD"] = self.password or ""
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -99,14 +103,23 @@ class RtspServer:
         if not self.alive():
             tail = self.log.read_text(errors="replace")[-3000:]
             raise AssertionError(f"the RTSP server exited ({RTSP_HINT}):\n{tail}")
-        return self.describe() == 200
+        # The footage is encoded before the server listens, so a Digest server's 401 (this check
+        # sends no Digest answer) says it serves as well as another's 200 does.
+        return self.describe() == (401 if self.user is not None and self.auth == "digest" else 200)
+
+    def setups(self) -> list[tuple[str, str]]:
+        """(path, "TCP" or "UDP") of every SETUP the server was sent, in order, across restarts."""
+        found = re.findall(
+            r"^SETUP (/[^ /]*)\S* RTP/AVP/?(TCP|UDP)?", self.log.read_text(errors="replace"), re.M
+        )
+        return [(path, transport or "UDP") for path, transport in found]
 
     def describe(self, path: str | None = None, *, authorized: bool = True) -> int:
         """The status code of an RTSP DESCRIBE of ``path`` (default the stream's), with the server's
-        credentials unless ``authorized`` is False."""
+        credentials unless ``authorized`` is False (Digest servers: the 401 only)."""
         uri = f"rtsp://{self.host}:{self.port}{path or self.path}"
         lines = [f"DESCRIBE {uri} RTSP/1.0", "CSeq: 1", "Accept: application/sdp"]
-        if authorized and self.user is not None:
+        if authorized and self.user is not None and self.auth == "basic":
             token = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
             lines.append(f"Authorization: Basic {token}")
         with socket.create_connection((self.host, self.port), timeout=30) as sock:

@@ -2,16 +2,12 @@
 up, and never stall the other cameras. Real agent, real mosquitto, real footage, real model; the
 sources really disappear (a file renamed away, an HTTP MJPEG server stopped).
 
-No RTSP server is installed on the test machines (Debian packages one, ``gir1.2-gst-rtsp-server-1.0``
-or ``rtsp-server-perl``, but neither is there), so the RTSP test covers a server that is gone (down,
-retried, credentials kept out of the reason) but not its return. ``rtsp://`` sources take the same
-code path as ``http://`` ones (:class:`edge_agent.vision.capture.CvVideoSource`, FFmpeg backend, open/read
-timeouts), whose return the HTTP test covers.
+The RTSP test here covers a server that was never there (down, retried, credentials kept out of
+the reason); test_rtsp_camera.py streams from a real RTSP server that stops and comes back.
 """
 
 from __future__ import annotations
 
-import itertools
 import shutil
 import threading
 import time
@@ -23,16 +19,15 @@ import cv2
 import pytest
 
 from edge_agent.agent import Agent
-from edge_agent.core.settings import AgentSettings, parse_settings
-from edge_agent.vision.capture import CameraWorker
-from fleet_protocol.messages import CameraState, Event, EventKind, FrameDetections
-from tests.support.edge_standin import (
-    PUBLIC_KEY,
-    StandInController,
-    camera_with,
-    desired,
-    load_manifest,
+from fleet_protocol.messages import CameraState, EventKind
+from tests.support.camera_outages import (
+    RECONNECT_MIN_S,
+    assert_capped_backoff,
+    camera_events,
+    frames_of,
+    settings_for,
 )
+from tests.support.edge_standin import StandInController, camera_with, desired, load_manifest
 from tests.support.mqtt_broker import MosquittoBroker, free_port
 from tests.support.paths import FOOTAGE, MODELS
 from tests.support.waiting import wait_for
@@ -40,51 +35,6 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.integration
 
 PED = MODELS / "ped_ssdlite"
-RECONNECT_MIN_S = 0.2
-RECONNECT_MAX_S = 1.0
-
-
-def settings_for(
-    device: str, broker: MosquittoBroker, data_dir: Path, cameras: list[dict[str, object]]
-) -> AgentSettings:
-    return parse_settings(
-        {
-            "device_id": device,
-            "mqtt_url": broker.url,
-            "mqtt_reconnect_max_s": 1,
-            "data_dir": str(data_dir),
-            "heartbeat_interval_s": 1,
-            "cameras": [
-                {"reconnect_min_s": RECONNECT_MIN_S, "reconnect_max_s": RECONNECT_MAX_S, **c} for c in cameras
-            ],
-            "inference": {"threads": 1},
-            "outbox": {"ack_timeout_s": 2, "batch_max_frames": 5, "batch_max_delay_s": 0.3},
-            "artifacts": {"request_timeout_s": 2},
-            "artifact_public_key": PUBLIC_KEY,
-        },
-        env={},
-    )
-
-
-def camera_events(ctl: StandInController, camera: str, kind: EventKind) -> list[Event]:
-    with ctl.lock:
-        return [e for e in ctl.events if e.camera == camera and e.kind == kind]
-
-
-def frames_of(ctl: StandInController, camera: str) -> list[FrameDetections]:
-    return [f for f in ctl.frames() if f.camera == camera]
-
-
-def assert_capped_backoff(cam: CameraWorker, since: float) -> int:
-    """The retries of the outage that began at ``since`` waited min, 2*min, ... capped at max; returns
-    how many there were."""
-    retries = [r for r in cam.retries if r.at >= since]
-    expected = [min(RECONNECT_MAX_S, RECONNECT_MIN_S * 2**i) for i in range(len(retries))]
-    assert [r.delay_s for r in retries] == pytest.approx(expected), [r.delay_s for r in retries]
-    for prev, nxt in itertools.pairwise(retries):
-        # Recorded by the capture thread itself: the next attempt came no sooner than the backoff.
-        assert nxt.at - prev.at >= prev.delay_s - 0.01, (prev, nxt)
-    return len(retries)
 
 
 @pytest.fixture
@@ -286,8 +236,7 @@ def test_http_mjpeg_camera_down_when_server_stops_and_up_when_it_returns(
 def test_rtsp_camera_whose_server_is_gone_is_down_and_retried_without_leaking_its_password(
     broker: MosquittoBroker, tmp_path: Path, agents: list[Agent]
 ) -> None:
-    """No RTSP server here (see the module docstring), but "server stopped" is what a closed port
-    looks like to the camera: the same down event and capped retries as HTTP."""
+    """A closed port: the same down event and capped retries as HTTP, the camera's answer (none) said."""
     port = free_port()
     ctl = StandInController(broker.host, broker.port, "cams-3", {})
     try:
@@ -308,7 +257,9 @@ def test_rtsp_camera_whose_server_is_gone_is_down_and_retried_without_leaking_it
         down = wait_for(
             lambda: camera_events(ctl, "gate", EventKind.CAMERA_DOWN), timeout=30, what="gate down event"
         )[0]
-        assert down.message == f"open failed: cannot open rtsp://***@127.0.0.1:{port}/live"
+        assert down.message == (
+            f"open failed: cannot open rtsp://admin:***@127.0.0.1:{port}/live: connection refused"
+        )
         assert "hunter2" not in down.model_dump_json()
         wait_for(lambda: len(gate.retries) >= 5, timeout=30, what="gate reconnect attempts")
         assert_capped_backoff(gate, start)

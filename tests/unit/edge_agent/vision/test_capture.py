@@ -173,7 +173,13 @@ def test_a_file_removed_while_playing_goes_down_and_comes_back_with_capped_backo
 
 
 def test_source_credentials_never_reach_reasons() -> None:
-    assert redact_source("rtsp://admin:s3cret@10.0.0.9:554/live") == "rtsp://***@10.0.0.9:554/live"
+    # The user stays (which account a camera refused is worth knowing), the password goes.
+    assert redact_source("rtsp://admin:s3cret@10.0.0.9:554/live") == "rtsp://admin:***@10.0.0.9:554/live"
+    # Credentials without a password may be a token, and a password without a user is one.
+    assert redact_source("rtsp://tok3n@10.0.0.9/live") == "rtsp://***@10.0.0.9/live"
+    assert redact_source("rtsp://:s3cret@10.0.0.9/live") == "rtsp://***@10.0.0.9/live"
+    # An '@' inside the password is the password's: the host is what follows the last one.
+    assert redact_source("rtsp://admin:p@ss@10.0.0.9/live") == "rtsp://admin:***@10.0.0.9/live"
     assert redact_source("http://cam.local/mjpg") == "http://cam.local/mjpg"
     assert redact_source("/videos/a.avi") == "/videos/a.avi"
     # A camera may take its credential as a query value (a pool camera's ?token={secret:NAME}).

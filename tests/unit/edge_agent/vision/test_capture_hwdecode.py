@@ -237,7 +237,7 @@ def test_the_reasons_hardware_decode_cannot_be_used() -> None:
     usb = plan_decode(cam(decode="auto", source="0"), Lookups().probe())
     assert usb.reason == "hardware decode takes rtsp:// and files, not 0"
     http = plan_decode(cam(decode="auto", source="http://u:pw@cam/mjpeg"), Lookups().probe())
-    assert "pw" not in http.reason and "http://***@cam/mjpeg" in http.reason
+    assert "pw" not in http.reason and "http://u:***@cam/mjpeg" in http.reason
 
 
 # --------------------------------------------------------------------------- settings
@@ -317,8 +317,19 @@ def test_software_default_opens_exactly_as_before(tmp_path: Path) -> None:
         assert src.decode == "software" and src.decode_note == "" and src.fps == 25.0
     with pytest.raises(SourceError, match="file not found"):
         CvVideoSource(cam(source=str(tmp_path / "gone.mp4")), probe=probe, capture=FakeCapture())
-    with pytest.raises(SourceError, match=r"cannot open rtsp://\*\*\*@10\.0\.0\.7:554/stream1"):
-        CvVideoSource(cam(), probe=probe, capture=FakeCapture(other_opens=False))
+    asked: list[tuple[str, float]] = []
+
+    def diagnose(url: str, timeout_s: float) -> str:
+        asked.append((url, timeout_s))
+        return "the camera refused the credentials (RTSP 401 Unauthorized)"
+
+    with pytest.raises(SourceError) as info:
+        CvVideoSource(cam(), probe=probe, capture=FakeCapture(other_opens=False), diagnose=diagnose)
+    assert str(info.value) == (
+        "cannot open rtsp://admin:***@10.0.0.7:554/stream1: "
+        "the camera refused the credentials (RTSP 401 Unauthorized)"
+    )
+    assert asked == [(URL, 5.0)]  # the camera itself is asked why, within the open's bound
 
 
 def test_auto_opens_the_hardware_pipeline_with_cap_gstreamer() -> None:
@@ -339,7 +350,9 @@ def test_auto_falls_back_to_software_with_the_reason(tmp_path: Path) -> None:
     fake = FakeCapture(gst_opens=False)
     src = CvVideoSource(cam(decode="auto"), probe=Lookups().probe(), capture=fake)
     assert [a[1] for a in fake.opened] == [cv2.CAP_GSTREAMER, cv2.CAP_ANY] and fake.released == 1
-    assert src.decode == "software" and "did not open rtsp://***@10.0.0.7:554/stream1" in src.decode_note
+    assert (
+        src.decode == "software" and "did not open rtsp://admin:***@10.0.0.7:554/stream1" in src.decode_note
+    )
     assert "s3cret" not in src.decode_note
 
 
@@ -348,7 +361,7 @@ def test_hardware_refuses_to_decode_in_software() -> None:
     with pytest.raises(SourceError) as info:
         CvVideoSource(cam(decode="hardware"), probe=Lookups(gstreamer=False).probe(), capture=fake)
     assert str(info.value).startswith(
-        "hardware decode unavailable for rtsp://***@10.0.0.7:554/stream1: OpenCV"
+        "hardware decode unavailable for rtsp://admin:***@10.0.0.7:554/stream1: OpenCV"
     )
     assert fake.opened == [] and "s3cret" not in str(info.value)
     fake = FakeCapture(gst_opens=False)
@@ -473,7 +486,7 @@ def test_hardware_without_hardware_keeps_the_camera_down_with_the_reason_and_cap
     assert events[0][0] == CameraState.DOWN and [s for s, _ in events].count(CameraState.DOWN) == 1
     reason = events[0][1]
     assert reason == (
-        "open failed: hardware decode unavailable for rtsp://***@10.0.0.7:554/stream1: "
+        "open failed: hardware decode unavailable for rtsp://admin:***@10.0.0.7:554/stream1: "
         "GStreamer element nvh264dec is not installed"
     )
     delays = [r.delay_s for r in list(worker.retries)[:5]]
