@@ -3,6 +3,16 @@
 ``step(view, devices, now) -> actions`` looks at a snapshot (the rollout, its members, the devices)
 and the time, and says what to do; it touches no database and no clock, so it is tested apart.
 ``controller.fleet.rollouts`` loads the snapshot and applies the actions.
+
+A member is a device, or a pool camera the deployment names. Cameras of a pool move between
+devices (failover, drain, an operator's move), so for them the unit of a wave is the camera: a wave
+admits cameras, and a camera's figures are those of whichever device analyses it now. A camera that
+moves while it is judged (applying, or active in the wave being soaked) starts again on its new device
+(``Moved`` with ``restart``): the move is the pool's doing, not the new version's, so it is no failure;
+but a camera moved more than ``max_soak_restarts`` times during its judgement fails (a version that
+takes down every device it lands on must not soak for ever), and a camera that fails on its new
+device fails like any member. A device that goes offline under a camera is left to the pool, which
+moves the camera; only a camera whose device stays offline for ``step_timeout_s`` without a move fails.
 """
 
 from __future__ import annotations
@@ -45,6 +55,9 @@ class GateConfig(BaseModel):
     build_timeout_s: float = Field(default=3600.0, gt=0)
     build_stall_s: float = Field(default=180.0, gt=0)
     offline_timeout_s: float = Field(default=60.0, ge=0)
+    # A pool camera moved to another device while it is judged starts again there; more moves than
+    # this during one judgement fail it.
+    max_soak_restarts: int = Field(default=3, ge=0)
 
 
 # --------------------------------------------------------------------------- waves
@@ -127,8 +140,14 @@ class DeviceView:
     agent: Mapping[str, Any] | None = None
 
 
+def camera_key(pool: str, camera: str) -> str:
+    """A camera member's key among a rollout's members: ids never hold a "/", so no device id is one."""
+    return f"{pool}/{camera}"
+
+
 @dataclass(frozen=True)
 class MemberView:
+    # A device member's device; a camera member's device now ("" while no device analyses it).
     device_id: str
     wave: int
     state: str
@@ -139,6 +158,32 @@ class MemberView:
     settled_at: float | None = None
     reason: str | None = None
     baseline_latency_ms: float | None = None
+    pool: str | None = None  # a camera member: its pool and camera (``cameras`` is that camera alone)
+    camera: str | None = None
+    soak_restarts: int = 0  # a camera member: how often a move started its judgement again
+
+    @property
+    def key(self) -> str:
+        return (
+            self.device_id if self.pool is None or self.camera is None else camera_key(self.pool, self.camera)
+        )
+
+
+@dataclass(frozen=True)
+class CameraTarget:
+    """A pool camera the deployment names, as its pool has it now."""
+
+    pool: str
+    camera: str
+    device: str | None  # where the stored plan places it; None: unplaced
+    # The plan admitted the deployment's version for it there (the canary fits); held: why not.
+    admitted: bool = False
+    held: str | None = None
+    moved: str | None = None  # the reason of its last move (a placement.MoveReason value), if known
+
+    @property
+    def key(self) -> str:
+        return camera_key(self.pool, self.camera)
 
 
 @dataclass(frozen=True)
@@ -155,6 +200,10 @@ class RolloutView:
     # agent has to report healthy after its switch (on top of step_timeout_s for fetch and install).
     agent_version: str | None = None
     agent_health_timeout_s: float = 120.0
+    # The pool cameras the deployment names, by key; and whether it also covers the devices' own
+    # cameras (a "*" entry, or a named camera of no pool): without, no device is a member.
+    targets: Mapping[str, CameraTarget] = field(default_factory=dict)
+    devices_targeted: bool = True
 
 
 @dataclass(frozen=True)
@@ -164,10 +213,26 @@ class Admit:
 
 
 @dataclass(frozen=True)
+class AdmitCamera:
+    key: str  # camera_key(pool, camera) of a target
+    wave: int
+
+
+@dataclass(frozen=True)
 class Settle:
-    device_id: str
+    key: str  # a member's key: a device id, or camera_key(pool, camera)
     state: MemberState  # active | failed
     reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A camera member runs on another device now; ``restart``: its judgement starts again there."""
+
+    key: str
+    device: str
+    restart: bool
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -189,7 +254,7 @@ class Finish:
     reason: str
 
 
-Action = Admit | Settle | GateResult | Advance | Finish
+Action = Admit | AdmitCamera | Settle | Moved | GateResult | Advance | Finish
 
 
 def _offline_for(dev: DeviceView, since: float, now: float) -> float:
@@ -201,9 +266,7 @@ def _offline_for(dev: DeviceView, since: float, now: float) -> float:
 def _crash_loop(m: MemberView, dev: DeviceView) -> Settle | None:
     n = sum(t >= m.admitted_at for t in dev.restarts)
     if n > CRASH_LOOP_RESTARTS:
-        return Settle(
-            m.device_id, MemberState.FAILED, f"crash loop: the agent restarted {n} times since admission"
-        )
+        return Settle(m.key, MemberState.FAILED, f"crash loop: the agent restarted {n} times since admission")
     return None
 
 
@@ -260,19 +323,19 @@ def _settle_agent_applying(m: MemberView, dev: DeviceView, r: RolloutView, now: 
     assert target is not None
     a = dev.agent or {}
     if a.get("version") == target and a.get("state", AGENT_SETTLED_STATE) == AGENT_SETTLED_STATE:
-        return Settle(m.device_id, MemberState.ACTIVE)
+        return Settle(m.key, MemberState.ACTIVE)
     if (why := _agent_failure(dev, target)) is not None:
-        return Settle(m.device_id, MemberState.FAILED, why)
+        return Settle(m.key, MemberState.FAILED, why)
     off = _offline_for(dev, m.admitted_at, now)
     if not dev.online and off > r.gate.offline_timeout_s:
         return Settle(
-            m.device_id, MemberState.FAILED, f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)"
+            m.key, MemberState.FAILED, f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)"
         )
     bound = r.gate.step_timeout_s + r.agent_health_timeout_s
     if now - m.admitted_at > bound:
         seen = f"{a.get('version')} ({a.get('state') or 'idle'})" if a else "no agent state"
         return Settle(
-            m.device_id,
+            m.key,
             MemberState.FAILED,
             f"not running agent {target} after {bound:g}s (step_timeout_s + health timeout); reports {seen}",
         )
@@ -281,88 +344,157 @@ def _settle_agent_applying(m: MemberView, dev: DeviceView, r: RolloutView, now: 
 
 def _settle_applying(m: MemberView, dev: DeviceView | None, r: RolloutView, now: float) -> Settle | None:
     if dev is None:
-        return Settle(m.device_id, MemberState.FAILED, "device is no longer known")
+        return Settle(m.key, MemberState.FAILED, "device is no longer known")
     if r.agent_version is not None:
         if not dev.matches:
-            return Settle(m.device_id, MemberState.FAILED, "device no longer matches the selector")
+            return Settle(m.key, MemberState.FAILED, "device no longer matches the selector")
         # No crash-loop count from heartbeat uptimes here: the update itself restarts the agent.
         return _settle_agent_applying(m, dev, r, now)
     if (crash := _crash_loop(m, dev)) is not None:
         return crash
     if not dev.matches:
-        return Settle(m.device_id, MemberState.FAILED, "device no longer matches the selector")
-    if m.target_version is not None:
-        if not m.cameras:
-            return Settle(m.device_id, MemberState.ACTIVE, "every camera is held by a higher-priority layer")
-        for cam in m.cameras:
-            rep = dev.reported.get(cam) or {}
-            if rep.get("state") == "failed" and (dev.reported_version or 0) >= m.target_version:
-                return Settle(
-                    m.device_id, MemberState.FAILED, f"camera {cam} failed: {rep.get('error') or 'no reason'}"
-                )
-        if (dev.reported_version or 0) >= m.target_version and all(
-            (dev.reported.get(c) or {}).get("state") == "running"
-            and (dev.reported.get(c) or {}).get("model") == r.model
-            for c in m.cameras
-        ):
-            return Settle(m.device_id, MemberState.ACTIVE)
+        return Settle(m.key, MemberState.FAILED, "device no longer matches the selector")
+    if m.target_version is not None and not m.cameras:
+        return Settle(m.key, MemberState.ACTIVE, "every camera is held by a higher-priority layer")
+    if (done := _activation(m, dev, r)) is not None:
+        return done
     off = _offline_for(dev, m.admitted_at, now)
     if not dev.online and off > r.gate.offline_timeout_s:
         return Settle(
-            m.device_id, MemberState.FAILED, f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)"
+            m.key, MemberState.FAILED, f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)"
         )
-    if now - m.admitted_at > r.gate.step_timeout_s:
-        building = dev.build_active_at is not None and any(
-            (dev.reported.get(c) or {}).get("state") == "loading" for c in m.cameras
-        )
-        if building and dev.build_active_at is not None:
-            if now - m.admitted_at > r.gate.build_timeout_s:
-                return Settle(
-                    m.device_id,
-                    MemberState.FAILED,
-                    f"engine build not done after {r.gate.build_timeout_s:g}s (build_timeout_s)",
-                )
-            silent = now - dev.build_active_at
-            if silent > r.gate.build_stall_s:
-                return Settle(
-                    m.device_id,
-                    MemberState.FAILED,
-                    f"engine build made no progress for {silent:.1f}s (limit {r.gate.build_stall_s:g}s)",
-                )
-            return None  # a build that moves is waited for, up to build_timeout_s
-        states = {c: (dev.reported.get(c) or {}).get("state", "unknown") for c in m.cameras}
+    return _step_timeout(m, dev, r, now)
+
+
+def _camera_failure(m: MemberView, dev: DeviceView, *, since: int | None) -> Settle | None:
+    """A member's camera the device reports failed (from desired version ``since`` on, if given)."""
+    where = f" on {dev.id}" if m.camera is not None else ""
+    for cam in m.cameras:
+        rep = dev.reported.get(cam) or {}
+        if rep.get("state") == "failed" and (since is None or (dev.reported_version or 0) >= since):
+            return Settle(
+                m.key, MemberState.FAILED, f"camera {cam} failed{where}: {rep.get('error') or 'no reason'}"
+            )
+    return None
+
+
+def _activation(m: MemberView, dev: DeviceView, r: RolloutView) -> Settle | None:
+    """Active once the device applied the member's desired version and runs the model on every camera
+    of the member; failed when it reports one of them failed since that version."""
+    if m.target_version is None:
+        return None
+    if (failed := _camera_failure(m, dev, since=m.target_version)) is not None:
+        return failed
+    if (dev.reported_version or 0) >= m.target_version and all(
+        (dev.reported.get(c) or {}).get("state") == "running"
+        and (dev.reported.get(c) or {}).get("model") == r.model
+        for c in m.cameras
+    ):
+        return Settle(m.key, MemberState.ACTIVE)
+    return None
+
+
+def _step_timeout(
+    m: MemberView, dev: DeviceView, r: RolloutView, now: float, held: str | None = None
+) -> Settle | None:
+    """Failed when not active ``step_timeout_s`` after admission, unless an engine build moves."""
+    if now - m.admitted_at <= r.gate.step_timeout_s:
+        return None
+    building = dev.build_active_at is not None and any(
+        (dev.reported.get(c) or {}).get("state") == "loading" for c in m.cameras
+    )
+    if building and dev.build_active_at is not None:
+        if now - m.admitted_at > r.gate.build_timeout_s:
+            return Settle(
+                m.key,
+                MemberState.FAILED,
+                f"engine build not done after {r.gate.build_timeout_s:g}s (build_timeout_s)",
+            )
+        silent = now - dev.build_active_at
+        if silent > r.gate.build_stall_s:
+            return Settle(
+                m.key,
+                MemberState.FAILED,
+                f"engine build made no progress for {silent:.1f}s (limit {r.gate.build_stall_s:g}s)",
+            )
+        return None  # a build that moves is waited for, up to build_timeout_s
+    if held is not None:
         return Settle(
-            m.device_id,
+            m.key,
             MemberState.FAILED,
-            f"not active after {r.gate.step_timeout_s:g}s (reported v{dev.reported_version}, {states})",
+            f"not active after {r.gate.step_timeout_s:g}s: its pool does not admit {r.model} on {dev.id} ({held})",
+        )
+    states = {c: (dev.reported.get(c) or {}).get("state", "unknown") for c in m.cameras}
+    where = f" on {dev.id}" if m.camera is not None else ""
+    return Settle(
+        m.key,
+        MemberState.FAILED,
+        f"not active after {r.gate.step_timeout_s:g}s{where} (reported v{dev.reported_version}, {states})",
+    )
+
+
+def _camera_offline(m: MemberView, dev: DeviceView, r: RolloutView, now: float) -> Settle | None:
+    """A camera whose device is offline is the pool's to move; failed only when it stays there."""
+    off = _offline_for(dev, m.settled_at or m.admitted_at, now)
+    if not dev.online and off > r.gate.step_timeout_s:
+        return Settle(
+            m.key,
+            MemberState.FAILED,
+            f"its device {dev.id} has been offline for {off:.0f}s and its pool has not moved it "
+            f"(limit step_timeout_s {r.gate.step_timeout_s:g}s)",
         )
     return None
+
+
+def _settle_camera(
+    m: MemberView, t: CameraTarget | None, dev: DeviceView | None, r: RolloutView, now: float
+) -> Settle | None:
+    """A camera member being judged (applying, or active in the wave being soaked)."""
+    if t is None:
+        return Settle(m.key, MemberState.FAILED, f"camera {m.camera} is no longer declared in pool {m.pool}")
+    if not m.device_id:
+        if m.state == MemberState.APPLYING and now - m.admitted_at > r.gate.step_timeout_s:
+            return Settle(
+                m.key,
+                MemberState.FAILED,
+                f"not placed on any device for {now - m.admitted_at:.0f}s (limit step_timeout_s)",
+            )
+        return None
+    if dev is None:
+        return Settle(m.key, MemberState.FAILED, f"device {m.device_id} is no longer known")
+    if (crash := _crash_loop(m, dev)) is not None:
+        return crash
+    if m.state == MemberState.APPLYING:
+        if (done := _activation(m, dev, r)) is not None:
+            return done
+        if not dev.online:
+            return _camera_offline(m, dev, r, now)
+        return _step_timeout(m, dev, r, now, held=None if t.admitted else t.held)
+    if (failed := _camera_failure(m, dev, since=None)) is not None:
+        return failed
+    return _camera_offline(m, dev, r, now)
 
 
 def _settle_active(m: MemberView, dev: DeviceView | None, r: RolloutView, now: float) -> Settle | None:
     """A device of the wave being soaked that went bad after activation."""
     if dev is None:
-        return Settle(m.device_id, MemberState.FAILED, "device is no longer known")
+        return Settle(m.key, MemberState.FAILED, "device is no longer known")
     if r.agent_version is not None:
         # After activation: the supervisor fell back (a crash after the health check), or the agent runs
         # another version.
         if (why := _agent_failure(dev, r.agent_version)) is not None:
-            return Settle(m.device_id, MemberState.FAILED, why)
+            return Settle(m.key, MemberState.FAILED, why)
         running = (dev.agent or {}).get("version")
         if running is not None and running != r.agent_version:
-            return Settle(m.device_id, MemberState.FAILED, f"agent runs {running}, not {r.agent_version}")
+            return Settle(m.key, MemberState.FAILED, f"agent runs {running}, not {r.agent_version}")
     elif (crash := _crash_loop(m, dev)) is not None:
         return crash
-    for cam in m.cameras:
-        rep = dev.reported.get(cam) or {}
-        if rep.get("state") == "failed":
-            return Settle(
-                m.device_id, MemberState.FAILED, f"camera {cam} failed: {rep.get('error') or 'no reason'}"
-            )
+    if (failed := _camera_failure(m, dev, since=None)) is not None:
+        return failed
     off = _offline_for(dev, m.settled_at or m.admitted_at, now)
     if not dev.online and off > r.gate.offline_timeout_s:
         return Settle(
-            m.device_id, MemberState.FAILED, f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)"
+            m.key, MemberState.FAILED, f"offline for {off:.0f}s (limit {r.gate.offline_timeout_s:g}s)"
         )
     return None
 
@@ -413,7 +545,7 @@ def _watchdog_verdict(fig: dict[str, Any], r: RolloutView) -> str | None:
 
 
 def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: RolloutView) -> dict[str, Any]:
-    failed = [m.device_id for m in wave if m.state == MemberState.FAILED]
+    failed = [m.key for m in wave if m.state == MemberState.FAILED]
     ratios: dict[str, float] = {}
     latencies: dict[str, float] = {}
     latency_stats: dict[str, str] = {}
@@ -424,22 +556,24 @@ def _figures(wave: list[MemberView], devices: Mapping[str, DeviceView], r: Rollo
         if m.state != MemberState.ACTIVE or dev is None or not m.cameras:
             continue
         if (wd := _watchdog_figures(m, dev, r.model)) is not None:
-            watchdog[m.device_id] = wd
+            watchdog[m.key] = wd
         fps = [dev.fps[c] for c in m.cameras if c in dev.fps]
         if fps and m.baseline_fps:
-            ratios[m.device_id] = round(min(fps) / m.baseline_fps, 3)
+            ratios[m.key] = round(min(fps) / m.baseline_fps, 3)
         lat = [dev.latency_ms[c] for c in m.cameras if c in dev.latency_ms]
         if lat:
-            latencies[m.device_id] = round(max(lat), 2)
-            latency_stats[m.device_id] = dev.latency_stat
+            latencies[m.key] = round(max(lat), 2)
+            latency_stats[m.key] = dev.latency_stat
             if m.baseline_latency_ms:
-                latency_ratios[m.device_id] = round(max(lat) / m.baseline_latency_ms, 3)
+                latency_ratios[m.key] = round(max(lat) / m.baseline_latency_ms, 3)
     return {
-        "devices": [m.device_id for m in wave],
+        "devices": [m.device_id for m in wave if m.camera is None],
+        # pool/camera of each camera member, and the device that analyses it now ("" none)
+        "cameras": {m.key: m.device_id for m in wave if m.camera is not None},
         "size": len(wave),
         "active": sum(m.state == MemberState.ACTIVE for m in wave),
         "failed": failed,
-        "failures": {m.device_id: m.reason for m in wave if m.state == MemberState.FAILED},
+        "failures": {m.key: m.reason for m in wave if m.state == MemberState.FAILED},
         "failure_ratio": round(len(failed) / len(wave), 3) if wave else 0.0,
         "max_failure_ratio": r.gate.max_failure_ratio,
         "fps_ratio": ratios,
@@ -462,7 +596,10 @@ def _verdict(fig: dict[str, Any], r: RolloutView) -> str | None:
     """Why the gate fails, or None when it passes."""
     if fig["failure_ratio"] > r.gate.max_failure_ratio:
         why = "; ".join(f"{d}: {reason or 'failed'}" for d, reason in sorted(fig["failures"].items()))
-        return f"{len(fig['failed'])} of {fig['size']} devices failed ({why})"
+        unit = "cameras" if fig.get("cameras") and not fig["devices"] else "devices"
+        if fig.get("cameras") and fig["devices"]:
+            unit = "members"
+        return f"{len(fig['failed'])} of {fig['size']} {unit} failed ({why})"
     if (hung := _watchdog_verdict(fig, r)) is not None:
         return hung
     low = {d: v for d, v in fig["fps_ratio"].items() if v < r.gate.min_fps_ratio}
@@ -499,19 +636,56 @@ def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[
         return []
     actions: list[Action] = []
     members = dict(r.members)
-    # 1. per device: activation, failure, timeouts, offline
+    judged_wave = r.current_wave if r.current_wave not in r.gated_waves else None
+    # 0. pool cameras that run on another device now: those being judged start again there
     for m in r.members.values():
+        if m.pool is None or m.state not in (MemberState.APPLYING, MemberState.ACTIVE):
+            continue
+        t = r.targets.get(m.key)
+        now_on = (t.device or "") if t is not None else m.device_id
+        if now_on == m.device_id:
+            continue
+        judged = m.state == MemberState.APPLYING or m.wave == judged_wave
+        cause = "unplaced" if not now_on else (t.moved if t is not None and t.moved else "moved")
+        restarts = m.soak_restarts + (1 if judged and now_on else 0)
+        if restarts > r.gate.max_soak_restarts:
+            gone = Settle(
+                m.key,
+                MemberState.FAILED,
+                f"moved {restarts} times while judged (limit max_soak_restarts {r.gate.max_soak_restarts}); "
+                f"the last from {m.device_id or 'no device'} to {now_on} ({cause})",
+            )
+            actions.append(gone)
+            members[m.key] = replace(m, state=gone.state, settled_at=now, reason=gone.reason)
+            continue
+        actions.append(Moved(m.key, now_on, judged, cause))
+        if judged:
+            members[m.key] = replace(
+                m,
+                device_id=now_on,
+                state=MemberState.APPLYING,
+                admitted_at=now,
+                settled_at=None,
+                target_version=None,
+                soak_restarts=restarts,
+            )
+        else:
+            members[m.key] = replace(m, device_id=now_on)
+    # 1. per member: activation, failure, timeouts, offline
+    for key, m in list(members.items()):
         dev = devices.get(m.device_id)
         s: Settle | None = None
-        if m.state == MemberState.APPLYING:
+        judged = m.state == MemberState.APPLYING or (m.state == MemberState.ACTIVE and m.wave == judged_wave)
+        if m.pool is not None:
+            if judged:
+                s = _settle_camera(m, r.targets.get(key), dev, r, now)
+        elif m.state == MemberState.APPLYING:
             s = _settle_applying(m, dev, r, now)
-        elif (
-            m.state == MemberState.ACTIVE and m.wave == r.current_wave and r.current_wave not in r.gated_waves
-        ):
+        elif judged:
             s = _settle_active(m, dev, r, now)
         if s is not None:
             actions.append(s)
-            members[m.device_id] = replace(m, state=s.state, settled_at=now, reason=s.reason)
+            members[key] = replace(m, state=s.state, settled_at=now, reason=s.reason)
     w = r.current_wave
     if w >= len(r.plan):
         return [*actions, Finish(RolloutState.SUCCEEDED, "every wave passed its gate")]
@@ -522,7 +696,15 @@ def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[
             return actions
         last = w == len(r.plan) - 1
         want = r.plan[w] - len(members)
-        candidates = sorted(d.id for d in devices.values() if d.matches and d.id not in members)
+        devs = (
+            sorted(d.id for d in devices.values() if d.matches and d.id not in members)
+            if r.devices_targeted
+            else []
+        )
+        # A camera no device analyses now has nothing to judge: it waits for a later wave, and takes
+        # the deployment once the rollout is done wherever it is placed.
+        cams = sorted(k for k, t in r.targets.items() if k not in members and t.device is not None)
+        candidates: list[Action] = [*(Admit(d, w) for d in devs), *(AdmitCamera(k, w) for k in cams)]
         if last and r.admit_all_in_last:
             want = len(candidates)
         admit = candidates[: max(0, want)]
@@ -530,7 +712,7 @@ def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[
             if last:
                 return [*actions, Finish(RolloutState.SUCCEEDED, "no devices left to admit")]
             return [*actions, Advance(w + 1)]
-        return [*actions, *(Admit(d, w) for d in admit)]
+        return [*actions, *admit]
     # 3. the gate of the current wave
     if w in r.gated_waves:
         return actions
@@ -544,6 +726,14 @@ def step(r: RolloutView, devices: Mapping[str, DeviceView], now: float) -> list[
             Finish(RolloutState.FAILED, f"wave {w + 1} gate failed: {bad}"),
         ]
     if any(m.state == MemberState.APPLYING for m in wave):
+        return actions
+    # A camera whose device is offline (until its pool moves it) is not judged on figures it cannot send.
+    if any(
+        m.pool is not None
+        and m.state == MemberState.ACTIVE
+        and ((d := devices.get(m.device_id)) is None or not d.online)
+        for m in wave
+    ):
         return actions
     settled = max((m.settled_at or m.admitted_at) for m in wave)
     if now - settled < r.gate.soak_s:

@@ -369,12 +369,12 @@ class RolloutService:
                     touched.add(a.device_id)
                     log.info("rollout %d: wave %d admits %s", rollout_id, a.wave + 1, a.device_id)
                 elif isinstance(a, Settle):
-                    m = members[a.device_id]
+                    m = members[a.key]
                     m.state, m.reason, m.settled_at = a.state, a.reason, at
                     s.add(m)
                     if a.state == MemberState.FAILED:
-                        touched.add(a.device_id)
-                        log.warning("rollout %d: %s failed: %s", rollout_id, a.device_id, a.reason)
+                        touched.add(a.key)
+                        log.warning("rollout %d: %s failed: %s", rollout_id, a.key, a.reason)
                 elif isinstance(a, GateResult):
                     gate = {"wave": a.wave, "passed": a.passed, "reason": a.reason, "at": now, **a.figures}
                     ro.gates = [*(ro.gates or []), gate]
