@@ -36,8 +36,19 @@ Where the time goes, per pipeline run, from what the agent publishes and from th
     machine (other people's jobs).
 And the latency from frame capture (agent clock) to the row stored at the controller, p50 and p99.
 
+RTSP (``--source rtsp``): capture -> detection latency of one live camera. GStreamer's RTSP server
+(tests/support/rtsp_server.py) streams the footage as H.264 at its 10 FPS; the agent reads it over
+``--rtsp-transport`` (TCP by default) and sends one detection batch per frame (``outbox.batch_max_frames:
+1``; the default batching of up to 0.5 s would be most of the figure). Latency: from the frame's
+``captured_at`` (the agent's read returned, by the agent's clock, the same machine's) to its batch
+reaching this bench's MQTT subscriber, p50 and p99 over the window; with, per frame, the part until
+the agent sent it, the broker hop, and inference. Raw limit: a bare ``cv2.VideoCapture`` on the same
+stream in this process, each frame through the agent's Preprocessor, ``session.run`` and the shared
+decoder as soon as it is read (:class:`RawRtspLatency`). Runs alternate raw, pipeline, raw, ...; each
+ratio is the faster raw either side over the pipeline (p50 and p99; 1.0 would be no cost at all).
+
 Usage (from the repository root): ``python -m bench.pipeline [--cameras 4] [--threads 2] [--workers 1] [--runs 3] [--seconds 10]
-[--smoke]``.
+[--smoke]``; ``python -m bench.pipeline --source rtsp [--rtsp-transport udp] [--runs 3] [--seconds 10]``.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -63,11 +74,14 @@ import paho.mqtt.client as mqtt
 import psutil
 
 from edge_agent.inference.providers import session_options
+from edge_agent.vision.rtsp import FFMPEG_OPTIONS_ENV
 from fleet_protocol import TopicKind, Topics, decode
 from fleet_protocol.messages import DetectionBatch, ModelManifest
+from fleet_protocol.vision.decoders import decode as decode_detections
 from fleet_protocol.vision.preprocess import Preprocessor
 from tests.support.mqtt_broker import MosquittoBroker
 from tests.support.processes import AgentProcess, ControllerProcess
+from tests.support.rtsp_server import RtspServer
 from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,6 +187,59 @@ class RawLoop:
         return RawFps(fps=fps, other_cpu=max(0.0, other))
 
 
+# ------------------------------------------------------------------------------------------ rtsp raw
+
+
+class RawRtspLatency:
+    """The raw limit of capture -> detection on an RTSP camera: a bare ``cv2.VideoCapture`` on the
+    same stream (FFmpeg, the same transport and timeouts as the agent), each frame taken as soon as it
+    is read and run through the agent's Preprocessor, ``session.run`` (the agent's session options and
+    threads, batch 1) and the shared decoder, nothing else. Latency: the read returned -> decoded."""
+
+    def __init__(self, url: str, transport: str, threads: int) -> None:
+        self.url, self.transport, self.threads = url, transport, threads
+        self.manifest = ModelManifest.model_validate_json((MODEL_DIR / "manifest.json").read_text())
+
+    def measure(self, warmup: float, seconds: float, server: psutil.Process) -> tuple[list[float], float]:
+        """Sorted latencies (ms) of the frames read in ``seconds`` after ``warmup`` seconds, and the
+        CPU s/s of other jobs (neither this bench nor the RTSP ``server``) meanwhile."""
+        me = {"bench": psutil.Process(os.getpid()), "server": server}
+        opts = session_options(self.threads, spin=False)
+        sess = ort.InferenceSession(str(MODEL_DIR / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        pre = Preprocessor(self.manifest.input)
+        # Only this reader opens a capture in the bench's process: the variable is its own.
+        os.environ[FFMPEG_OPTIONS_ENV] = f"rtsp_transport;{self.transport}"
+        cap = cv2.VideoCapture(
+            self.url,
+            cv2.CAP_FFMPEG,
+            [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, 10_000, cv2.CAP_PROP_READ_TIMEOUT_MSEC, 10_000],
+        )
+        if not cap.isOpened():
+            raise SystemExit(f"the raw reader cannot open {self.url}")
+        names = [o.name for o in sess.get_outputs()]
+        threshold = self.manifest.default_threshold
+        latencies: list[float] = []
+        cpu0, wall0 = _cpu_seconds(me), time.perf_counter()
+        try:
+            start = time.perf_counter()
+            while time.perf_counter() - start < warmup + seconds:
+                ok, frame = cap.read()
+                if not ok or frame is None:
+                    raise SystemExit(f"the raw reader lost {self.url}")
+                t0 = time.perf_counter()
+                tensor, meta = pre(frame)
+                outputs = sess.run(None, {self.manifest.input.name: tensor[None]})
+                decode_detections(self.manifest, dict(zip(names, outputs, strict=True)), [meta], threshold)
+                if t0 - start >= warmup:
+                    latencies.append((time.perf_counter() - t0) * 1000)
+        finally:
+            cap.release()
+        cpu1, wall = _cpu_seconds(me), time.perf_counter() - wall0
+        ours = sum(cpu1[k] - cpu0[k] for k in me)
+        other = (cpu1["machine"] - cpu0["machine"] - ours) / wall
+        return sorted(latencies), max(0.0, other)
+
+
 # ----------------------------------------------------------------------------------------- pipeline
 
 
@@ -183,6 +250,8 @@ class _Got:
     captured_at: float
     inference_ms: float
     detections: int
+    sent_at: float  # the batch's, by the agent's clock (the same machine's as this bench's)
+    received_at: float  # when this bench's subscriber got the batch
 
 
 def _cpu_seconds(procs: Mapping[str, psutil.Process | None]) -> dict[str, float]:
@@ -216,14 +285,25 @@ class Fleet:
         topic = self.topics.parse(msg.topic)
         if topic is None:
             return
+        received_at = time.time()
         batch = decode(TopicKind.DETECTIONS, bytes(msg.payload))
         assert isinstance(batch, DetectionBatch)
         with self._lock:
             got = self._got.setdefault(topic.device_id, {})
             for f in batch.frames:
-                # Keyed by camera and capture time: a QoS 1 resend does not count a frame twice.
-                got[(f.camera, f.captured_at)] = _Got(
-                    f.camera, f.frame, f.captured_at, f.inference_ms, len(f.detections)
+                # Keyed by camera and capture time: a QoS 1 resend does not count a frame twice (the
+                # first arrival is the one its latency counts).
+                got.setdefault(
+                    (f.camera, f.captured_at),
+                    _Got(
+                        f.camera,
+                        f.frame,
+                        f.captured_at,
+                        f.inference_ms,
+                        len(f.detections),
+                        batch.sent_at,
+                        received_at,
+                    ),
                 )
 
     def __enter__(self) -> Fleet:
@@ -250,23 +330,25 @@ class Fleet:
     def run(
         self,
         index: int,
-        cameras: int,
-        threads: int,
-        workers: int,
-        max_batch: int,
+        cameras: list[dict[str, Any]],
+        inference: dict[str, Any],
         warmup: float,
         seconds: float,
+        outbox: dict[str, Any] | None = None,
+        helpers: Mapping[str, psutil.Process] | None = None,
     ) -> dict[str, Any]:
+        """One agent with ``cameras`` (agent camera configs) and ``inference`` settings; its figures
+        over the window of ``seconds`` after ``warmup`` seconds of frames. ``helpers``: other processes
+        of the bench's own (a camera server) whose CPU is counted apart from other jobs'."""
+        helpers = helpers or {}
         assert self.controller is not None
         device = f"bench-{index}"
-        cams = [f"cam{i + 1}" for i in range(cameras)]
+        cams = [str(c["id"]) for c in cameras]
+        extra: dict[str, Any] = {"inference": inference}
+        if outbox:
+            extra["outbox"] = outbox
         agent = AgentProcess(
-            self.workdir,
-            device,
-            self.broker.url,
-            cameras=[{"id": c, "source": str(FOOTAGE), "loop": True, "realtime": False} for c in cams],
-            inference={"threads": threads, "workers": workers, "max_batch": max_batch, **AGENT_INFERENCE},
-            controller=self.controller,
+            self.workdir, device, self.broker.url, cameras=cameras, controller=self.controller, **extra
         )
         try:
             with self.controller.client() as api:
@@ -283,9 +365,9 @@ class Fleet:
                     return {g.camera for g in self._frames(device) if g.captured_at >= after}
 
                 wait_for(
-                    lambda: len(cams_with_frames(0.0)) == cameras,
+                    lambda: len(cams_with_frames(0.0)) == len(cams),
                     timeout=180,
-                    what=f"frames from all {cameras} cameras (agent log: {agent.log})",
+                    what=f"frames from all {len(cams)} cameras (agent log: {agent.log})",
                 )
                 t_a = time.time() + warmup
                 time.sleep(max(0.0, t_a - time.time()))
@@ -294,6 +376,7 @@ class Fleet:
                     "controller": psutil.Process(self.controller.proc.pid) if self.controller.proc else None,
                     "broker": psutil.Process(self.broker.proc.pid) if self.broker.proc else None,
                     "bench": psutil.Process(os.getpid()),
+                    **helpers,
                 }
                 cpu0 = _cpu_seconds(procs)
                 t_b = t_a + seconds
@@ -303,7 +386,7 @@ class Fleet:
                 # Every camera has published a frame captured after the window: the window is complete
                 # (each camera's frames are published in order).
                 wait_for(
-                    lambda: len(cams_with_frames(t_b)) == cameras,
+                    lambda: len(cams_with_frames(t_b)) == len(cams),
                     timeout=60,
                     what="frames captured after the window",
                 )
@@ -337,8 +420,11 @@ class Fleet:
         busy_ms = sum(batches.keys())
         per_cam = {c: sum(1 for g in window if g.camera == c) for c in cams}
         lat = sorted((_ts(r["stored_at"]) - _ts(r["captured_at"])) * 1000 for r in rows)
+        received = sorted((g.received_at - g.captured_at) * 1000 for g in window)
+        sent = sorted((g.sent_at - g.captured_at) * 1000 for g in window)
+        hop = sorted((g.received_at - g.sent_at) * 1000 for g in window)
         cpu = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0}
-        ours = cpu["agent"] + cpu["controller"] + cpu["broker"] + cpu["bench"]
+        ours = sum(v for k, v in cpu.items() if k != "machine")
         cpu["other"] = max(0.0, cpu.pop("machine") - ours)
         return {
             "fps": fps,
@@ -350,15 +436,157 @@ class Fleet:
             "infer_ms_per_frame": busy_ms / max(1, len(window)),
             "cpu_s_per_s": cpu,
             "rows": len(rows),
-            "lat_p50_ms": statistics.median(lat) if lat else float("nan"),
-            "lat_p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
+            "lat_p50_ms": _p50(lat),
+            "lat_p99_ms": _p99(lat),
+            "received_p50_ms": _p50(received),
+            "received_p99_ms": _p99(received),
+            "sent_p50_ms": _p50(sent),
+            "hop_p50_ms": _p50(hop),
+            "inference_p50_ms": _p50(sorted(g.inference_ms for g in window)),
         }
+
+
+def _p50(ms: list[float]) -> float:
+    return statistics.median(ms) if ms else float("nan")
+
+
+def _p99(ms: list[float]) -> float:
+    """The 99th percentile of sorted ``ms`` (nearest rank)."""
+    return ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else float("nan")
 
 
 # ------------------------------------------------------------------------------------------------ main
 
 
 AGENT_INFERENCE: dict[str, Any] = {}
+
+
+def _sayer(args: argparse.Namespace) -> Callable[[str], None]:
+    """``print`` for the progress lines, silent when the result goes out as one JSON line."""
+
+    def say(text: str) -> None:
+        if not args.json:
+            print(text, flush=True)
+
+    return say
+
+
+# A detection batch per frame: the agent's default batching (10 frames or 0.5 s) trades latency for
+# fewer messages, and would be most of what a latency bench measures.
+RTSP_OUTBOX = {"batch_max_frames": 1}
+
+
+def rtsp_main(args: argparse.Namespace) -> None:
+    """``--source rtsp``: capture -> detection latency of one RTSP camera (GStreamer's RTSP server
+    streaming the footage as H.264 at its 10 FPS, tests/support/rtsp_server.py), the agent's against
+    the raw limit, alternating raw, pipeline, raw, ..."""
+
+    say = _sayer(args)
+    say(
+        f"{MODEL} on {FOOTAGE.name} streamed over RTSP (GStreamer's RTSP server, H.264, "
+        f"{args.rtsp_transport.upper()}): 1 camera, {args.threads} intra-op thread(s), batch 1, CPU execution "
+        f"provider; outbox batch_max_frames 1; {args.runs} run(s) of {args.seconds:g} s"
+    )
+    raws: list[list[float]] = []
+    raw_other: list[float] = []
+    pipes: list[dict[str, Any]] = []
+    ratios: list[float] = []
+    ratios99: list[float] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="edgefleet-bench-") as tmp,
+        RtspServer(Path(tmp) / "rtsp") as server,
+        Fleet(Path(tmp)) as fleet,
+    ):
+        raw_loop = RawRtspLatency(server.url(), args.rtsp_transport, args.threads)
+        assert server.proc is not None
+        server_proc = psutil.Process(server.proc.pid)
+
+        def raw_run() -> None:
+            r, other = raw_loop.measure(args.warmup, args.seconds, server_proc)
+            raws.append(r)
+            raw_other.append(other)
+            say(
+                f"  raw {len(raws)}: capture -> detection p50 {_p50(r):6.1f} ms, p99 {_p99(r):6.1f} ms "
+                f"({len(r)} frames; bare cv2.VideoCapture + onnxruntime + decode);  CPU s/s of other jobs "
+                f"{other:.2f}"
+            )
+
+        raw_run()
+        for i in range(args.runs):
+            camera = {"id": "cam1", "source": server.url(), "rtsp_transport": args.rtsp_transport}
+            inference = {"threads": args.threads, "max_batch": 1, **AGENT_INFERENCE}
+            p = fleet.run(
+                i + 1,
+                [camera],
+                inference,
+                args.warmup,
+                args.seconds,
+                outbox=RTSP_OUTBOX,
+                helpers={"rtsp_server": server_proc},
+            )
+            pipes.append(p)
+            cpu = p["cpu_s_per_s"]
+            say(
+                f"  pipeline {i + 1}: capture -> detection at a subscriber p50 {p['received_p50_ms']:6.1f} ms, "
+                f"p99 {p['received_p99_ms']:6.1f} ms ({p['frames']} frames, {p['fps']:.1f} FPS); capture -> "
+                f"sent p50 {p['sent_p50_ms']:.1f} ms, sent -> received p50 {p['hop_p50_ms']:.1f} ms, inference "
+                f"p50 {p['inference_p50_ms']:.1f} ms; capture -> stored p50 {p['lat_p50_ms']:.1f} ms;  CPU s/s: "
+                f"agent {cpu['agent']:.2f}, rtsp server {cpu['rtsp_server']:.2f}, other jobs {cpu['other']:.2f}"
+            )
+            raw_run()
+            # The raw runs either side: the faster one is the stricter limit.
+            limit50 = min(_p50(raws[-2]), _p50(raws[-1]))
+            limit99 = min(_p99(raws[-2]), _p99(raws[-1]))
+            ratios.append(limit50 / p["received_p50_ms"])
+            ratios99.append(limit99 / p["received_p99_ms"])
+            say(f"  ratio {i + 1}: raw / pipeline latency p50 {ratios[-1]:.3f}, p99 {ratios99[-1]:.3f}")
+    raw50 = statistics.median(_p50(r) for r in raws)
+    raw99 = statistics.median(_p99(r) for r in raws)
+    pipe50 = statistics.median(p["received_p50_ms"] for p in pipes)
+    pipe99 = statistics.median(p["received_p99_ms"] for p in pipes)
+    med = statistics.median(ratios)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "source": "rtsp",
+                    "transport": args.rtsp_transport,
+                    "threads": args.threads,
+                    "seconds": args.seconds,
+                    "raw_p50_ms": [round(_p50(r), 1) for r in raws],
+                    "raw_p99_ms": [round(_p99(r), 1) for r in raws],
+                    "pipeline_p50_ms": [round(p["received_p50_ms"], 1) for p in pipes],
+                    "pipeline_p99_ms": [round(p["received_p99_ms"], 1) for p in pipes],
+                    "sent_p50_ms": [round(p["sent_p50_ms"], 1) for p in pipes],
+                    "hop_p50_ms": [round(p["hop_p50_ms"], 1) for p in pipes],
+                    "inference_p50_ms": [round(p["inference_p50_ms"], 1) for p in pipes],
+                    "stored_p50_ms": [round(p["lat_p50_ms"], 1) for p in pipes],
+                    "frames": [p["frames"] for p in pipes],
+                    "ratios_p50": [round(r, 3) for r in ratios],
+                    "ratios_p99": [round(r, 3) for r in ratios99],
+                    "ratio_p50_median": round(med, 3),
+                    "other_jobs_cpu_s_per_s": [round(o, 2) for o in raw_other]
+                    + [round(p["cpu_s_per_s"]["other"], 2) for p in pipes],
+                }
+            )
+        )
+        return
+    other = max([*raw_other, *(p["cpu_s_per_s"]["other"] for p in pipes)])
+    if other > OTHER_JOBS_WARN:
+        print(
+            f"WARNING: other processes used up to {other:.2f} CPU s/s during the runs: the machine was busy, "
+            "so these figures are not comparable with a quiet machine's"
+        )
+    print(f"raw capture -> detection: p50 {raw50:.1f} ms, p99 {raw99:.1f} ms (median over {len(raws)} runs)")
+    print(
+        f"agent pipeline capture -> detection (RTSP -> capture thread -> inference -> outbox -> broker -> "
+        f"subscriber): p50 {pipe50:.1f} ms, p99 {pipe99:.1f} ms (median over {len(pipes)} runs)"
+    )
+    print(
+        f"ratio raw / pipeline latency: p50 median {med:.3f}, range {min(ratios):.3f}-{max(ratios):.3f}; "
+        f"p99 median {statistics.median(ratios99):.3f} over {len(ratios)} run(s)"
+    )
 
 
 def main() -> None:
@@ -392,6 +620,16 @@ def main() -> None:
         "--warmup", type=float, default=3.0, help="seconds of frames before the window (default 3)"
     )
     ap.add_argument("--target", type=float, default=None, help="default 0.90 for one camera, else 0.85")
+    ap.add_argument(
+        "--source",
+        choices=("file", "rtsp"),
+        default="file",
+        help="file: FPS against raw onnxruntime (default); rtsp: capture -> detection latency of one camera "
+        "streamed by GStreamer's RTSP server, against a bare OpenCV reader + onnxruntime",
+    )
+    ap.add_argument(
+        "--rtsp-transport", choices=("tcp", "udp"), default="tcp", help="with --source rtsp (default tcp)"
+    )
     ap.add_argument("--smoke", action="store_true", help="a quick check that it runs: 1 run of 2 s")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = ap.parse_args()
@@ -399,6 +637,11 @@ def main() -> None:
         args.runs, args.seconds, args.warmup = 1, 2.0, 1.0
     if args.cameras < 1 or args.runs < 1 or args.seconds <= 0:
         ap.error("--cameras, --runs and --seconds must be positive")
+    if args.source == "rtsp":
+        if args.cameras != 1 or args.workers != 1:
+            ap.error("--source rtsp measures one camera on one inference worker")
+        rtsp_main(args)
+        return
     if args.max_batch is not None and not 1 <= args.max_batch <= MAX_BATCH:
         ap.error(f"--max-batch must be 1..{MAX_BATCH} (the agent's limit)")
     if not 1 <= args.workers <= 16 or args.threads < 1:
@@ -413,10 +656,7 @@ def main() -> None:
         layouts.append(Layout(1, args.threads * args.workers, min(args.cameras, max_batch)))
     target = args.target if args.target is not None else (0.90 if args.cameras == 1 else 0.85)
 
-    def say(text: str) -> None:
-        if not args.json:
-            print(text, flush=True)
-
+    say = _sayer(args)
     say(
         f"{MODEL} on {FOOTAGE.name}: {args.cameras} camera(s), {args.workers} inference worker(s) of "
         f"{args.threads} intra-op thread(s), batch {batch}, CPU execution provider; {args.runs} run(s) of "
@@ -439,7 +679,14 @@ def main() -> None:
         raw_run()
         for i in range(args.runs):
             p = fleet.run(
-                i + 1, args.cameras, args.threads, args.workers, max_batch, args.warmup, args.seconds
+                i + 1,
+                [
+                    {"id": f"cam{c + 1}", "source": str(FOOTAGE), "loop": True, "realtime": False}
+                    for c in range(args.cameras)
+                ],
+                {"threads": args.threads, "workers": args.workers, "max_batch": max_batch, **AGENT_INFERENCE},
+                args.warmup,
+                args.seconds,
             )
             pipes.append(p)
             cpu = p["cpu_s_per_s"]
