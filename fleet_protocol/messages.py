@@ -503,6 +503,9 @@ class Detection(Strict):
     class_id: Count
     score: float = Field(ge=0.0, le=1.0)
     box: Box
+    # The camera's track this detection belongs to (PROTOCOL.md "Tracks"), once the track is confirmed;
+    # left out of the JSON while unset, so a detection without one is what agents before tracks sent.
+    track_id: Count | None = Field(default=None, exclude_if=_absent)
 
 
 class FrameDetections(Strict):
@@ -548,6 +551,8 @@ class EventKind(OpenStrEnum):
     AGENT_UPDATE = "agent_update"  # an agent update's progress: fetching, installing, restarting
     AGENT_UPDATED = "agent_updated"  # the new version runs and passed its health check
     AGENT_ROLLED_BACK = "agent_rolled_back"  # the new version failed; the previous one runs again
+    TRACK_STARTED = "track_started"  # a camera's track was confirmed: its first sighting (TrackSighting)
+    TRACK_ENDED = "track_ended"  # a confirmed track was lost long enough to end: its last sighting
     DEVICE_RESET = "device_reset"  # controller-made: a new incarnation (seq space) began
     DECOMMISSIONED = "decommissioned"  # controller-made: the operator retired the device
     ERROR = "error"
@@ -571,6 +576,35 @@ class Event(Msg):
     data: FreeForm = Field(default_factory=dict)
 
 
+class TrackSighting(Strict):
+    """``Event.data`` of ``track_started`` and ``track_ended`` (PROTOCOL.md "Tracks"): one track of the
+    event's camera, its first and last sighting (unix seconds, the frames' capture times) and its box
+    at the sighting the event is about (the first for a start, the last for an end)."""
+
+    track_id: Count
+    label: Label
+    class_id: Count
+    first_seen: float = Field(ge=0.0)
+    last_seen: float = Field(ge=0.0)
+    box: Box
+    frames: Count = 0  # detections matched to the track so far
+
+    @model_validator(mode="after")
+    def _in_order(self) -> TrackSighting:
+        if self.last_seen < self.first_seen:
+            raise ValueError("last_seen must not be before first_seen")
+        if not self.box.ordered:
+            raise ValueError("box must satisfy x0 <= x1 and y0 <= y1")
+        return self
+
+
+Score = Annotated[float, Field(ge=0.0, le=1.0)]
+# A camera's per-label score thresholds: at most one per label a model may have.
+LabelThresholds = Annotated[dict[Label, Score], Field(max_length=MAX_LABELS)]
+# The smallest box a camera keeps, as a fraction of its frame's area (0 keeps every box).
+BoxAreaFraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+
+
 class CameraReported(Strict):
     model: ShortText | None = None  # "name:version"
     sha256: Sha256 | None = None
@@ -585,6 +619,11 @@ class CameraReported(Strict):
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     labels: LabelList | None = None
+    # The per-label thresholds and the minimum box area in effect. An agent that knows them reports
+    # both while a model runs ({} and 0.0 when none), so None means an agent before them and the
+    # controller does not compare them. Left out of the JSON while unset.
+    label_thresholds: LabelThresholds | None = Field(default=None, exclude_if=_absent)
+    min_box_area: BoxAreaFraction | None = Field(default=None, exclude_if=_absent)
 
 
 class AgentUpdateState(OpenStrEnum):
@@ -657,6 +696,11 @@ class CameraDesired(Signed):
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     labels: LabelList | None = None  # keep only these labels; None keeps all
+    # Per label, the score a detection of it needs instead of ``threshold`` (PROTOCOL.md "Desired and
+    # reported state"); and the smallest box kept, as a fraction of the frame's area. Left out of the
+    # JSON (and so of the signed bytes) while unset, so a state without them is what older agents get.
+    label_thresholds: LabelThresholds | None = Field(default=None, exclude_if=_absent)
+    min_box_area: BoxAreaFraction | None = Field(default=None, exclude_if=_absent)
     # A pool camera (PROTOCOL.md "Pool cameras"): the device opens this source itself, and stops it
     # when a later state no longer names the camera. Credentials only as {secret:NAME} references,
     # resolved on the device. Absent for the cameras of the device's own configuration.
