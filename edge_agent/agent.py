@@ -55,6 +55,7 @@ from edge_agent.uplink.outbox import Outbox
 from edge_agent.uplink.publisher import Publisher
 from edge_agent.vision.capture import CameraWorker, SourceOpener
 from edge_agent.vision.pipeline import OUT_QUEUE_SIZE, DecodeFn, LoadedModel, Pipeline, PreprocessorFactory
+from edge_agent.vision.tracking import id_allocator, tracker_factory
 from fleet_protocol.codec import encode
 from fleet_protocol.messages import (
     Ack,
@@ -66,6 +67,7 @@ from fleet_protocol.messages import (
     FrameDetections,
     Message,
     Severity,
+    TrackSighting,
 )
 from fleet_protocol.signing import key_id, load_public_key
 from fleet_protocol.topics import TopicKind, Topics
@@ -256,6 +258,8 @@ class Agent:
                 backoff_min_s=inf.restart_backoff_min_s,
                 backoff_max_s=inf.restart_backoff_max_s,
             ),
+            tracker_factory=tracker_factory(settings.tracking, id_allocator()),
+            track_events_per_minute=settings.tracking.events_per_minute,
         )
 
         def request_chunks(req: ArtifactRequest) -> bool:
@@ -394,6 +398,7 @@ class Agent:
         # Backend faults on the inference path (see the module docstring).
         pipeline.watchdog.on_fatal = self._on_cuda_fatal
         pipeline.on_provider_fallback = self._on_provider_fallback
+        pipeline.on_track_event = self._on_track_event
 
         transport.set_callbacks(birth=self._birth, on_connected=self._on_connected, on_fatal=self._on_fatal)
         transport.on_message(TopicKind.TWIN_DESIRED, twin.on_message)
@@ -542,6 +547,15 @@ class Agent:
             )
         finally:
             self.stop_event.set()
+
+    def _on_track_event(self, kind: EventKind, camera: str, sighting: TrackSighting) -> None:
+        what = "started" if kind == EventKind.TRACK_STARTED else "ended"
+        self.publisher.emit_event(
+            kind,
+            camera=camera,
+            message=f"{sighting.label} track {sighting.track_id} {what}",
+            data=sighting.model_dump(mode="json"),
+        )
 
     def _on_provider_fallback(self, model: LoadedModel, fb: ProviderFallback) -> None:
         """ORT moved ``model``'s session to another provider during a run: one batch lost, the

@@ -12,7 +12,8 @@ thread, the only thread that loads models, one camera after another:
 
 - each model reference is checked against the artifact key first, even for the model already running:
   nothing of a refused state is fetched, loaded or applied;
-- a new threshold, FPS cap or label filter for the running model applies without a reload;
+- a new threshold, FPS cap, label filter, per-label thresholds or minimum box area for the running
+  model applies without a reload;
 - otherwise the file comes from the store or over the link (verified), is loaded and warmed up while
   the old model keeps serving (a TensorRT engine build can take minutes; its steps are reported through
   :class:`EngineBuilds`), and only then swapped in. A failure keeps the old model and is reported.
@@ -652,6 +653,8 @@ class Twin:
             threshold=cd.threshold if cd.threshold is not None else manifest.default_threshold,
             max_fps=cd.max_fps,
             labels=frozenset(cd.labels) if cd.labels is not None else None,
+            label_thresholds=dict(cd.label_thresholds or {}),
+            min_box_area=cd.min_box_area or 0.0,
         )
         # Before anything else, even for the model already running: a ref that does not check out
         # is not the controller's word, so nothing of it is fetched, loaded or applied.
@@ -715,6 +718,10 @@ class Twin:
             "threshold": params.threshold,
             "max_fps": params.max_fps,
             "labels": sorted(params.labels) if params.labels is not None else None,
+            # Always reported, {} and 0.0 when none: the controller tells this agent from one
+            # before these settings by them.
+            "label_thresholds": dict(sorted(params.label_thresholds.items())),
+            "min_box_area": params.min_box_area,
         }
 
     def _signature_problem(self, ref: ArtifactRef) -> str | None:

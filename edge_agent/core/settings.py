@@ -227,6 +227,24 @@ class UpdateConfig(_Strict):
     retry_max_s: float = Field(default=300.0, gt=0.0)
 
 
+class TrackingConfig(_Strict):
+    """Tracking per camera (edge_agent/vision/tracking.py; PROTOCOL.md "Tracks")."""
+
+    enabled: bool = True
+    confirm_frames: int = Field(default=3, ge=1, le=100)
+    """A track is confirmed, and its ``track_started`` sent and its id put on its detections, once it
+    was matched in this many inferred frames in a row: a detector that flickers for a frame or two
+    makes no event."""
+    lost_after_s: float = Field(default=2.0, gt=0.0, le=3600.0)
+    """A confirmed track not matched for this long (capture time) ends with ``track_ended``; until
+    then it coasts and an object seen again within it keeps its id (an occlusion, a missed frame)."""
+    match_iou: float = Field(default=0.1, gt=0.0, le=1.0)
+    """The least overlap (IoU) of a detection with a track's predicted box for the two to match."""
+    events_per_minute: int = Field(default=600, ge=1, le=60_000)
+    """Per camera, at most this many track events a minute (the budget refills continuously); a track
+    whose start is over it is tracked but neither its start nor its end is sent (logged, counted)."""
+
+
 class AgentSettings(_Strict):
     device_id: str
     mqtt_url: MqttEndpoint = Field(default_factory=lambda: MqttEndpoint(host="127.0.0.1"))
@@ -268,6 +286,7 @@ class AgentSettings(_Strict):
     outbox: OutboxConfig = Field(default_factory=OutboxConfig)
     artifacts: ArtifactConfig = Field(default_factory=ArtifactConfig)
     update: UpdateConfig = Field(default_factory=UpdateConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     artifact_public_key: str | None = None
     """The controller's Ed25519 artifact key (base64 of 32 bytes), from the enrollment answer or
     ``GET /api/v1/keys/artifacts``; ``EDGEFLEET_ARTIFACT_PUBLIC_KEY`` overrides it. With a key, every

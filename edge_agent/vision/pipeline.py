@@ -63,14 +63,17 @@ from edge_agent.inference.backend import (
 )
 from edge_agent.vision.capture import CameraWorker, Frame, smoothed
 from edge_agent.vision.inference_watchdog import FatalCallback, InferenceWatchdog, WatchdogCallback
+from edge_agent.vision.tracking import CameraTracking, Track, TrackerFactory, TrackEventFn
 from fleet_protocol.messages import (
     Box,
     CameraState,
     CameraStats,
     Detection,
+    EventKind,
     FrameDetections,
     InputSpec,
     ModelManifest,
+    TrackSighting,
 )
 
 log = logging.getLogger(__name__)
@@ -183,11 +186,32 @@ class LoadedModel:
 
 @dataclass(frozen=True)
 class CameraParams:
-    """What can change without a reload."""
+    """What can change without a reload.
+
+    A detection is kept when its label passes ``labels`` (None: every label), its score reaches its
+    label's entry of ``label_thresholds`` (else ``threshold``), and its box covers at least
+    ``min_box_area`` of the frame (a fraction, so one setting fits cameras of any resolution)."""
 
     threshold: float
     max_fps: float | None = None
     labels: frozenset[str] | None = None
+    label_thresholds: Mapping[str, float] = field(default_factory=dict)
+    min_box_area: float = 0.0
+
+    @property
+    def floor(self) -> float:
+        """The lowest score any label may be kept at: what the decoder must let through."""
+        return min([self.threshold, *self.label_thresholds.values()])
+
+    def keeps(self, det: Detection, frame_area: float) -> bool:
+        if self.labels is not None and det.label not in self.labels:
+            return False
+        if det.score < self.label_thresholds.get(det.label, self.threshold):
+            return False
+        if self.min_box_area > 0.0:
+            box = det.box
+            return (box.x1 - box.x0) * (box.y1 - box.y0) >= self.min_box_area * frame_area
+        return True
 
 
 @dataclass(eq=False)
@@ -252,13 +276,17 @@ class Pipeline:
         on_fatal: FatalCallback | None = None,
         on_provider_fallback: FallbackCallback | None = None,
         workers: int = 1,
+        tracker_factory: TrackerFactory | None = None,
+        track_events_per_minute: int = 600,
     ) -> None:
         """``workers``: inference threads; each serves a fixed share of the cameras (camera i: worker
         i mod workers; a camera added later: the worker with the fewest), so one camera's frames stay
         in order. ``out`` None: a fresh queue of OUT_QUEUE_SIZE (the agent passes its own, built before the
         publisher that drains it). ``hang_timeout_s`` None: no watchdog. ``restart_limiter`` default: 3
         restarts in 10 min, then retries 10 s doubling to 10 min. ``on_fatal`` (also settable later as
-        ``watchdog.on_fatal``) gets a CudaFatalError once; ``on_provider_fallback`` a ProviderFallback."""
+        ``watchdog.on_fatal``) gets a CudaFatalError once; ``on_provider_fallback`` a ProviderFallback.
+        ``tracker_factory`` makes each camera's tracker (None: no tracking, no track ids); its events go
+        to :attr:`on_track_event`, at most ``track_events_per_minute`` a camera."""
         if preprocessor_factory is None:
             from fleet_protocol.vision.preprocess import Preprocessor
 
@@ -289,6 +317,13 @@ class Pipeline:
         self._lane_ms: dict[str, float] = {}
         self._error_log_at = 0.0
         self.on_provider_fallback = on_provider_fallback
+        # Tracking (edge_agent/vision/tracking.py): a camera's tracker lives while it runs one model
+        # from one source; the map is replaced whole, like ``cameras``.
+        self._tracker_factory = tracker_factory
+        self._track_events_per_minute = track_events_per_minute
+        self._tracking: dict[str, CameraTracking] = {}
+        self.on_track_event: TrackEventFn | None = None
+        self._expired_at = 0.0
         # Prepare -> inference, one queue per worker. Drop policy: none; the prepare thread waits (see
         # HandoffQueue), and prepares only for workers with room, so one busy worker never holds
         # frames back from an idle one.
@@ -361,6 +396,9 @@ class Pipeline:
             st = self._stats.get(camera)
             if st is not None and st.window.model is not model:
                 st.window = _ModelWindow(model=model)
+        if old is None or old[0] is not model:
+            # Another model's boxes are no continuation of the old one's tracks.
+            self._restart_tracking(camera, keep=True)
         cam = self.cameras.get(camera)
         if cam is not None:
             cam.use_preprocessor(model.manifest.input, self._preprocessor_factory)
@@ -388,10 +426,62 @@ class Pipeline:
             if camera in self._stats:
                 # A camera that runs no model reports no inference latency.
                 self._stats[camera].window = _ModelWindow()
+        self._restart_tracking(camera, keep=False)
 
     def _retire_if_unused(self, model: LoadedModel | None) -> None:
         if model is not None and all(m is not model for m, _ in self._slots.values()):
             self._retired.append(model)
+
+    # ------------------------------------------------------------------ tracking
+
+    def tracks(self, camera: str) -> list[Track]:
+        """The confirmed tracks of ``camera`` alive now (none without tracking)."""
+        with self._lock:
+            tracks = self._tracking.get(camera)
+        return tracks.tracks() if tracks is not None else []
+
+    def coast(self, camera: str, at: float) -> None:
+        """A frame of ``camera`` captured at ``at`` that is not inferred: its tracks move on by
+        prediction alone."""
+        with self._lock:
+            tracks = self._tracking.get(camera)
+        if tracks is not None:
+            tracks.coast(at)
+
+    def _restart_tracking(self, camera: str, *, keep: bool) -> None:
+        """End ``camera``'s tracks (events sent) and, with ``keep``, give it a fresh tracker."""
+        fresh = None
+        if keep and self._tracker_factory is not None:
+            fresh = CameraTracking(
+                camera,
+                self._tracker_factory(),
+                self._send_track_event,
+                events_per_minute=self._track_events_per_minute,
+            )
+        with self._lock:
+            old = self._tracking.get(camera)
+            tracking = {c: t for c, t in self._tracking.items() if c != camera}
+            if fresh is not None:
+                tracking[camera] = fresh
+            self._tracking = tracking
+        if old is not None:
+            old.close()
+
+    def _expire_tracks(self) -> None:
+        """End the tracks of cameras whose frames stopped coming (about once a second)."""
+        now = time.time()
+        if now - self._expired_at < 1.0:
+            return
+        self._expired_at = now
+        with self._lock:
+            tracking = list(self._tracking.values())
+        for tracks in tracking:
+            tracks.expire(now)
+
+    def _send_track_event(self, kind: EventKind, camera: str, sighting: TrackSighting) -> None:
+        callback = self.on_track_event
+        if callback is not None:
+            callback(kind, camera, sighting)
 
     # ------------------------------------------------------------------ cameras at run time
 
@@ -481,6 +571,8 @@ class Pipeline:
         watchdog marked failed is tried again at once."""
         for cam in self.cameras.values():
             cam.reopen()
+        for camera in list(self._tracking):
+            self._restart_tracking(camera, keep=True)
         with self._lock:
             # Fresh counters, and fresh windows still bound to the model each camera runs.
             running = {c: m for c, (m, _) in self._slots.items()}
@@ -582,6 +674,7 @@ class Pipeline:
                 continue
             self._wake.wait(0.1)
             self._wake.clear()
+            self._expire_tracks()
             try:
                 for worker, prepared in self._prepare_round(ready):
                     if not self._prepared[worker].put(prepared, self._stop):
@@ -706,7 +799,7 @@ class Pipeline:
                 outputs = backend.run(prepared.batch)
                 t1 = time.perf_counter()
                 cpu1 = time.thread_time()
-                threshold = min(p.threshold for _, p in items)
+                threshold = min(p.floor for _, p in items)
                 decoded = self._decode(model.manifest, outputs, metas, threshold)
                 cpu2 = time.thread_time()
             except CudaFatalError:
@@ -741,10 +834,19 @@ class Pipeline:
             model.cost.add(len(items), run_ms, cpu_ms)
             self._lane_ms[variant] = self._lane_ms.get(variant, 0.0) + run_ms
         labels = model.manifest.labels
+        with self._lock:
+            tracking = self._tracking
         for (frame, params), raws, meta in zip(items, decoded, metas, strict=True):
-            dets = [d for d in (_detection(r, labels) for r in raws if r.score >= params.threshold) if d]
-            if params.labels is not None:
-                dets = [d for d in dets if d.label in params.labels]
+            area = float(meta.width) * float(meta.height)
+            floor = params.floor
+            dets = [
+                d
+                for d in (_detection(r, labels) for r in raws if r.score >= floor)
+                if d is not None and params.keeps(d, area)
+            ][:1000]
+            tracks = tracking.get(frame.camera)
+            if tracks is not None:
+                dets = tracks.update(dets, frame.captured_at)
             result = FrameDetections(
                 camera=frame.camera,
                 frame=frame.index,
@@ -753,7 +855,7 @@ class Pipeline:
                 height=int(meta.height),
                 model=model.key,
                 inference_ms=round(ms, 3),
-                detections=dets[:1000],
+                detections=dets,
             )
             st = stats.get(frame.camera)
             if st is None:

@@ -12,6 +12,7 @@ import numpy as np
 from edge_agent.core.settings import CameraConfig
 from edge_agent.vision.capture import CameraWorker, SourceOpener
 from edge_agent.vision.pipeline import Pipeline, PreprocessorFactory
+from edge_agent.vision.tracking import TrackerFactory
 from fleet_protocol.messages import FrameDetections, InputSpec, ModelManifest
 
 SHA_A = "a" * 64
@@ -111,10 +112,12 @@ def make_pipeline(
     preprocessor_factory: PreprocessorFactory | None = None,
     opener: SourceOpener | None = None,
     start: bool = True,
+    tracker_factory: TrackerFactory | None = None,
 ) -> Pipeline:
     """``recorded``: the cameras play files at the pipeline's pace (realtime: false), so no frame is
     dropped; otherwise they are live cameras far faster than the model. ``opener``: the cameras'
-    sources (default: endless fake frames). ``start``: started before it is returned."""
+    sources (default: endless fake frames). ``start``: started before it is returned.
+    ``tracker_factory``: the cameras' trackers (default: no tracking)."""
     wake = threading.Event()
     cams = [
         CameraWorker(
@@ -137,6 +140,7 @@ def make_pipeline(
         max_batch=4,
         workers=workers,
         preprocessor_factory=preprocessor_factory,
+        tracker_factory=tracker_factory,
     )
     if start:
         p.start()

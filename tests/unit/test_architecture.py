@@ -72,6 +72,9 @@ OPTIONAL_IMPORTS: dict[str, tuple[str, ...]] = {
     "tensorrt": ("edge_agent.inference", "edge_agent.device"),
     "cuda": ("edge_agent.inference",),
     "pynvml": ("edge_agent.device",),
+    # The tracker and what it is built on (edge_agent/vision/tracking.py imports them when it makes one).
+    "trackers": ("edge_agent.vision",),
+    "supervision": ("edge_agent.vision",),
     "cv2": (
         "edge_agent.vision",
         "edge_agent.control.commands",
