@@ -14,6 +14,7 @@ from controller.api import (
     assignments,
     deployments,
     detections,
+    device_commands,
     devices,
     events,
     fleet,
@@ -22,12 +23,14 @@ from controller.api import (
     pages,
     pools,
     tokens,
+    whoami,
 )
 from controller.api.errors import register_error_handlers
 
 ROUTERS = (
     fleet.router,
     devices.router,
+    device_commands.router,
     assignments.router,
     model_versions.router,
     agent_packages.router,
@@ -36,6 +39,7 @@ ROUTERS = (
     detections.router,
     events.router,
     tokens.router,
+    whoami.router,
     pages.router,
 )
 
