@@ -168,10 +168,10 @@ class ControllerRuntime:
             stop=self.stop_event,
             leadership=self.leadership,
         )
-        self.rollouts = RolloutService(
-            self.engine, self.twin, stop=self.stop_event, leadership=self.leadership
-        )
         self.pools = PoolService(self.engine, on_placed=self.twin.recompute_many)
+        self.rollouts = RolloutService(
+            self.engine, self.twin, stop=self.stop_event, leadership=self.leadership, pools=self.pools
+        )
         self.pool_replanner: PoolReplanner | None = None
         if settings.pool_replan_interval_s > 0:
             self.pool_replanner = PoolReplanner(

@@ -438,6 +438,29 @@ class RolloutDevice(SQLModel, table=True):
     reason: str | None = None
 
 
+class RolloutCamera(SQLModel, table=True):
+    """A pool camera admitted to a rollout: the unit of its waves for cameras that move between devices
+    (``controller/fleet/gate.py``). ``device_id`` is the device that analyses it now ("" none); a move
+    while it is judged starts its judgement again there (``soak_restarts``)."""
+
+    __tablename__ = "rollout_camera"
+
+    rollout_id: int = Field(foreign_key="rollout.id", primary_key=True)
+    pool: str = Field(primary_key=True, max_length=64)
+    camera: str = Field(primary_key=True, max_length=64)
+    device_id: str = Field(default="", max_length=64)
+    wave: int
+    # A MemberState, as RolloutDevice.state.
+    state: str = Field(default=MemberState.APPLYING, max_length=16)
+    target_version: int | None = None
+    baseline_fps: float | None = None
+    baseline_latency_ms: float | None = None
+    admitted_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    settled_at: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    soak_restarts: int = Field(default=0)
+    reason: str | None = None
+
+
 # --------------------------------------------------------------------------- API tokens
 
 
@@ -606,3 +629,7 @@ class PoolPlacement(SQLModel, table=True):
     # reports it running (``controller/fleet/pools.py``, handovers).
     handover_from: str | None = Field(default=None, max_length=64)
     handover_since: datetime | None = Field(default=None, sa_type=UtcDateTime)
+    # The canary variant ("model/version") a rollout wants for the camera, admitted here because its
+    # cost fits; ``canary_held``: why the plan did not admit the one wanted (``placement.Plan``).
+    canary: str | None = Field(default=None, max_length=129)
+    canary_held: str | None = Field(default=None)

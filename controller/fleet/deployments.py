@@ -12,6 +12,13 @@ A deployment applies to a device when its selector matches the device's labels a
 A deployment of kind ``agent`` carries an agent version instead of a model: the same
 selector, states and rollout, but it makes the device's agent layer (:func:`agent_layer`), not a
 camera's.
+
+A camera of a pool (``controller.fleet.pools``) that a deployment names by id is the deployment's
+target wherever its pool places it, whatever the selector (which chooses devices for the devices'
+own cameras): the rollout admits the camera itself (``rollout_camera``), so the layer follows the
+camera from device to device (:func:`pool_camera_layers`), and the pool's plan admits the new version
+on the device only where its cost fits (``pool_placement.canary``). A deployment that names only pool
+cameras has no device member.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from controller.db.states import DeploymentState, DeviceStatus, MemberState
-from controller.db.tables import Deployment, Device, Rollout, RolloutDevice
+from controller.db.tables import Deployment, Device, PoolCamera, Rollout, RolloutCamera, RolloutDevice
 from controller.fleet.selectors import Op, Requirement, Selector, SelectorError, parse_selector
 
 APPLIED_STATES = (DeploymentState.ACTIVE, DeploymentState.ROLLING_OUT, DeploymentState.CANCELLED)
@@ -250,3 +257,102 @@ def matching_devices(s: Session, dep: Deployment, *, exclude: Iterable[str] = ()
         .order_by(col(Device.id))
     )
     return [d for d in s.exec(q).all() if d.id not in skip and sel.matches(d.labels or {})]
+
+
+# --------------------------------------------------------------------------- pool cameras
+
+
+def named_cameras(dep: Deployment) -> set[str]:
+    """The camera ids a deployment names one by one (not ``*``)."""
+    return {str(e["camera"]) for e in dep.cameras or [] if e.get("camera", ANY_CAMERA) != ANY_CAMERA}
+
+
+def pool_targets(s: Session, dep: Deployment) -> list[PoolCamera]:
+    """The pool cameras a model deployment names, by pool and camera."""
+    named = named_cameras(dep)
+    if dep.kind == AGENT_KIND or not named:
+        return []
+    q = select(PoolCamera).where(col(PoolCamera.camera).in_(sorted(named)))
+    return list(s.exec(q.order_by(col(PoolCamera.pool), col(PoolCamera.camera))).all())
+
+
+def covers_device_cameras(dep: Deployment, pool_cameras: Iterable[PoolCamera]) -> bool:
+    """Whether the deployment reaches the devices' own cameras too: a ``*`` entry, or a named camera
+    that is no pool's. Without, its rollout has no device member."""
+    if dep.kind == AGENT_KIND:
+        return True
+    entries = dep.cameras or [{"camera": ANY_CAMERA}]
+    if any(e.get("camera", ANY_CAMERA) == ANY_CAMERA for e in entries):
+        return True
+    return bool(named_cameras(dep) - {c.camera for c in pool_cameras})
+
+
+def device_targets(s: Session, dep: Deployment, *, exclude: Iterable[str] = ()) -> list[Device]:
+    """The devices a deployment's rollout may admit: those its selector matches, when it reaches the
+    devices' own cameras at all."""
+    if not covers_device_cameras(dep, pool_targets(s, dep)):
+        return []
+    return matching_devices(s, dep, exclude=exclude)
+
+
+def pool_camera_ids(s: Session, deployments: Iterable[Deployment]) -> set[str]:
+    """Of the cameras these deployments name one by one, those some pool declares."""
+    named = set().union(*(named_cameras(d) for d in deployments if d.kind != AGENT_KIND))
+    if not named:
+        return set()
+    return set(s.exec(select(PoolCamera.camera).where(col(PoolCamera.camera).in_(sorted(named)))).all())
+
+
+def pool_camera_layers(
+    s: Session, deployments: Iterable[Deployment], cameras: Iterable[tuple[str, str]]
+) -> dict[tuple[str, str], Layer]:
+    """Per (pool, camera): the layer of the deployment that wants the camera, if any. A deployment
+    that names it applies to it when ``active``, while ``rolling_out`` once its rollout admitted the
+    camera (applying or active), when ``cancelled`` if the camera had become active; the highest
+    priority, then the newer, wins."""
+    wanted = set(cameras)
+    deps = [d for d in deployments if d.kind != AGENT_KIND and d.state in APPLIED_STATES and named_cameras(d)]
+    if not wanted or not deps:
+        return {}
+    admitted: dict[tuple[int, str, str], str] = {}
+    if any(d.state != DeploymentState.ACTIVE for d in deps):
+        q = (
+            select(Rollout.deployment_id, RolloutCamera.pool, RolloutCamera.camera, RolloutCamera.state)
+            .join(RolloutCamera, col(RolloutCamera.rollout_id) == col(Rollout.id))
+            .where(col(RolloutCamera.camera).in_(sorted({c for _, c in wanted})))
+        )
+        admitted = {(int(i), p, c): str(st) for i, p, c, st in s.exec(q).all()}
+    out: dict[tuple[str, str], Layer] = {}
+    for dep in sorted(deps, key=lambda x: (x.priority, x.id or 0)):
+        entries = {str(e.get("camera")): e for e in dep.cameras or []}
+        for pool, cam in sorted(wanted):
+            e = entries.get(cam)
+            if e is None:
+                continue
+            state = admitted.get((dep.id or -1, pool, cam))
+            if dep.state == DeploymentState.ROLLING_OUT and state not in ADMITTED:
+                continue
+            if dep.state == DeploymentState.CANCELLED and state != MemberState.ACTIVE:
+                continue
+            out[(pool, cam)] = Layer(
+                source="deployment",
+                deployment_id=dep.id,
+                deployment=dep.name,
+                model=dep.model,
+                version=dep.version,
+                pin=dep.variant,
+                threshold=e.get("threshold"),
+                max_fps=e.get("max_fps"),
+                labels=e.get("labels"),
+            )
+    return out
+
+
+def rollout_cameras(s: Session, rollout_id: int) -> list[RolloutCamera]:
+    return list(
+        s.exec(
+            select(RolloutCamera)
+            .where(col(RolloutCamera.rollout_id) == rollout_id)
+            .order_by(col(RolloutCamera.wave), col(RolloutCamera.pool), col(RolloutCamera.camera))
+        ).all()
+    )

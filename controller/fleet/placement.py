@@ -271,6 +271,11 @@ class Plan:
     canary_held: Mapping[str, str] = field(default_factory=dict)
 
 
+def variant_key(model: str, version: str) -> str:
+    """The planner's variant: a model version, as costs are keyed."""
+    return f"{model}/{version}"
+
+
 def _floor_fps(x: float) -> float:
     return round(math.floor(x * FPS_STEPS + 1e-9) / FPS_STEPS, 2)
 

@@ -21,6 +21,12 @@ Besides the operator's changes, the leader replans every pool on its own (:class
 loses cameras, and failback happens after its dwell, without waiting for the next change. A round
 that would change nothing writes nothing, so a quiet fleet costs one read per pool a round.
 
+Rollouts act on pool cameras one camera at a time (``controller.fleet.deployments``): the variant a
+deployment wants for a camera is the camera's canary, which the plan admits where the camera runs only
+if its cost fits (``pool_placement.canary``), and otherwise holds with the reason
+(``pool_placement.canary_held``, and the live plan's ``canary_held``); the twin gives a camera the
+deployment's version only once its placement admitted it.
+
 What consumes the placements next, not done here: the agents' desired state, which must carry each
 device's pool cameras (source, model, FPS) so that a placement really starts and stops a camera
 (make-before-break for planned moves). Until then the placements are computed and recorded, and
@@ -63,6 +69,7 @@ from controller.db.tables import (
 )
 from controller.errors import ConflictError, InvalidError, NotFoundError
 from controller.fleet import placement
+from controller.fleet.deployments import applied_deployments, pool_camera_layers
 from controller.fleet.selectors import Selector, SelectorError, parse_selector
 from controller.types import NO_NUL_PATTERN, CameraId, DeviceId, Name, valid_id
 from fleet_protocol.sources import MAX_SOURCE_LEN, SECRET_REF, SOURCE_SCHEMES
@@ -271,6 +278,7 @@ class PlacedCamera:
     model: str
     version: str
     fps: float
+    canary: str | None = None  # the canary variant its placement admitted ("model/version")
 
 
 def placed_on(s: Session, device_id: str) -> dict[str, PlacedCamera]:
@@ -304,7 +312,9 @@ def placed_on(s: Session, device_id: str) -> dict[str, PlacedCamera]:
                 kept.pool,
             )
             continue
-        out[cam.camera] = PlacedCamera(cam.pool, cam.camera, cam.source, cam.model, cam.version, where.fps)
+        out[cam.camera] = PlacedCamera(
+            cam.pool, cam.camera, cam.source, cam.model, cam.version, where.fps, where.canary
+        )
     return out
 
 
@@ -339,9 +349,7 @@ def probe_for(s: Session, dev: Device, *, limit: int) -> dict[str, str]:
 # --------------------------------------------------------------------------- the snapshot
 
 
-def variant_key(model: str, version: str) -> str:
-    """The planner's variant: a model version, as costs are keyed."""
-    return f"{model}/{version}"
+variant_key = placement.variant_key
 
 
 def _variant(value: Any) -> str | None:
@@ -505,9 +513,10 @@ def build_site(
     recent_moves: Sequence[float],
     now: float,
     fail: frozenset[str] = frozenset(),
+    canaries: Mapping[str, str] | None = None,
 ) -> tuple[placement.Site, dict[str, Member]]:
     """The planner's snapshot of a pool (pure): ``devices`` are its members, ``fail`` those to take as
-    offline whatever they report (a dry run)."""
+    offline whatever they report (a dry run), ``canaries`` the variant a rollout wants per camera."""
     members: dict[str, Member] = {}
     planned: list[placement.Device] = []
     costs: dict[tuple[str, str], placement.Cost] = {}
@@ -562,7 +571,7 @@ def build_site(
                 unreached.setdefault(cam_id, set()).add(dev.id)
     declared = {cam.camera for cam in cameras}
     current = {
-        cam: placement.Placement(p.device_id, p.fps, _epoch(p.since))
+        cam: placement.Placement(p.device_id, p.fps, _epoch(p.since), p.canary)
         for cam, p in placements.items()
         if cam in declared
     }
@@ -584,6 +593,7 @@ def build_site(
                 spread_group=cam.spread_group,
                 prefer=cam.prefer,
                 pin=cam.pin,
+                canary=(canaries or {}).get(cam.camera),
             )
         )
     site = placement.Site(
@@ -604,11 +614,13 @@ def build_site(
     return site, members
 
 
-def _priors(s: Session, cameras: Iterable[PoolCamera]) -> dict[str, placement.Cost]:
-    """Per model version of the pool: the controller's slowest measured variant (single thread, on its
-    own CPU), else the default."""
+def _priors(
+    s: Session, cameras: Iterable[PoolCamera], also: Iterable[tuple[str, str]] = ()
+) -> dict[str, placement.Cost]:
+    """Per model version of the pool (and ``also``, the canaries wanted): the controller's slowest
+    measured variant (single thread, on its own CPU), else the default."""
     out: dict[str, placement.Cost] = {}
-    for model, version in {(c.model, c.version) for c in cameras}:
+    for model, version in {(c.model, c.version) for c in cameras} | set(also):
         figures: list[float] = []
         mv = crud.get_model_version(s, name=model, version=version)
         if mv is not None and mv.id is not None:
@@ -652,16 +664,24 @@ def load_snapshot(s: Session, pool: Pool, *, now: float, fail: Iterable[str] = (
     except SelectorError:  # refused when declared: only a hand-edited row gets here
         selector = None
     devices = matching(crud.list_devices(s), selector) if selector is not None else []
+    wanted = pool_camera_layers(s, applied_deployments(s), [(pool.name, c.camera) for c in cameras])
+    canaries = {
+        cam.camera: variant_key(layer.model, layer.version)
+        for cam in cameras
+        if (layer := wanted.get((pool.name, cam.camera))) is not None
+        and (layer.model, layer.version) != (cam.model, cam.version)
+    }
     site, members = build_site(
         pool,
         cameras,
         devices,
         holds,
         stored,
-        priors=_priors(s, cameras),
+        priors=_priors(s, cameras, {(layer.model, layer.version) for layer in wanted.values()}),
         recent_moves=_recent_moves(s, pool.name, now),
         now=now,
         fail=frozenset(fail),
+        canaries=canaries,
     )
     return Snapshot(pool, cameras, members, stored, site)
 
@@ -702,9 +722,19 @@ def _unchanged(snap: Snapshot, plan: placement.Plan) -> bool:
     at the same FPS as stored."""
     if plan.moves or set(plan.placements) != set(snap.placements):
         return False
-    return all(
-        (snap.placements[cam].device_id, snap.placements[cam].fps) == (p.device, p.fps)
-        for cam, p in plan.placements.items()
+    return all(_same(snap.placements[cam], p, plan) for cam, p in plan.placements.items())
+
+
+def _same(row: PoolPlacement, p: placement.Placement, plan: placement.Plan) -> bool:
+    """Whether the stored row says what the plan does of its camera. Only whether a canary is held is
+    compared, not the why: its figures follow every heartbeat, and a row rewritten for them would cost
+    a write a round."""
+    held = plan.canary_held.get(row.camera)
+    return (row.device_id, row.fps, row.canary, row.canary_held is not None) == (
+        p.device,
+        p.fps,
+        p.canary,
+        held is not None,
     )
 
 
@@ -1139,13 +1169,14 @@ class PoolService:
                 row = PoolPlacement(
                     pool=pool.name, camera=cam, device_id=p.device, fps=p.fps, since=_at(p.since)
                 )
-            elif (found.device_id, found.fps) == (p.device, p.fps):
+            elif _same(found, p, plan):
                 continue
             else:
                 row = found
                 row.device_id, row.fps = p.device, p.fps
                 if abs(_epoch(row.since) - p.since) > 1e-3:
                     row.since = _at(p.since)
+            row.canary, row.canary_held = p.canary, plan.canary_held.get(cam)
             s.add(row)
         stamp = _at(now)  # the moves' time is the plan's: a new placement's since is the same instant
         rows = {p.camera: p for p in snap.placements.values()}

@@ -1,4 +1,11 @@
-"""Rollouts: waves of devices, each wave's health gate, automatic rollback; restart-safe.
+"""Rollouts: waves of devices and pool cameras, each wave's health gate, automatic rollback;
+restart-safe.
+
+A pool camera the deployment names is a member of its own (``rollout_camera``), whichever device runs
+it: admitted, it is the pool's canary, which the pool's plan admits where its cost fits (the service
+replans the pools it touched at once, and the leader's replan keeps at it); a move while it is judged
+starts its judgement again on the new device, with a ``rollout_soak_restarted`` event that says from
+where, to where and why.
 
 ``controller.fleet.gate.step`` is the pure decision function over a snapshot (the rollout, its
 members, the devices) and the time; ``RolloutService`` here loads the snapshot from the database, applies the actions in one
@@ -20,27 +27,44 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from controller.db import crud
-from controller.db.leader import ALWAYS_LEADER, LeaderLoop, Leadership
+from controller.db.leader import ALWAYS_LEADER, FencedOut, LeaderLoop, Leadership
 from controller.db.states import LIVE_ROLLOUT_STATES, DeploymentState, DeviceStatus, MemberState, RolloutState
-from controller.db.tables import Deployment, Device, Event, HealthSample, Rollout, RolloutDevice, utcnow
+from controller.db.tables import (
+    SOURCE_CONTROLLER,
+    Deployment,
+    Device,
+    Event,
+    HealthSample,
+    PoolPlacement,
+    Rollout,
+    RolloutCamera,
+    RolloutDevice,
+    utcnow,
+)
 from controller.errors import ConflictError, ControllerError, InvalidError, NotFoundError
 from controller.fleet.deployments import (
     AGENT_HEALTH_TIMEOUT_S,
     AGENT_KIND,
+    covers_device_cameras,
+    device_targets,
     get_deployment,
     matches,
-    matching_devices,
+    pool_targets,
+    rollout_cameras,
     rollout_devices,
 )
 from controller.fleet.gate import (
     DEFAULT_WAVES,
     Admit,
+    AdmitCamera,
     Advance,
+    CameraTarget,
     DeviceView,
     Finish,
     GateConfig,
     GateResult,
     MemberView,
+    Moved,
     RolloutView,
     Settle,
     WatchdogStep,
@@ -48,6 +72,8 @@ from controller.fleet.gate import (
     plan_waves,
     step,
 )
+from controller.fleet.placement import variant_key
+from controller.fleet.pools import EVENT_MOVED, PoolService
 from controller.fleet.selectors import SelectorError, parse_selector
 from controller.fleet.twin import TwinService
 from controller.registry.agent_packages import get_package
@@ -56,8 +82,11 @@ from fleet_protocol.messages import EventKind
 
 log = logging.getLogger(__name__)
 
+EVENT_SOAK_RESTARTED = "rollout_soak_restarted"
 TICK_S = 1.0
 _IN_CHUNK = 500  # device ids per IN (...) list: far below every driver's parameter limit
+# In the sets of devices an operator's action touches: a pool to replan (a device id holds no "/").
+POOL_MARK = "pool/"
 # Members a cancel or a delete reverts: the ones not active yet.
 _NOT_ACTIVE_YET = (MemberState.PENDING, MemberState.APPLYING)
 
@@ -228,19 +257,95 @@ def member_view(m: RolloutDevice) -> MemberView:
     )
 
 
-def rollout_view(ro: Rollout, dep: Deployment, members: Sequence[RolloutDevice]) -> RolloutView:
+def camera_member_view(m: RolloutCamera) -> MemberView:
+    return MemberView(
+        device_id=m.device_id,
+        wave=m.wave,
+        state=m.state,
+        admitted_at=_ts(m.admitted_at) or 0.0,
+        cameras=(m.camera,),
+        target_version=m.target_version,
+        baseline_fps=m.baseline_fps,
+        settled_at=_ts(m.settled_at),
+        reason=m.reason,
+        baseline_latency_ms=m.baseline_latency_ms,
+        pool=m.pool,
+        camera=m.camera,
+        soak_restarts=m.soak_restarts,
+    )
+
+
+def camera_targets(
+    s: Session, dep: Deployment, moved_of: Sequence[tuple[str, str]] = ()
+) -> dict[str, CameraTarget]:
+    """Every pool camera the deployment names, as the stored plans place it; for ``moved_of`` (pool,
+    camera) also the reason of its last move."""
+    cams = pool_targets(s, dep)
+    if not cams:
+        return {}
+    rows = {
+        (p.pool, p.camera): p
+        for p in s.exec(
+            select(PoolPlacement).where(col(PoolPlacement.camera).in_(sorted({c.camera for c in cams})))
+        )
+    }
+    want = variant_key(dep.model, dep.version)
+    out: dict[str, CameraTarget] = {}
+    for c in cams:
+        row = rows.get((c.pool, c.camera))
+        moved = _last_move(s, c.pool, c.camera) if (c.pool, c.camera) in moved_of else None
+        t = CameraTarget(
+            pool=c.pool,
+            camera=c.camera,
+            device=row.device_id if row is not None else None,
+            admitted=row is not None and want in (row.canary, variant_key(c.model, c.version)),
+            held=row.canary_held if row is not None else None,
+            moved=moved,
+        )
+        out[t.key] = t
+    return out
+
+
+def _last_move(s: Session, pool: str, camera: str) -> str | None:
+    """The reason of the camera's newest ``camera_moved`` event."""
+    q = (
+        select(Event.data)
+        .where(
+            col(Event.kind) == EVENT_MOVED,
+            col(Event.camera) == camera,
+            col(Event.data)["pool"].as_string() == pool,
+        )
+        .order_by(col(Event.ts).desc(), col(Event.id).desc())
+        .limit(1)
+    )
+    data = s.exec(q).first()
+    reason = (data or {}).get("reason") if isinstance(data, dict) else None
+    return reason if isinstance(reason, str) else None
+
+
+def rollout_view(
+    ro: Rollout,
+    dep: Deployment,
+    members: Sequence[RolloutDevice],
+    cameras: Sequence[RolloutCamera] = (),
+    targets: Mapping[str, CameraTarget] | None = None,
+    devices_targeted: bool = True,
+) -> RolloutView:
     waves = list(ro.waves or [])
+    views = [*(member_view(m) for m in members), *(camera_member_view(m) for m in cameras)]
     return RolloutView(
         state=ro.state,
         model=f"{dep.model}:{dep.version}",
         plan=tuple(ro.plan or ()),
         current_wave=ro.current_wave,
         gate=GateConfig.model_validate(ro.gate or {}),
-        members={m.device_id: member_view(m) for m in members},
+        members={v.key: v for v in views},
         gated_waves=frozenset(int(g["wave"]) for g in ro.gates or [] if g.get("passed")),
         admit_all_in_last=bool(waves) and str(waves[-1]).strip() == "100%",
         agent_version=dep.agent_version if dep.kind == AGENT_KIND else None,
         agent_health_timeout_s=dep.agent_health_timeout_s or AGENT_HEALTH_TIMEOUT_S,
+        targets=dict(targets or {}),
+        devices_targeted=devices_targeted,
     )
 
 
@@ -272,9 +377,13 @@ class RolloutService:
         stop: threading.Event,
         tick_s: float = TICK_S,
         leadership: Leadership = ALWAYS_LEADER,
+        pools: PoolService | None = None,
     ):
+        """``pools``: replans the pools whose cameras a tick admitted or sent back, so that their plans
+        admit or drop the canaries at once (without, the leader's periodic replan does, later)."""
         self._engine = engine
         self._twin = twin
+        self._pools = pools
         self._leadership = leadership
         self._lock = threading.Lock()
         self._loop = LeaderLoop(
@@ -316,6 +425,7 @@ class RolloutService:
     def _tick_one(self, rollout_id: int) -> None:
         self._fill_targets(rollout_id)
         touched: set[str] = set()
+        pools: set[str] = set()
         now = self.clock()
         with Session(self._engine) as s:
             ro = _locked_rollout(s, rollout_id=rollout_id)
@@ -324,25 +434,43 @@ class RolloutService:
             dep = s.get(Deployment, ro.deployment_id)
             assert dep is not None
             members = {m.device_id: m for m in rollout_devices(s, rollout_id)}
-            # Only the devices the step can look at: the members, and the devices that match while
-            # the current wave is still to be admitted (never the whole fleet).
+            cams = {f"{c.pool}/{c.camera}": c for c in rollout_cameras(s, rollout_id)}
+            # The reason of a move is read only for the cameras that moved since the last tick.
+            placed = {
+                (p.pool, p.camera): p.device_id
+                for p in s.exec(
+                    select(PoolPlacement).where(
+                        col(PoolPlacement.camera).in_(sorted({c.camera for c in cams.values()}))
+                    )
+                )
+            }
+            moved_of = [
+                (c.pool, c.camera) for c in cams.values() if placed.get((c.pool, c.camera), "") != c.device_id
+            ]
+            targets = camera_targets(s, dep, moved_of)
+            covered = covers_device_cameras(dep, pool_targets(s, dep))
+            # Only the devices the step can look at: the members, the devices that run their cameras,
+            # and the devices that match while the current wave is still to be admitted (never the
+            # whole fleet).
+            every: list[RolloutDevice | RolloutCamera] = [*members.values(), *cams.values()]
             admitting = (
                 ro.state == RolloutState.RUNNING
                 and ro.current_wave < len(ro.plan or [])
-                and not any(m.wave == ro.current_wave for m in members.values())
+                and not any(m.wave == ro.current_wave for m in every)
             )
-            loaded = crud.devices_by_ids(s, device_ids=members)
-            if admitting:
-                loaded += matching_devices(s, dep, exclude=members)
-            watched = {
-                m.device_id: m.admitted_at
-                for m in members.values()
-                if m.admitted_at is not None
-                and (
-                    m.state == MemberState.APPLYING
-                    or (m.state == MemberState.ACTIVE and m.wave == ro.current_wave)
-                )
-            }
+            ids = set(members) | {c.device_id for c in cams.values() if c.device_id}
+            ids |= {t.device for t in targets.values() if t.device}
+            loaded = crud.devices_by_ids(s, device_ids=ids)
+            if admitting and covered:
+                loaded += device_targets(s, dep, exclude=ids)
+            watched: dict[str, datetime] = {}
+            for m in every:
+                if m.admitted_at is None or not m.device_id:
+                    continue
+                if m.state == MemberState.APPLYING or (
+                    m.state == MemberState.ACTIVE and m.wave == ro.current_wave
+                ):
+                    watched[m.device_id] = min(m.admitted_at, watched.get(m.device_id, m.admitted_at))
             steps = watchdog_steps_since(s, watched)
             builds = build_activity_since(s, watched, f"{dep.model}:{dep.version}")
             devices = {
@@ -355,7 +483,8 @@ class RolloutService:
                 )
                 for d in loaded
             }
-            actions = step(rollout_view(ro, dep, list(members.values())), devices, now)
+            view = rollout_view(ro, dep, list(members.values()), list(cams.values()), targets, covered)
+            actions = step(view, devices, now)
             if not actions:
                 return
             at = datetime.fromtimestamp(now, UTC)
@@ -368,13 +497,33 @@ class RolloutService:
                     )
                     touched.add(a.device_id)
                     log.info("rollout %d: wave %d admits %s", rollout_id, a.wave + 1, a.device_id)
+                elif isinstance(a, AdmitCamera):
+                    t = targets[a.key]
+                    s.add(
+                        RolloutCamera(
+                            rollout_id=rollout_id,
+                            pool=t.pool,
+                            camera=t.camera,
+                            device_id=t.device or "",
+                            wave=a.wave,
+                            admitted_at=at,
+                        )
+                    )
+                    pools.add(t.pool)
+                    touched.add(t.device or "")
+                    log.info(
+                        "rollout %d: wave %d admits camera %s on %s", rollout_id, a.wave + 1, a.key, t.device
+                    )
                 elif isinstance(a, Settle):
-                    m = members[a.key]
+                    m = members.get(a.key) or cams[a.key]
                     m.state, m.reason, m.settled_at = a.state, a.reason, at
                     s.add(m)
                     if a.state == MemberState.FAILED:
-                        touched.add(a.key)
+                        touched.add(m.device_id)
                         log.warning("rollout %d: %s failed: %s", rollout_id, a.key, a.reason)
+                elif isinstance(a, Moved):
+                    self._moved(s, dep, cams[a.key], a, at)
+                    touched.add(a.device)
                 elif isinstance(a, GateResult):
                     gate = {"wave": a.wave, "passed": a.passed, "reason": a.reason, "at": now, **a.figures}
                     ro.gates = [*(ro.gates or []), gate]
@@ -383,9 +532,11 @@ class RolloutService:
                     ro.current_wave = a.wave
                 elif isinstance(a, Finish):
                     ro.state, ro.reason, ro.finished_at = a.state, a.reason, at
+                    pools |= {c.pool for c in cams.values()}
                     if a.state == RolloutState.SUCCEEDED:
                         dep.state = DeploymentState.ACTIVE
-                        touched.update(d.id for d in matching_devices(s, dep))
+                        touched.update(d.id for d in device_targets(s, dep))
+                        touched.update(t.device for t in targets.values() if t.device)
                     else:
                         dep.state = DeploymentState.FAILED
                         touched.update(self._revert(s, rollout_id, a.reason))
@@ -395,13 +546,68 @@ class RolloutService:
             s.add(dep)
             self._leadership.fence(s)
             s.commit()
-        self._twin.recompute_many(touched)
+        self._pools_changed(pools, now, fence=self._leadership.fence)
+        self._twin.recompute_many(touched - {""})
         self._fill_targets(rollout_id)
 
     @staticmethod
+    def _moved(s: Session, dep: Deployment, m: RolloutCamera, a: Moved, at: datetime) -> None:
+        """A camera member that runs on another device now; judged, it starts again there."""
+        old = m.device_id
+        m.device_id = a.device
+        if a.restart:
+            m.state, m.admitted_at, m.settled_at = MemberState.APPLYING, at, None
+            m.target_version, m.baseline_fps, m.baseline_latency_ms = None, None, None
+            if a.device:
+                m.soak_restarts += 1
+            where = f"on {a.device}" if a.device else "once a device analyses it"
+            m.reason = f"judged again {where}: moved from {old or 'no device'} ({a.reason})"
+            s.add(
+                Event(
+                    device_id=a.device or old,
+                    ts=at,
+                    kind=EVENT_SOAK_RESTARTED,
+                    severity="warning",
+                    camera=m.camera,
+                    message=f"deployment {dep.name}: camera {m.camera} of pool {m.pool} {m.reason}; "
+                    f"restart {m.soak_restarts}",
+                    data={
+                        "deployment": dep.name,
+                        "pool": m.pool,
+                        "camera": m.camera,
+                        "source": old,
+                        "target": a.device,
+                        "reason": a.reason,
+                        "restarts": m.soak_restarts,
+                    },
+                    source=SOURCE_CONTROLLER,
+                )
+            )
+            log.info("rollout %d: camera %s/%s %s", m.rollout_id, m.pool, m.camera, m.reason)
+        s.add(m)
+
+    def _pools_changed(self, names: set[str], now: float, fence: Callable[[Session], None]) -> None:
+        """Replan the pools whose cameras' wanted variants changed, so the canaries are admitted or
+        dropped now; a failure is the leader's periodic replan's to make good."""
+        if self._pools is None:
+            return
+        for name in sorted(names):
+            try:
+                self._pools.replan_if_changed(name, now=now, fence=fence)
+            except FencedOut:
+                raise
+            except Exception:
+                log.exception("replanning pool %s after a rollout step failed", name)
+
+    @staticmethod
     def _revert(s: Session, rollout_id: int, reason: str, *, states: Sequence[str] | None = None) -> set[str]:
+        """Members rolled back; the devices that run them (those that hand a camera over too)."""
         out: set[str] = set()
-        for m in rollout_devices(s, rollout_id):
+        every: list[RolloutDevice | RolloutCamera] = [
+            *rollout_devices(s, rollout_id),
+            *rollout_cameras(s, rollout_id),
+        ]
+        for m in every:
             if m.state == MemberState.ROLLED_BACK or (states is not None and m.state not in states):
                 continue
             m.state = MemberState.ROLLED_BACK
@@ -409,7 +615,25 @@ class RolloutService:
             m.settled_at = utcnow()
             s.add(m)
             out.add(m.device_id)
-        return out
+        return out - {""}
+
+    @staticmethod
+    def _camera_holders(s: Session, rollout_id: int) -> tuple[set[str], set[str]]:
+        """The pools of the rollout's cameras, and every device that runs one of them (a handover's
+        old device too)."""
+        cams = rollout_cameras(s, rollout_id)
+        if not cams:
+            return set(), set()
+        keys = {(c.pool, c.camera) for c in cams}
+        rows = [
+            p
+            for p in s.exec(
+                select(PoolPlacement).where(col(PoolPlacement.camera).in_(sorted({k[1] for k in keys})))
+            )
+            if (p.pool, p.camera) in keys
+        ]
+        devices = {p.device_id for p in rows} | {p.handover_from for p in rows if p.handover_from}
+        return {c.pool for c in cams}, devices
 
     def _fill_targets(self, rollout_id: int) -> None:
         """Admitted devices whose new desired state is not recorded yet: publish and record it."""
@@ -420,6 +644,13 @@ class RolloutService:
             dep = s.get(Deployment, ro.deployment_id)
             assert dep is not None
             pending = [m.device_id for m in rollout_devices(s, rollout_id) if m.target_version is None]
+            cams = [
+                (c.pool, c.camera)
+                for c in rollout_cameras(s, rollout_id)
+                if c.target_version is None and c.device_id and c.state == MemberState.APPLYING
+            ]
+        for pool, camera in cams:
+            self._fill_camera(rollout_id, dep, pool, camera)
         for device_id in pending:
             self._twin.recompute(device_id)
             with Session(self._engine) as s:
@@ -441,6 +672,36 @@ class RolloutService:
                 s.add(m)
                 self._leadership.fence(s)
                 s.commit()
+
+    def _fill_camera(self, rollout_id: int, dep: Deployment, pool: str, camera: str) -> None:
+        """A camera member's desired version: the first of its device's desired states that gives it
+        the deployment's version (none while its pool holds that version back), with the figures it
+        is judged against: its FPS before (else the rate its plan gives it) and its latency there."""
+        with Session(self._engine) as s:
+            m = s.get(RolloutCamera, (rollout_id, pool, camera))
+            device_id = m.device_id if m is not None else ""
+        if not device_id:
+            return
+        self._twin.recompute(device_id)
+        with Session(self._engine) as s:
+            m = s.get(RolloutCamera, (rollout_id, pool, camera))
+            dev = crud.get_device(s, device_id=device_id)
+            row = s.get(PoolPlacement, (pool, camera))
+            if m is None or dev is None or m.device_id != device_id or m.target_version is not None:
+                return
+            a = (dev.assignments or {}).get(camera) or {}
+            if a.get("deployment") != dep.name or a.get("pool") != pool:
+                return
+            m.target_version = dev.desired_version
+            health = {str(c.get("camera")): c for c in (dev.last_health or {}).get("cameras") or []}
+            here = health.get(camera) or {}
+            fps = here.get("fps")
+            m.baseline_fps = float(fps) if fps else (row.fps if row is not None else None)
+            found = camera_latency(here)
+            m.baseline_latency_ms = found[0] if found is not None else None
+            s.add(m)
+            self._leadership.fence(s)
+            s.commit()
 
     # ------------------------------------------------------------------ create
 
@@ -541,8 +802,16 @@ class RolloutService:
                 s.add(dep)
                 s.commit()
                 dep_id = dep.id
-            self._twin.recompute_many(touched)
+            self._follow(touched)
             return dep_id
+
+    def _follow(self, touched: set[str]) -> None:
+        """After an operator's action: replan the pools marked in ``touched`` (their cameras' wanted
+        variants changed), then recompute the devices in it."""
+        pools = {t[len(POOL_MARK) :] for t in touched if t.startswith(POOL_MARK)}
+        # Any replica serves an operator, as it serves a pool's cordon: not leader work, not fenced.
+        self._pools_changed(pools, self.clock(), fence=lambda s: None)
+        self._twin.recompute_many({t for t in touched if t and not t.startswith(POOL_MARK)})
 
     def pause(self, ref: str | int) -> int:
         def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
@@ -573,7 +842,9 @@ class RolloutService:
                 utcnow(),
             )
             dep.state = DeploymentState.CANCELLED
-            return self._revert(s, ro.id, "cancelled before it was active", states=_NOT_ACTIVE_YET)
+            pools, held = self._camera_holders(s, ro.id)
+            touched = self._revert(s, ro.id, "cancelled before it was active", states=_NOT_ACTIVE_YET)
+            return touched | held | {f"{POOL_MARK}{p}" for p in pools}
 
         return self._operate(ref, fn)
 
@@ -582,7 +853,9 @@ class RolloutService:
 
         def fn(s: Session, dep: Deployment, ro: Rollout) -> set[str]:
             assert ro.id is not None
-            touched = {d.id for d in matching_devices(s, dep)}
+            touched = {d.id for d in device_targets(s, dep)}
+            pools, held = self._camera_holders(s, ro.id)
+            touched |= held | {f"{POOL_MARK}{p}" for p in pools}
             touched |= self._revert(s, ro.id, "rolled back by the operator")
             touched |= {m.device_id for m in rollout_devices(s, ro.id)}
             # A failed rollout stays failed (its devices were sent back already); the rest is the
@@ -616,7 +889,7 @@ class RolloutService:
                 dep = get_deployment(s, ref)
                 if dep is None or dep.id is None or dep.state == DeploymentState.DELETED:
                     raise NotFoundError(f"deployment {ref!r} is not known")
-                touched = {d.id for d in matching_devices(s, dep)}
+                touched = {d.id for d in device_targets(s, dep)}
                 # Also devices that no longer match but still carry its layer (belt and braces).
                 touched |= {
                     d.id
@@ -629,6 +902,8 @@ class RolloutService:
                     assert ro.id is not None
                     if ro.state in LIVE_ROLLOUT_STATES:
                         ro.state, ro.reason, ro.finished_at = RolloutState.CANCELLED, reason, utcnow()
+                    pools, held = self._camera_holders(s, ro.id)
+                    touched |= held | {f"{POOL_MARK}{p}" for p in pools}
                     touched |= self._revert(s, ro.id, reason, states=_NOT_ACTIVE_YET)
                     touched |= {m.device_id for m in rollout_devices(s, ro.id)}
                     ro.updated_at = utcnow()
@@ -638,8 +913,8 @@ class RolloutService:
                 dep.name = f"~{dep.id}~{dep.name}"[:64]
                 s.add(dep)
                 s.commit()
-            self._twin.recompute_many(touched)
-        return touched
+            self._follow(touched)
+        return {t for t in touched if t and not t.startswith(POOL_MARK)}
 
 
 def _add_with_rollout(
@@ -649,7 +924,8 @@ def _add_with_rollout(
     s.add(dep)
     s.flush()
     assert dep.id is not None
-    n = len(matching_devices(s, dep))
+    # Waves count members: the devices it reaches (for their own cameras) and the pool cameras it names.
+    n = len(device_targets(s, dep)) + len(pool_targets(s, dep))
     s.add(
         Rollout(
             deployment_id=dep.id,

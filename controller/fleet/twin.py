@@ -32,8 +32,11 @@ from controller.fleet.deployments import (
     agent_layer,
     applied_deployments,
     layers,
+    pool_camera_ids,
+    pool_camera_layers,
 )
 from controller.fleet.gate import AGENT_TRIAL_STATE, failed_attempt
+from controller.fleet.placement import variant_key
 from controller.fleet.pools import placed_on, probe_for
 from controller.fleet.sync import device_sync
 from controller.link.artifacts import artifact_file, ref_chunk_size, with_chunk_hashes
@@ -184,10 +187,23 @@ class TwinService:
         deployments, admitted = applied_deployments(s), admitted_for(s, dev.id)
         chosen = layers(dev, deployments, admitted)
         pooled = placed_on(s, dev.id)
+        # A pool camera follows its own rollout, camera by camera, wherever it runs; the device's
+        # deployment layers never name it (on a device that does not run it, that would be a camera
+        # with no source).
+        for cam in pool_camera_ids(s, deployments):
+            if chosen.get(cam) is not None and chosen[cam].source == "deployment":
+                del chosen[cam]
+        wanted = pool_camera_layers(s, deployments, [(pc.pool, cam) for cam, pc in pooled.items()])
         for cam, pc in pooled.items():
-            # The pool's model over a direct assignment; a deployment naming the camera wins over both,
-            # as it does over any camera's, so that a rollout acts on pool cameras too.
-            if cam not in chosen or chosen[cam].source != "deployment":
+            # The pool's model over a direct assignment; a deployment that wants the camera over both,
+            # once the pool's plan admitted its version where the camera runs (its cost fits).
+            dl = wanted.get((pc.pool, cam))
+            if dl is not None and variant_key(dl.model, dl.version) in (
+                pc.canary,
+                variant_key(pc.model, pc.version),
+            ):
+                chosen[cam] = dl
+            else:
                 chosen[cam] = Layer(
                     source="pool",
                     deployment_id=None,
