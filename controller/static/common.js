@@ -1,4 +1,5 @@
-// Shared helpers of the edgefleet dashboard: API calls, safe DOM building, formatting, canvas charts.
+// Shared helpers of the edgefleet dashboard: API calls, the token's role, the page links, safe DOM
+// building, formatting, canvas charts.
 "use strict";
 
 const EF = (() => {
@@ -52,15 +53,46 @@ const EF = (() => {
     return r;
   }
 
+  async function failure(r) {
+    let detail = r.statusText;
+    try { detail = (await r.json()).detail || detail; } catch (_) { /* not JSON */ }
+    return new Error(`${r.status}: ${typeof detail === "string" ? detail : JSON.stringify(detail)}`);
+  }
+
   async function api(path) {
     const r = await authFetch(path, { headers: { Accept: "application/json" } });
-    if (!r.ok) {
-      let detail = r.statusText;
-      try { detail = (await r.json()).detail || detail; } catch (_) { /* not JSON */ }
-      throw new Error(`${r.status}: ${typeof detail === "string" ? detail : JSON.stringify(detail)}`);
-    }
+    if (!r.ok) throw await failure(r);
     return r.json();
   }
+
+  // An action (POST without a body); the API's refusal (403 for a viewer) comes back as the error.
+  async function post(path) {
+    const r = await authFetch(path, { method: "POST", headers: { Accept: "application/json" } });
+    if (!r.ok) throw await failure(r);
+    return r.json();
+  }
+
+  // What this browser's token may do ({name, role, allows}), asked once per page load. Pages show
+  // actions by it; the API still decides every call.
+  let me = null;
+  function whoami() {
+    if (!me) me = api("/api/v1/whoami").catch((e) => { me = null; throw e; });
+    return me;
+  }
+  async function allows(role) {
+    try { return (await whoami()).allows.includes(role); } catch (_) { return false; }
+  }
+
+  // The operator pages' links, in every page's <nav id="nav">; the current one marked.
+  const PAGES = [["/", "fleet"], ["/models", "models"], ["/deployments", "deployments"], ["/agent-packages", "agent packages"]];
+  function nav() {
+    const box = document.getElementById("nav");
+    if (!box) return;
+    box.className = "pages";
+    box.replaceChildren(...PAGES.map(([href, text]) =>
+      el("a", { href, "aria-current": location.pathname === href ? "page" : null }, text)));
+  }
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", nav); else nav();
 
   // el("td", {class: "num", dataset: {x: 1}}, "text", childNode, ...): never parses HTML.
   function el(tag, attrs, ...children) {
@@ -206,5 +238,5 @@ const EF = (() => {
     return btoa(bin).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
   }
 
-  return { api, authFetch, el, num, ago, when, badge, color, barChart, lineChart, legend, liveSocket, notMeasured };
+  return { api, post, failure, whoami, allows, authFetch, el, num, ago, when, badge, color, barChart, lineChart, legend, liveSocket, notMeasured };
 })();

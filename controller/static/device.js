@@ -1,4 +1,4 @@
-// Technician device page: is it working, and if not, why.
+// Technician device page: is it working, and if not, why; what each camera sees now.
 "use strict";
 (() => {
   const { api, el, num, badge, when, ago } = EF;
@@ -44,11 +44,7 @@
     box.replaceChildren(el("p", { class: "muted" }, `asking ${id} for ${camera}'s current frame…`));
     try {
       const r = await EF.authFetch(`/api/v1/devices/${enc}/cameras/${encodeURIComponent(camera)}/snapshot?boxes=true`);
-      if (!r.ok) {
-        let detail = r.statusText;
-        try { detail = (await r.json()).detail; } catch (_) { /* keep status text */ }
-        throw new Error(`${r.status}: ${detail}`);
-      }
+      if (!r.ok) throw await EF.failure(r);
       const url = URL.createObjectURL(await r.blob());
       const img = el("img", { id: "snapshot-img", alt: `snapshot of ${camera}`, src: url });
       box.replaceChildren(el("p", { class: "muted" }, `${camera}, frame ${r.headers.get("X-Snapshot-Frame") || "?"}, ${r.headers.get("X-Snapshot-Boxes") || 0} boxes, taken ${new Date().toLocaleTimeString()}`), img);
@@ -110,7 +106,7 @@
       const btn = el("button", { type: "button", class: "snap", dataset: { camera: c.camera } }, "snapshot");
       btn.addEventListener("click", () => snapshot(c.camera, btn));
       if (d.status !== "online") btn.disabled = true;
-      return el("tr", { dataset: { camera: c.camera } },
+      return labelled(el("tr", { dataset: { camera: c.camera } },
         el("td", {}, c.camera),
         el("td", {}, badge(c.state)),
         el("td", { class: "num", dataset: { field: "fps" } }, num(c.fps, 1)),
@@ -120,17 +116,185 @@
         p99Cell(c.inference_p99_ms, hb),
         el("td", {}, rep.model || c.model || "none", rep.state ? " " : "", rep.state ? badge(rep.state) : "",
           inProgress(rep), rep.error ? el("div", { class: "err" }, rep.error) : ""),
-        el("td", {}, btn));
+        el("td", {}, btn)), "cameras");
     }) : [el("tr", {}, el("td", { colspan: 9, class: "muted" }, "no cameras reported yet"))]));
+    online = d.status === "online";
+    syncTiles(cams.map((c) => c.camera));
+  }
+
+  // Each cell names its column (data-label): under a phone's width the rows are cards (app.css).
+  function labelled(tr, tbody) {
+    const heads = [...$(tbody).closest("table").querySelectorAll("thead th")].map((th) => th.textContent);
+    [...tr.children].forEach((td, i) => { if (heads[i]) td.dataset.label = heads[i]; });
+    return tr;
+  }
+
+  // ---- the latest frame of each camera with the boxes of its newest stored detections drawn over it
+  const FRAME_EVERY_MS = 5000;
+  const SVG = "http://www.w3.org/2000/svg";
+  const tiles = new Map(); // camera -> {fig, img, svg, cap, busy, url}
+  let online = false;
+
+  function svgEl(tag, attrs) {
+    const n = document.createElementNS(SVG, tag);
+    for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, String(v));
+    return n;
+  }
+
+  function syncTiles(cameras) {
+    for (const [cam, t] of tiles) {
+      if (cameras.includes(cam)) continue;
+      t.fig.remove();
+      if (t.url) URL.revokeObjectURL(t.url);
+      tiles.delete(cam);
+    }
+    let fresh = false;
+    for (const cam of cameras) {
+      if (tiles.has(cam)) continue;
+      const img = el("img", { alt: `latest frame of ${cam}` });
+      const svg = svgEl("svg", { preserveAspectRatio: "none", "aria-hidden": "true" });
+      const cap = el("figcaption", {}, "waiting for a frame…");
+      const fig = el("figure", { class: "frame", dataset: { camera: cam } }, el("div", { class: "pic" }, img, svg), cap);
+      tiles.set(cam, { fig, img, svg, cap, busy: false, url: "" });
+      $("frames").append(fig);
+      fresh = true;
+    }
+    if (fresh) refreshFrames();
+  }
+
+  // Boxes are in the frame's pixels; the viewBox is the snapshot's size, so they land where the
+  // detector saw them whatever size the image is shown at.
+  function drawBoxes(svg, w, h, boxes) {
+    svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+    const size = Math.max(10, h / 28);
+    svg.replaceChildren(...boxes.map((d) => {
+      const g = svgEl("g", { "data-label": d.label });
+      const color = EF.color(d.label);
+      const { x0, y0, x1, y1 } = d.box;
+      g.append(svgEl("rect", { x: x0, y: y0, width: Math.max(0, x1 - x0), height: Math.max(0, y1 - y0), stroke: color }));
+      const text = svgEl("text", { x: x0 + 2, y: Math.max(size, y0 - 3), fill: color, "font-size": size });
+      text.textContent = `${d.label} ${(d.score * 100).toFixed(0)}%`;
+      g.append(text);
+      return g;
+    }));
+  }
+
+  async function loadFrame(camera, t) {
+    if (t.busy) return;
+    t.busy = true;
+    const cam = encodeURIComponent(camera);
+    try {
+      const [r, page] = await Promise.all([
+        EF.authFetch(`/api/v1/devices/${enc}/cameras/${cam}/snapshot`),
+        api(`/api/v1/detections?device=${enc}&camera=${cam}&limit=100`),
+      ]);
+      if (!r.ok) throw await EF.failure(r);
+      const url = URL.createObjectURL(await r.blob());
+      await new Promise((ok, bad) => { t.img.onload = ok; t.img.onerror = () => bad(new Error("not an image")); t.img.src = url; });
+      if (t.url) URL.revokeObjectURL(t.url);
+      t.url = url;
+      const w = Number(r.headers.get("X-Snapshot-Width")) || t.img.naturalWidth;
+      const h = Number(r.headers.get("X-Snapshot-Height")) || t.img.naturalHeight;
+      const newest = page.items[0];
+      const boxes = newest ? page.items.filter((x) => x.frame === newest.frame && x.captured_at === newest.captured_at) : [];
+      drawBoxes(t.svg, w, h, boxes);
+      Object.assign(t.fig.dataset, {
+        boxes: String(boxes.length),
+        detFrame: newest ? String(newest.frame) : "",
+        detCaptured: newest ? newest.captured_at : "",
+        snapshotFrame: r.headers.get("X-Snapshot-Frame") || "",
+        error: "",
+      });
+      t.cap.textContent = `${camera} · frame ${r.headers.get("X-Snapshot-Frame") || "?"} at ${new Date().toLocaleTimeString()} · `
+        + (newest ? `${boxes.length} box${boxes.length === 1 ? "" : "es"} from frame ${newest.frame} (${ago(newest.captured_at)})` : "no detections stored yet");
+    } catch (e) {
+      t.fig.dataset.error = e.message;
+      t.cap.textContent = `${camera}: no current frame (${e.message})`;
+    } finally {
+      t.busy = false;
+    }
+  }
+
+  function refreshFrames() {
+    if (!online || document.visibilityState !== "visible") return;
+    for (const [cam, t] of tiles) loadFrame(cam, t);
+  }
+
+  // Rows that would bury the rest: a model download reports every 10 %, a busy camera starts and
+  // ends a track every second, and each live frame above is a snapshot command with its result
+  // recorded. A download is one row per (camera, model), its newest report shown (going back in time,
+  // a verify, activate or failure of that camera's model ends the run, so an earlier download is a
+  // row of its own); consecutive track events of a camera, and consecutive successful command
+  // results, are one row each.
+  const EVENT_ROWS = 25;
+  const TRACK_KINDS = new Set(["track_started", "track_ended"]);
+  function collapseEvents(events) {
+    const rows = [];
+    const open = new Map();
+    let run = null;
+    for (const e of events) {
+      const cam = e.camera || "";
+      const kind = TRACK_KINDS.has(e.kind) ? "tracks" : e.kind === "command_result" && e.severity === "info" ? "commands" : "";
+      if (kind) {
+        if (!run || run.kind !== kind || run.camera !== e.camera) {
+          run = Object.assign({}, e, { kind, count: 0, started: 0, ended: 0, labels: new Map() });
+          rows.push(run);
+        }
+        run.count += 1;
+        if (kind === "tracks") {
+          run[e.kind === "track_started" ? "started" : "ended"] += 1;
+          const label = (e.data || {}).label || "?";
+          run.labels.set(label, (run.labels.get(label) || 0) + 1);
+        }
+        continue;
+      }
+      run = null;
+      if (e.kind === "model_download") {
+        const key = `${cam}\u0000${(e.data || {}).model || ""}`;
+        const run = open.get(key);
+        if (run) { run.reports += 1; continue; }
+        const row = Object.assign({}, e, { reports: 1 });
+        open.set(key, row);
+        rows.push(row);
+        continue;
+      }
+      if (e.kind.startsWith("model_")) for (const key of [...open.keys()]) if (key.startsWith(`${cam}\u0000`)) open.delete(key);
+      rows.push(e);
+    }
+    // The newest rows, and any older error or warning the cut would hide.
+    return rows.slice(0, EVENT_ROWS).concat(rows.slice(EVENT_ROWS).filter((e) => e.severity !== "info"));
+  }
+
+  // The newest events with the newest errors and warnings, which a burst of others must not push out.
+  function mergeEvents(recent, problems) {
+    const seen = new Set(recent.map((e) => e.id));
+    return recent.concat(problems.filter((e) => !seen.has(e.id)))
+      .sort((a, b) => new Date(b.ts) - new Date(a.ts) || b.id - a.id);
+  }
+
+  function eventMessage(e) {
+    if (e.kind === "commands") return el("span", { dataset: { field: "commands", count: String(e.count) } }, `${e.count} answered`);
+    if (e.kind === "tracks") {
+      const labels = [...e.labels].map(([l, n]) => `${l} ×${n}`).join(", ");
+      return el("span", { dataset: { field: "tracks", started: String(e.started), ended: String(e.ended) } },
+        `${e.started} started, ${e.ended} ended`, el("span", { class: "muted" }, ` (${labels})`));
+    }
+    if (e.kind !== "model_download") return e.message || "";
+    const data = e.data || {};
+    const pct = Math.max(0, Math.min(100, Number(data.pct) || 0));
+    return el("span", { class: "progress", dataset: { field: "download", model: data.model || "", value: String(pct), reports: String(e.reports) } },
+      `${data.model || "model"} `, el("progress", { max: "100", value: String(pct) }), ` ${pct.toFixed(0)}%`,
+      e.reports > 1 ? el("span", { class: "muted" }, ` (${e.reports} progress reports)`) : "");
   }
 
   function renderEvents(events) {
-    $("events").replaceChildren(...(events.length ? events.map((e) => el("tr", { dataset: { kind: e.kind, severity: e.severity } },
+    const rows = collapseEvents(events);
+    $("events").replaceChildren(...(rows.length ? rows.map((e) => labelled(el("tr", { dataset: { kind: e.kind, severity: e.severity } },
       el("td", {}, new Date(e.ts).toLocaleString()),
       el("td", {}, badge(e.severity)),
       el("td", {}, e.kind),
       el("td", { class: "hide-sm" }, e.camera || ""),
-      el("td", {}, e.message || ""))) : [el("tr", {}, el("td", { colspan: 5, class: "muted" }, "no events"))]));
+      el("td", {}, eventMessage(e))), "events")) : [el("tr", {}, el("td", { colspan: 5, class: "muted" }, "no events"))]));
   }
 
   function renderHistory(samples) {
@@ -158,13 +322,14 @@
 
   async function refresh() {
     try {
-      const [d, events, energy] = await Promise.all([
+      const [d, events, problems, energy] = await Promise.all([
         api(`/api/v1/devices/${enc}`),
-        api(`/api/v1/events?device=${enc}&limit=25`),
+        api(`/api/v1/events?device=${enc}&limit=200`),
+        api(`/api/v1/events/search?device=${enc}&severity=error&severity=warning&limit=${EVENT_ROWS}`),
         api(`/api/v1/energy?device=${enc}&since=${encodeURIComponent(new Date(Date.now() - 600e3).toISOString())}`).catch(() => null),
       ]);
       render(d, energy);
-      renderEvents(events);
+      renderEvents(mergeEvents(events, problems));
       $("error").textContent = "";
     } catch (e) {
       $("error").textContent = `could not load ${id}: ${e.message}`;
@@ -177,4 +342,6 @@
   refreshHistory();
   setInterval(refresh, 2000);
   setInterval(refreshHistory, 10000);
+  setInterval(refreshFrames, FRAME_EVERY_MS);
+  document.addEventListener("visibilitychange", refreshFrames);
 })();

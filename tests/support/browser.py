@@ -56,3 +56,35 @@ def horizontal_overflow(page: Any) -> str | None:
     width = page.evaluate("document.documentElement.scrollWidth")
     inner = page.evaluate("window.innerWidth")
     return None if width <= inner else f"page is {width}px wide on a {inner}px screen"
+
+
+def cut_off(page: Any, selector: str) -> list[str]:
+    """What of the elements matching ``selector`` a user cannot see without scrolling sideways: each one
+    whose box sticks out of the viewport or out of a scrolling container around it (a table in an
+    ``overflow-x: auto`` box passes :func:`horizontal_overflow` while its right-hand columns are cut)."""
+    out: list[str] = page.evaluate(
+        """(selector) => {
+             const out = [];
+             for (const node of document.querySelectorAll(selector)) {
+               const r = node.getBoundingClientRect();
+               if (r.width === 0 && r.height === 0) continue;  // not shown (display: none)
+               const name = `${node.tagName.toLowerCase()}[${node.dataset.label || node.textContent.trim().slice(0, 30)}]`;
+               if (r.left < -0.5 || r.right > window.innerWidth + 0.5) {
+                 out.push(`${name} spans ${r.left.toFixed(0)}..${r.right.toFixed(0)} px of a ${window.innerWidth} px screen`);
+                 continue;
+               }
+               for (let up = node.parentElement; up; up = up.parentElement) {
+                 const ox = getComputedStyle(up).overflowX;
+                 if (ox === "visible") continue;
+                 const box = up.getBoundingClientRect();
+                 if (r.right > box.right + 0.5 || up.scrollWidth > up.clientWidth + 1) {
+                   out.push(`${name} is cut by a ${up.clientWidth} px box that scrolls to ${up.scrollWidth} px`);
+                   break;
+                 }
+               }
+             }
+             return out;
+           }""",
+        selector,
+    )
+    return out
