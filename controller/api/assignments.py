@@ -30,6 +30,8 @@ def assign_model(
         max_fps=body.max_fps,
         labels=body.labels,
         variant=body.variant,
+        label_thresholds=body.label_thresholds,
+        min_box_area=body.min_box_area,
     )
 
 

@@ -19,6 +19,7 @@ from controller.api.schemas import DetectionPage
 from controller.db import crud
 from controller.observe.live import LiveFilter, TooManyClients
 from controller.security.tokens import Principal
+from fleet_protocol.messages import MAX_WIRE_INT
 
 router = APIRouter(prefix="/api/v1/detections", tags=["detections"])
 
@@ -45,12 +46,16 @@ def list_detections(
     min_score: Annotated[float | None, Query(ge=0.0, le=1.0)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     cursor: Annotated[str | None, Query(max_length=200)] = None,
+    track_id: Annotated[
+        int | None, Query(ge=0, le=MAX_WIRE_INT, description="only this track's detections (see track_id)")
+    ] = None,
 ) -> DetectionPage:
     rows = crud.list_detections(
         session,
         device_id=device,
         camera=camera,
         label=label,
+        track_id=track_id,
         since=since,
         until=until,
         min_score=min_score,

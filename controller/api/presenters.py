@@ -318,6 +318,7 @@ def detection_out(r: Detection, *, superseded: bool = False) -> DetectionOut:
         class_id=r.class_id,
         score=r.score,
         box=BoxOut(x0=r.x0, y0=r.y0, x1=r.x1, y1=r.y1),
+        track_id=r.track_id,
     )
 
 

@@ -12,7 +12,14 @@ from controller.fleet.gate import GateConfig
 from controller.fleet.pools import MAX_FAIL
 from controller.fleet.sync import SyncState
 from controller.types import CAMERA_OR_ANY_PATTERN, ID_MAX, ID_PATTERN, NO_NUL_PATTERN, DeviceId, check_labels
-from fleet_protocol.messages import CameraReported, CameraStats, LabelList, Name
+from fleet_protocol.messages import (
+    BoxAreaFraction,
+    CameraReported,
+    CameraStats,
+    LabelList,
+    LabelThresholds,
+    Name,
+)
 
 
 class IncarnationStats(BaseModel):
@@ -207,6 +214,11 @@ class DetectionOut(BaseModel):
     class_id: int
     score: float
     box: BoxOut
+    track_id: int | None = Field(
+        default=None,
+        description="the camera's track this detection belongs to (its device's tracking; null before the "
+        "track is confirmed and from agents without tracking)",
+    )
     superseded: bool = Field(
         default=False,
         description="this device analysed the camera after a camera pool moved it to another device "
@@ -219,6 +231,15 @@ class DetectionPage(BaseModel):
     next_cursor: str | None = Field(description="pass as ?cursor= for the next (older) page; null at the end")
 
 
+LABEL_THRESHOLDS_HELP = (
+    "per label, the score a detection of it needs instead of threshold (lower or higher); null: none"
+)
+MIN_BOX_AREA_HELP = (
+    "the smallest box kept, as a fraction of the frame's area (0.001: 0.1 %, about 46x46 px at 1920x1080); "
+    "null: no minimum"
+)
+
+
 class AssignModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -227,6 +248,8 @@ class AssignModel(BaseModel):
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0)
     labels: LabelList | None = Field(default=None, description="keep only these labels; null keeps all")
+    label_thresholds: LabelThresholds | None = Field(default=None, description=LABEL_THRESHOLDS_HELP)
+    min_box_area: BoxAreaFraction | None = Field(default=None, description=MIN_BOX_AREA_HELP)
     variant: VariantChoice = Field(
         default="auto",
         description="auto: chosen from the device's capabilities; or pin fp32, fp16 or int8 (must be fit)",
@@ -303,6 +326,8 @@ class DeploymentCamera(BaseModel):
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_fps: float | None = Field(default=None, gt=0.0)
     labels: LabelList | None = None
+    label_thresholds: LabelThresholds | None = Field(default=None, description=LABEL_THRESHOLDS_HELP)
+    min_box_area: BoxAreaFraction | None = Field(default=None, description=MIN_BOX_AREA_HELP)
 
 
 class DeploymentCreate(BaseModel):

@@ -290,10 +290,13 @@ def list_detections(
     min_score: float | None,
     before: tuple[datetime, int] | None,
     limit: int,
+    track_id: int | None = None,
 ) -> Sequence[Detection]:
     """Detections captured in ``[since, until)``, newest capture first (then highest id); ``before``
     (captured_at, id) continues after the last row of a previous page."""
     q = select(Detection)
+    if track_id is not None:
+        q = q.where(col(Detection.track_id) == track_id)
     if device_id is not None:
         q = q.where(col(Detection.device_id) == device_id)
     if camera is not None:

@@ -162,6 +162,7 @@ class Detection(SQLModel, table=True):
         sa.Index("ix_detection_device_seq", "device_id", "seq"),
         sa.Index("ix_detection_label", "label"),
         sa.Index("ix_detection_camera", "camera"),
+        sa.Index("ix_detection_track", "track_id"),
     )
 
     id: int | None = Field(default=None, primary_key=True, sa_type=BigIntId)
@@ -179,6 +180,9 @@ class Detection(SQLModel, table=True):
     y0: float
     x1: float
     y1: float
+    # The camera's track (PROTOCOL.md "Tracks"); null from agents before tracking and before a track is
+    # confirmed.
+    track_id: int | None = Field(default=None, sa_type=sa.BigInteger)
 
 
 class IngestedSeq(SQLModel, table=True):
@@ -387,7 +391,8 @@ class Deployment(SQLModel, table=True):
     version: str = Field(max_length=64)
     variant: str = Field(default="auto", max_length=8)
     selector: str = Field(default="")
-    # [{"camera": id or "*", "threshold": …, "max_fps": …, "labels": […]}]
+    # [{"camera": id or "*", "threshold": …, "max_fps": …, "labels": […], "label_thresholds": {label: score},
+    #   "min_box_area": fraction}] (api/schemas.py DeploymentCamera validates them)
     cameras: list[dict[str, Any]] = Field(default_factory=empty_list, sa_type=JSON)
     priority: int = Field(default=0)
     # A DeploymentState (controller/db/states.py, with its transitions); the column is a plain string.

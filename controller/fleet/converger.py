@@ -140,7 +140,12 @@ EXISTS (
                        (d.want -> 'model' -> 'manifest' ->> 'default_threshold')::float8, 0.5)
           AND (CASE WHEN json_typeof(r.got -> 'max_fps') = 'number' THEN (r.got ->> 'max_fps')::float8 END)
             IS NOT DISTINCT FROM (d.want ->> 'max_fps')::float8
-          AND COALESCE(r.got -> 'labels', 'null'::json)::text = COALESCE(d.want -> 'labels', 'null'::json)::text))))
+          AND COALESCE(r.got -> 'labels', 'null'::json)::text = COALESCE(d.want -> 'labels', 'null'::json)::text
+          AND (json_typeof(r.got -> 'min_box_area') IS DISTINCT FROM 'number' OR (
+            (CASE WHEN json_typeof(r.got -> 'min_box_area') = 'number' THEN (r.got ->> 'min_box_area')::float8 END)
+              = COALESCE((d.want ->> 'min_box_area')::float8, 0)
+            AND COALESCE(r.got -> 'label_thresholds', '{}'::json)::text
+              = COALESCE(d.want -> 'label_thresholds', '{}'::json)::text))))))
 OR EXISTS (
   SELECT 1 FROM json_each(CASE WHEN json_typeof(device.reported -> 'cameras') = 'object'
                                THEN device.reported -> 'cameras' END) AS r(cam, got)
@@ -161,7 +166,11 @@ EXISTS (
             json_extract(d.value, '$.model.manifest.default_threshold'), 0.5)
           AND json_extract(r.value, '$.max_fps') IS json_extract(d.value, '$.max_fps')
           AND COALESCE(json_extract(r.value, '$.labels'), 'null')
-              = COALESCE(json_extract(d.value, '$.labels'), 'null')))))
+              = COALESCE(json_extract(d.value, '$.labels'), 'null')
+          AND (COALESCE(json_type(r.value, '$.min_box_area'), 'null') NOT IN ('real', 'integer') OR (
+            json_extract(r.value, '$.min_box_area') = COALESCE(json_extract(d.value, '$.min_box_area'), 0)
+            AND COALESCE(json_extract(r.value, '$.label_thresholds'), '{}')
+              = COALESCE(json_extract(d.value, '$.label_thresholds'), '{}')))))))
 OR EXISTS (
   SELECT 1 FROM json_each(device.reported, '$.cameras') AS r
   WHERE json_extract(r.value, '$.state') = 'running' AND COALESCE(json_extract(r.value, '$.model'), '') <> ''

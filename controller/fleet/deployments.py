@@ -54,9 +54,32 @@ class Layer:
     threshold: float | None = None
     max_fps: float | None = None
     labels: list[str] | None = None
+    label_thresholds: dict[str, float] | None = None
+    min_box_area: float | None = None
 
     def key(self) -> tuple[Any, ...]:
-        return (self.model, self.version, self.pin, self.threshold, self.max_fps, self.labels)
+        return (
+            self.model,
+            self.version,
+            self.pin,
+            self.threshold,
+            self.max_fps,
+            self.labels,
+            self.label_thresholds,
+            self.min_box_area,
+        )
+
+
+def camera_settings(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A camera's settings as a direct assignment or a deployment's camera entry stores them (the
+    keywords of :class:`Layer`; an entry stored before a setting existed lacks it: None)."""
+    return {
+        "threshold": entry.get("threshold"),
+        "max_fps": entry.get("max_fps"),
+        "labels": entry.get("labels"),
+        "label_thresholds": entry.get("label_thresholds"),
+        "min_box_area": entry.get("min_box_area"),
+    }
 
 
 def selector_of(dep: Deployment) -> Selector | None:
@@ -116,9 +139,7 @@ def layers(dev: Device, deployments: Iterable[Deployment], admitted: Mapping[int
                 model=str(d["model"]),
                 version=str(d["version"]),
                 pin=str(d.get("pin") or "auto"),
-                threshold=d.get("threshold"),
-                max_fps=d.get("max_fps"),
-                labels=d.get("labels"),
+                **camera_settings(d),
             )
     known = device_cameras(dev)
     # Lowest first, so that higher priority (then the newer deployment) overwrites.
@@ -134,9 +155,7 @@ def layers(dev: Device, deployments: Iterable[Deployment], admitted: Mapping[int
                 model=dep.model,
                 version=dep.version,
                 pin=dep.variant,
-                threshold=e.get("threshold"),
-                max_fps=e.get("max_fps"),
-                labels=e.get("labels"),
+                **camera_settings(e),
             )
     return out
 

@@ -75,7 +75,9 @@ def settings_drift(desired_camera: dict[str, Any], r: CameraReported) -> str | N
     """How the settings a running camera reports differ from its desired ones, or None.
 
     Compared only when the device reports them (``threshold`` set: agents before these fields send
-    none). The desired threshold in effect is the camera's, else the manifest's default.
+    none). The desired threshold in effect is the camera's, else the manifest's default. Per-label
+    thresholds and the minimum box area likewise, only when it reports ``min_box_area`` (an agent that
+    knows them always does); unset and empty are the same.
     """
     if r.threshold is None:
         return None
@@ -94,6 +96,16 @@ def settings_drift(desired_camera: dict[str, Any], r: CameraReported) -> str | N
     got_labels = None if r.labels is None else sorted(set(r.labels))
     if want_labels != got_labels:
         out.append(f"labels {_shown(got_labels)} instead of {_shown(want_labels)}")
+    if r.min_box_area is not None:
+        want_per_label = dict(desired_camera.get("label_thresholds") or {})
+        got_per_label = dict(r.label_thresholds or {})
+        if want_per_label.keys() != got_per_label.keys() or not all(
+            _same_float(float(v), got_per_label[k]) for k, v in want_per_label.items()
+        ):
+            out.append(f"label_thresholds {_shown(got_per_label)} instead of {_shown(want_per_label)}")
+        min_area = float(desired_camera.get("min_box_area") or 0.0)
+        if not _same_float(min_area, r.min_box_area):
+            out.append(f"min_box_area {r.min_box_area:g} instead of {min_area:g}")
     return ", ".join(out) or None
 
 

@@ -123,6 +123,8 @@ class TwinService:
         max_fps: float | None = None,
         labels: list[str] | None = None,
         variant: str = AUTO,
+        label_thresholds: dict[str, float] | None = None,
+        min_box_area: float | None = None,
     ) -> DesiredState:
         """Set the direct assignment of a camera (the bottom layer; a deployment that applies to the
         camera wins over it) and publish the device's desired state when it changed."""
@@ -150,6 +152,8 @@ class TwinService:
                 "threshold": threshold,
                 "max_fps": max_fps,
                 "labels": labels,
+                "label_thresholds": label_thresholds,
+                "min_box_area": min_box_area,
             }
             dev.direct = direct
             return self._apply(s, dev) or self.current(dev.desired)
@@ -229,12 +233,17 @@ class TwinService:
             max_fps = layer.max_fps
             if placed is not None and (max_fps is None or max_fps > placed.fps):
                 max_fps = placed.fps  # the rate the plan gave it: its share of the device
+            per_label = layer.label_thresholds
             cameras[cam] = CameraDesired(
                 model=ref,
                 threshold=layer.threshold,
                 max_fps=max_fps,
                 labels=layer.labels,
                 source=placed.source if placed is not None else None,
+                # None when empty: a state without them is what agents before them verify. Sorted, as
+                # the agent reports them, so the converger's text comparison finds them equal.
+                label_thresholds=dict(sorted(per_label.items())) if per_label else None,
+                min_box_area=layer.min_box_area or None,
             )
             assignments[cam] = {
                 **_assignment(mv, layer.pin, choice),

@@ -87,7 +87,7 @@ UNKNOWN_INCARNATION = "unknown_incarnation"
 GAPS_FULL = "gaps_full"
 # Newest incarnations listed per device in its view (the figures count them all).
 RECENT_INCARNATIONS = 10
-# Rows in one multi-row detection INSERT (14 parameters each, within the database's limit).
+# Rows in one multi-row detection INSERT (15 parameters each, within the database's limit).
 _MULTI_ROWS_MAX = 1000
 
 # The dedup claim on PostgreSQL: every new (device, incarnation, seq) of a commit as arrays.
@@ -116,6 +116,7 @@ _DET_COLUMNS = (
     "y0",
     "x1",
     "y1",
+    "track_id",
 )
 _DET_TIME_COLUMNS = ("captured_at", "stored_at")
 
@@ -811,6 +812,7 @@ class IngestService:
                                 box.y0,
                                 box.x1,
                                 box.y1,
+                                d.track_id,
                             )
                         )
             else:

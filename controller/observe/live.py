@@ -199,6 +199,7 @@ class LiveHub:
                                 "box": d.box.model_dump(),
                                 "width": fr.width,
                                 "height": fr.height,
+                                "track_id": d.track_id,
                             }
                         per_client[c.id].append(item)
         for c in clients:

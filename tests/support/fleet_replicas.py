@@ -147,8 +147,11 @@ class Parts:
             out.append(msg)
         return out
 
-    def report(self, device: str, *, sha: str | None = None, version: int | None = None) -> None:
-        """Store what the device reports: ``sha`` running on cam1 at ``version`` (default: its desired)."""
+    def report(
+        self, device: str, *, sha: str | None = None, version: int | None = None, **settings: Any
+    ) -> None:
+        """Store what the device reports: ``sha`` running on cam1 at ``version`` (default: its desired),
+        with the camera ``settings`` it reports (CameraReported's threshold, label_thresholds, ...)."""
         with Session(self.engine) as s:
             dev = crud.get_device(s, device_id=device)
             assert dev is not None and dev.desired is not None
@@ -156,7 +159,9 @@ class Parts:
             rep = ReportedState(
                 ts=time.time(),
                 desired_version=dev.desired_version if version is None else version,
-                cameras={"cam1": CameraReported(model="tiny:1", sha256=sha or want, state="running")},
+                cameras={
+                    "cam1": CameraReported(model="tiny:1", sha256=sha or want, state="running", **settings)
+                },
             )
             dev.reported = rep.model_dump(mode="json")
             dev.reported_version = rep.desired_version
