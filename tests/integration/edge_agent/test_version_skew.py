@@ -233,9 +233,13 @@ def _publish_newer_heartbeat(broker: MosquittoBroker, device: str) -> None:
         client.disconnect()
 
 
-def _heartbeat_counts(api: httpx.Client) -> dict[str, int]:
+def _counts(api: httpx.Client, kind: TopicKind) -> dict[str, int]:
     counters: dict[str, dict[str, int]] = api.get("/api/v1/stats/ingest").json()["counters"]
-    return counters.get(TopicKind.HEARTBEAT.value, {})
+    return counters.get(kind.value, {})
+
+
+def _heartbeat_counts(api: httpx.Client) -> dict[str, int]:
+    return _counts(api, TopicKind.HEARTBEAT)
 
 
 def test_the_previous_agent_works_with_this_controller(
@@ -247,6 +251,9 @@ def test_the_previous_agent_works_with_this_controller(
     try:
         with new_controller.client() as api:
             _rolls(api, agent)
+            # The previous agent does not track: its detections are stored without a track id.
+            items = api.get("/api/v1/detections", params={"device": DEVICE, "limit": 50}).json()["items"]
+            assert items and all(d["track_id"] is None for d in items)
             # A newer agent's heartbeat: taken and counted, not refused (the release before the policy
             # refused it: test_the_release_before_the_policy_refuses_what_this_one_takes).
             assert api.post("/api/v1/devices", json={"id": "skew-newer"}).status_code in (200, 201)
@@ -275,6 +282,17 @@ def test_the_new_agent_works_with_the_previous_controller(
     try:
         with old_controller.client() as api:
             _rolls(api, agent)
+            # This agent's track events are kinds the previous controller does not know: stored as sent
+            # and found by their kind. The track ids of its detections are dropped there and counted.
+            started = wait_for(
+                lambda: api.get(
+                    "/api/v1/events/search", params={"device": DEVICE, "kind": "track_started"}
+                ).json(),
+                timeout=30,
+                what="a track_started event stored by the previous controller",
+            )
+            assert started[0]["camera"] == "cam1" and started[0]["data"]["label"] == "person"
+            assert _counts(api, TopicKind.DETECTIONS).get("unknown_fields", 0) > 0
             # The previous release has the skew policy: a newer heartbeat is taken and counted, not refused.
             assert api.post("/api/v1/devices", json={"id": "skew-newer"}).status_code in (200, 201)
             before = _heartbeat_counts(api)
