@@ -67,9 +67,9 @@ TOKENS_PATH = "/api/v1/tokens"
 # Routes anyone may call: liveness for load balancers, and the dashboard's pages (static HTML; the
 # data they show comes from the API with the user's token). /docs, /openapi.json and /static are not
 # routes this guard sees: they are open too, and hold no fleet data.
-PUBLIC_PATHS = frozenset({"/healthz", "/"})
-# The technician's page /devices/{device_id} and the site operator's /pools/{name}.
-PUBLIC_PAGE = re.compile(r"/(?:devices|pools)/[^/]+")
+PUBLIC_PATHS = frozenset({"/healthz", "/", "/models", "/deployments", "/agent-packages"})
+# The technician's page /devices/{device_id}, the site operator's /pools/{name} and /rollouts/{id}.
+PUBLIC_PAGE = re.compile(r"/(?:devices|pools|rollouts)/[^/]+")
 READ_METHODS = frozenset({"GET", "HEAD"})
 # Changes on these paths, or below them, need the release role: the agent software that devices
 # install and run (the device's id is one path segment).
@@ -78,6 +78,10 @@ RELEASE_PATHS = (
     re.compile(r"/api/v1/agent-deployments(/.*)?"),
     re.compile(r"/api/v1/devices/[^/]+/agent(/.*)?"),
 )
+
+# Reads that need an operator: a device's log and its diagnostics bundle are asked of the device and
+# carry what a viewer (a wall screen, a contractor) has no need to see.
+OPERATOR_READ_PATHS = (re.compile(r"/api/v1/devices/[^/]+/(logs|diagnostics)"),)
 
 
 class Role(StrEnum):
@@ -119,6 +123,8 @@ def required_role(method: str | None, path: str) -> Role | None:
         return None
     if path == TOKENS_PATH or path.startswith(TOKENS_PATH + "/"):
         return Role.ADMIN
+    if method is not None and any(p.fullmatch(path) for p in OPERATOR_READ_PATHS):
+        return Role.OPERATOR
     if method is None or method.upper() in READ_METHODS:
         return Role.VIEWER
     if any(p.fullmatch(path) for p in RELEASE_PATHS):
