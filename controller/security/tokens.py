@@ -79,6 +79,7 @@ RELEASE_PATHS = (
     re.compile(r"/api/v1/devices/[^/]+/agent(/.*)?"),
 )
 
+
 class Role(StrEnum):
     VIEWER = "viewer"
     OPERATOR = "operator"
