@@ -4,7 +4,6 @@ the operator's cordons, drains and moves, and dry-run plans (``controller.fleet.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -68,10 +67,16 @@ def _degraded(plan: placement.Plan) -> dict[str, PoolDegraded]:
     }
 
 
-def _placements(placements: Mapping[str, placement.Placement]) -> dict[str, PoolPlacementPublic]:
+def _placements(plan: placement.Plan) -> dict[str, PoolPlacementPublic]:
     return {
-        cam: PoolPlacementPublic(device=p.device, fps=p.fps, since=datetime.fromtimestamp(p.since, UTC))
-        for cam, p in placements.items()
+        cam: PoolPlacementPublic(
+            device=p.device,
+            fps=p.fps,
+            since=datetime.fromtimestamp(p.since, UTC),
+            canary=p.canary,
+            canary_held=plan.canary_held.get(cam),
+        )
+        for cam, p in plan.placements.items()
     }
 
 
@@ -136,7 +141,12 @@ def pool_public(st: PoolState) -> PoolPublic:
         ],
         placements={
             cam: PoolPlacementPublic(
-                device=p.device_id, fps=p.fps, since=p.since, handover_from=p.handover_from
+                device=p.device_id,
+                fps=p.fps,
+                since=p.since,
+                handover_from=p.handover_from,
+                canary=p.canary,
+                canary_held=p.canary_held,
             )
             for cam, p in sorted(st.placements.items())
         },
@@ -145,6 +155,7 @@ def pool_public(st: PoolState) -> PoolPublic:
         pending=[_move(m) for m in plan.moves],
         held=[_held(h) for h in plan.held],
         n_plus_one=plan.n_plus_one,
+        canary_held=dict(plan.canary_held),
         recent_moves=events,
         created_at=pool.created_at,
         updated_at=pool.updated_at,
@@ -162,7 +173,8 @@ def plan_public(run: DryRun) -> PoolPlan:
         degraded=_degraded(plan),
         loads={dev: _load(load) for dev, load in sorted(plan.loads.items())},
         n_plus_one=plan.n_plus_one,
-        placements=_placements(plan.placements),
+        placements=_placements(plan),
+        canary_held=dict(plan.canary_held),
     )
 
 

@@ -23,6 +23,7 @@ from controller.api.schemas import (
     DevicePublic,
     DeviceStats,
     IncarnationStats,
+    RolloutCameraPublic,
     RolloutDevicePublic,
     RolloutPublic,
     TokenPublic,
@@ -39,7 +40,7 @@ from controller.db.tables import (
     ModelVersionPublic,
     Rollout,
 )
-from controller.fleet.deployments import rollout_devices, rollout_of
+from controller.fleet.deployments import rollout_cameras, rollout_devices, rollout_of
 from controller.fleet.gate import GateConfig, failed_attempt
 from controller.fleet.sync import twin_sync
 from controller.link.seqtrack import SeqStats
@@ -242,9 +243,33 @@ def rollout_public(session: Session, dep: Deployment, ro: Rollout) -> RolloutPub
                 agent_state=_text(agent.get("state")),
             )
         )
+    cams = rollout_cameras(session, ro.id)
+    versions = {
+        d.id: d.reported_version
+        for d in crud.devices_by_ids(session, device_ids={c.device_id for c in cams if c.device_id})
+    }
+    cameras = [
+        RolloutCameraPublic(
+            pool=c.pool,
+            camera=c.camera,
+            device_id=c.device_id or None,
+            wave=c.wave + 1,
+            state=c.state,
+            target_version=c.target_version,
+            reported_version=versions.get(c.device_id),
+            soak_restarts=c.soak_restarts,
+            baseline_fps=c.baseline_fps,
+            baseline_latency_ms=c.baseline_latency_ms,
+            admitted_at=c.admitted_at,
+            settled_at=c.settled_at,
+            reason=c.reason,
+        )
+        for c in cams
+    ]
     counted = (MemberState.APPLYING, MemberState.ACTIVE, MemberState.FAILED, MemberState.ROLLED_BACK)
-    progress_counts = {k.value: sum(m.state == k for m in members) for k in counted}
-    progress_counts["admitted"] = len(members)
+    every = [m.state for m in members] + [c.state for c in cams]
+    progress_counts = {k.value: sum(st == k for st in every) for k in counted}
+    progress_counts["admitted"] = len(every)
     progress_counts["planned"] = ro.plan[-1] if ro.plan else 0
     return RolloutPublic(
         id=ro.id,
@@ -259,6 +284,7 @@ def rollout_public(session: Session, dep: Deployment, ro: Rollout) -> RolloutPub
         reason=ro.reason,
         progress=progress_counts,
         devices=devices,
+        cameras=cameras,
         created_at=ro.created_at,
         updated_at=ro.updated_at,
         finished_at=ro.finished_at,

@@ -401,6 +401,24 @@ class RolloutDevicePublic(BaseModel):
     )
 
 
+class RolloutCameraPublic(BaseModel):
+    """A pool camera admitted to a rollout: the unit of its waves, wherever the camera runs."""
+
+    pool: str
+    camera: str
+    device_id: str | None = Field(description="the device that analyses it now; null while none does")
+    wave: int = Field(description="1-based")
+    state: str
+    target_version: int | None = Field(description="the device's desired version that gave it the new model")
+    reported_version: int | None
+    soak_restarts: int = Field(description="how often a move started its judgement again on another device")
+    baseline_fps: float | None
+    baseline_latency_ms: float | None
+    admitted_at: datetime | None = Field(description="on its current device")
+    settled_at: datetime | None
+    reason: str | None
+
+
 class RolloutPublic(BaseModel):
     id: int
     deployment: str
@@ -414,6 +432,9 @@ class RolloutPublic(BaseModel):
     reason: str | None
     progress: dict[str, int]
     devices: list[RolloutDevicePublic]
+    cameras: list[RolloutCameraPublic] = Field(
+        default_factory=list, description="pool cameras the deployment names, each a member of its own"
+    )
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
@@ -516,6 +537,12 @@ class PoolPlacementPublic(BaseModel):
         description="make-before-break: the device the camera left, which runs it until this one reports "
         "it running",
     )
+    canary: str | None = Field(
+        default=None, description="the model/version a rollout wants for it, admitted here (its cost fits)"
+    )
+    canary_held: str | None = Field(
+        default=None, description="why the plan did not admit the version a rollout wants for it here"
+    )
 
 
 class PoolMove(BaseModel):
@@ -576,6 +603,10 @@ class PoolPublic(BaseModel):
     )
     held: list[PoolHeld] = Field(description="moves asked for (pins, failback) that cannot be made now")
     n_plus_one: bool = Field(description="any one device's cameras fit in the room left on the others")
+    canary_held: dict[str, str] = Field(
+        default_factory=dict,
+        description="camera -> why the version a rollout wants for it is not admitted where it runs, now",
+    )
     recent_moves: list[PoolMoveEvent] = Field(description="the newest camera_moved events, newest first")
     created_at: datetime
     updated_at: datetime
@@ -601,6 +632,9 @@ class PoolPlan(BaseModel):
     loads: dict[str, PoolLoad] = Field(description="every device that could take cameras in this plan")
     n_plus_one: bool
     placements: dict[str, PoolPlacementPublic]
+    canary_held: dict[str, str] = Field(
+        default_factory=dict, description="camera -> why the version a rollout wants for it is not admitted"
+    )
 
 
 class PoolMoveRequest(BaseModel):

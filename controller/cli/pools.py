@@ -60,7 +60,8 @@ def print_pools(pools: list[dict[str, Any]]) -> None:
 
 
 def _problems(console: Any, body: dict[str, Any]) -> None:
-    """Degraded, unplaced and held cameras with why: what an operator must look at."""
+    """Degraded, unplaced and held cameras, and rollouts' versions held back, with why: what an
+    operator must look at."""
     for cam, d in sorted(body["degraded"].items()):
         console.print(
             f"degraded  {cam}: {_fps(d['fps'])} of {_fps(d['target_fps'])} FPS: {d['reason']}", markup=False
@@ -69,6 +70,8 @@ def _problems(console: Any, body: dict[str, Any]) -> None:
         console.print(f"unplaced  {cam}: {why}", markup=False)
     for h in body["held"]:
         console.print(f"held      {_move_line(h)}: {h['why']}", markup=False)
+    for cam, why in sorted((body.get("canary_held") or {}).items()):
+        console.print(f"canary    {cam} held: {why}", markup=False)
     console.print(
         "N+1: holds (any one device's cameras fit on the others)"
         if body["n_plus_one"]

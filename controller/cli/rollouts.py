@@ -65,7 +65,8 @@ def follow_rollout(
 
 
 def print_rollout(dep: dict[str, Any]) -> None:
-    """A deployment, its rollout, each wave's gate figures and every device's state."""
+    """A deployment, its rollout, each wave's gate figures, every device's state and every pool
+    camera's (the device that analyses it now, how often a move restarted its judgement)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -126,7 +127,23 @@ def print_rollout(dep: dict[str, Any]) -> None:
                 "-" if d.get("progress_pct") is None else f"{d['progress_pct']:.0f}%",
                 d.get("reason") or "",
             )
-    console.print(table)
+    if ro.get("devices") or not ro.get("cameras"):
+        console.print(table)
+    if ro.get("cameras"):
+        # Pool cameras are members of their own: the device is whichever analyses the camera now.
+        cams = Table("pool/camera", "wave", "state", "device", "target", "reported", "restarts", "reason")
+        for c in ro["cameras"]:
+            cams.add_row(
+                f"{c['pool']}/{c['camera']}",
+                str(c["wave"]),
+                c["state"],
+                c.get("device_id") or "-",
+                "-" if c.get("target_version") is None else f"v{c['target_version']}",
+                "-" if c.get("reported_version") is None else f"v{c['reported_version']}",
+                str(c.get("soak_restarts") or 0),
+                c.get("reason") or "",
+            )
+        console.print(cams)
 
 
 @rollouts_app.command("ls")

@@ -1,15 +1,17 @@
 """Camera pools as the API shows them, for the tests that declare one: a camera's declaration with a
 secret-reference source, and reading back a pool, where its cameras run, the moves it recorded, and
-the pool cameras each device was sent."""
+the pool cameras each device was sent (and the model each runs); what a device reports of them."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fleet_protocol import TopicKind
 from fleet_protocol.codec import decode
-from fleet_protocol.messages import CameraDesired, DesiredState
+from fleet_protocol.messages import CameraDesired, CameraReported, DesiredState, ReportedState
 from tests.support.controller_app import Fleet
+from tests.support.waiting import wait_for
 
 
 def pool_camera(cam: str, **over: Any) -> dict[str, Any]:
@@ -72,3 +74,36 @@ def sent_pool_cameras(fleet: Fleet, device: str) -> dict[str, CameraDesired]:
     """The pool cameras (those with a source) of the last desired state published for ``device``."""
     state = sent_desired(fleet, device)
     return {} if state is None else {c: cd for c, cd in state.cameras.items() if cd.source is not None}
+
+
+def report_pool_cameras(fleet: Fleet, device: str, cameras: dict[str, tuple[str, str, str | None]]) -> None:
+    """What ``device``'s agent reports once it applied its last desired state: per camera (model as
+    "name:version", state, error); stored by the controller before this returns."""
+    state = sent_desired(fleet, device)
+    assert state is not None
+    fleet.send(
+        device,
+        TopicKind.TWIN_REPORTED,
+        ReportedState(
+            ts=time.time(),
+            desired_version=state.version,
+            cameras={
+                c: CameraReported(model=m, state=st, error=err)  # type: ignore[arg-type]
+                for c, (m, st, err) in cameras.items()
+            },
+        ),
+    )
+    wait_for(
+        lambda: fleet.device(device)["reported_version"] == state.version,
+        timeout=10,
+        what=f"{device}'s report of v{state.version} stored",
+    )
+
+
+def sent_model(fleet: Fleet, device: str, camera: str) -> str | None:
+    """ "name:version" of the model the last desired state published for ``device`` runs on ``camera``."""
+    state = sent_desired(fleet, device)
+    cd = state.cameras.get(camera) if state is not None else None
+    if cd is None or cd.model is None:
+        return None
+    return f"{cd.model.manifest.name}:{cd.model.manifest.version}"

@@ -16,11 +16,15 @@ from typing import Any
 import pytest
 
 from controller.fleet.pools import HANDOVER_TIMEOUT_S
-from fleet_protocol import TopicKind
-from fleet_protocol.messages import CameraReported, ReportedState
 from tests.support.controller_app import Fleet, FleetFactory, enroll_measured, measured_beat
-from tests.support.pools import cameras_on, pool_camera, put_pool, sent_desired, sent_pool_cameras
-from tests.support.waiting import wait_for
+from tests.support.pools import (
+    cameras_on,
+    pool_camera,
+    put_pool,
+    report_pool_cameras,
+    sent_desired,
+    sent_pool_cameras,
+)
 
 POOL = "site-north"
 BOXES = ("box-1", "box-2", "box-3")
@@ -70,22 +74,7 @@ def _drain(fleet: Fleet, device: str) -> dict[str, Any]:
 
 def _report_running(fleet: Fleet, device: str, cameras: set[str]) -> None:
     """What the device's agent reports once it runs ``cameras`` (its desired state taken)."""
-    state = sent_desired(fleet, device)
-    assert state is not None
-    fleet.send(
-        device,
-        TopicKind.TWIN_REPORTED,
-        ReportedState(
-            ts=time.time(),
-            desired_version=state.version,
-            cameras={c: CameraReported(model="tiny:1", state="running") for c in cameras},
-        ),
-    )
-    wait_for(
-        lambda: all((fleet.device(device)["models"].get(c) or {}).get("state") == "running" for c in cameras),
-        timeout=10,
-        what=f"{device}'s report of {sorted(cameras)} stored",
-    )
+    report_pool_cameras(fleet, device, {c: ("tiny:1", "running", None) for c in cameras})
 
 
 def _round(fleet: Fleet, now: float | None = None) -> list[tuple[str, str, str]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from controller.db.states import MemberState
 from controller.fleet.gate import (
     AdmitCamera,
     CameraTarget,
@@ -112,7 +113,7 @@ def test_a_failover_during_the_soak_restarts_the_cameras_soak_on_its_new_device(
     # box-2 runs it on the new model under the desired state that gave it the camera: active.
     sent = replace(again, target_version=9)
     running = {**dead, "box-2": box("box-2", {"door-1": "running"}, version=9)}
-    assert step(view([sent], moved), running, T0 + 40) == [Settle(key("door-1"), "active")]
+    assert step(view([sent], moved), running, T0 + 40) == [Settle(key("door-1"), MemberState.ACTIVE)]
     # ... and its wave passes once it has soaked there.
     active = replace(sent, state="active", settled_at=T0 + 40)
     assert step(view([active], moved), running, T0 + 49) == []
@@ -124,11 +125,13 @@ def test_a_failover_during_the_soak_restarts_the_cameras_soak_on_its_new_device(
 
 def test_a_camera_whose_new_version_fails_on_its_new_device_still_fails_the_wave() -> None:
     restarted = cam_member("door-1", "box-2", soak_restarts=1, target_version=9)
-    failing = {**BOXES, "box-2": box("box-2", {"door-1": "failed"}, version=9)}
-    failing["box-2"].reported["door-1"]["error"] = "non-finite output"
+    broken = {"door-1": {"model": M, "state": "failed", "error": "non-finite output"}}
+    failing = {**BOXES, "box-2": DeviceView(id="box-2", reported_version=9, reported=broken)}
     moved = {**TARGETS, key("door-1"): target("door-1", "box-2", moved="device_offline")}
     actions = step(view([restarted], moved), failing, T0 + 5)
-    assert actions[0] == Settle(key("door-1"), "failed", "camera door-1 failed on box-2: non-finite output")
+    assert actions[0] == Settle(
+        key("door-1"), MemberState.FAILED, "camera door-1 failed on box-2: non-finite output"
+    )
     assert isinstance(actions[1], GateResult) and not actions[1].passed
     assert "1 of 1 cameras failed" in actions[1].reason
     assert isinstance(actions[2], Finish) and actions[2].state == "failed"
@@ -140,7 +143,7 @@ def test_a_camera_moved_more_often_than_allowed_while_judged_fails() -> None:
     actions = step(view([tired], moved), BOXES, T0 + 5)
     assert actions[0] == Settle(
         key("door-1"),
-        "failed",
+        MemberState.FAILED,
         "moved 3 times while judged (limit max_soak_restarts 2); the last from box-1 to box-3 (overload)",
     )
     assert isinstance(actions[-1], Finish) and actions[-1].state == "failed"
@@ -169,7 +172,7 @@ def test_a_camera_whose_pool_holds_the_new_version_fails_with_the_pools_reason()
     actions = step(view([applying], held), old, T0 + 61)
     assert actions[0] == Settle(
         key("door-1"),
-        "failed",
+        MemberState.FAILED,
         "not active after 60s: its pool does not admit tiny:2 on box-1 (tiny/2 at 10 FPS does not fit on box-1)",
     )
 
