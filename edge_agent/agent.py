@@ -38,7 +38,9 @@ from edge_agent.control.heartbeat import HeartbeatSender
 from edge_agent.control.pool import PoolCameras, SecretFiles
 from edge_agent.control.reach import ReachProbes
 from edge_agent.control.twin import EngineBuilds, Twin
+from edge_agent.core import logring
 from edge_agent.core.disk_guard import Reserve
+from edge_agent.core.files import atomic_write
 from edge_agent.core.queues import DropOldestQueue
 from edge_agent.core.restart_policy import RestartLimiter, WatchdogAction, WatchdogNote
 from edge_agent.core.settings import AgentSettings, CameraConfig
@@ -47,7 +49,7 @@ from edge_agent.inference.backend import BackendFactory, CudaFatalError, Provide
 from edge_agent.inference.factory import AutoBackendFactory
 from edge_agent.inference.tensorrt.runtime import TrtRuntime
 from edge_agent.update.install import PackageFetcher
-from edge_agent.update.slots import EXIT_UPDATE
+from edge_agent.update.slots import EXIT_RESTART, EXIT_UPDATE
 from edge_agent.update.updater import AgentUpdater
 from edge_agent.uplink.artifacts import ArtifactFetcher
 from edge_agent.uplink.link import MqttLink, Transport
@@ -76,6 +78,8 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FATAL_LINK = 3
+# Written by a restart on command, read and removed by the next start: why the agent restarted.
+RESTART_MARKER = "restart.json"
 _JOIN_S = 5.0
 
 
@@ -185,6 +189,11 @@ class Agent:
         stop = threading.Event()
         data_dir = settings.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
+        # The recent log for the remote ``logs`` command, redacted as lines are recorded.
+        logs = logring.install()
+        password = settings.mqtt_url.password
+        if password is not None:
+            logs.add_secrets([password.get_secret_value()])
         outbox = Outbox(data_dir / "outbox.db", max_messages=settings.outbox.max_messages)
         health = Health(data_dir)
         link: Transport = transport or MqttLink(
@@ -306,7 +315,9 @@ class Agent:
             agent_update=updater,
             pool=PoolCameras(
                 make_worker=camera_worker,
-                read_secret=SecretFiles(settings.secrets_dir or data_dir / "secrets"),
+                read_secret=SecretFiles(
+                    settings.secrets_dir or data_dir / "secrets", on_read=lambda t: logs.add_secrets([t])
+                ),
                 removed=camera_events.forget,
             ),
             probes=reach.set_probes,
@@ -328,6 +339,8 @@ class Agent:
             health=health,
             applied_version=lambda: twin.applied_version,
             stop=stop,
+            settings=settings,
+            logs=logs,
         )
         heartbeats = HeartbeatSender(
             health=health,
@@ -400,6 +413,7 @@ class Agent:
         pipeline.on_provider_fallback = self._on_provider_fallback
         pipeline.on_track_event = self._on_track_event
 
+        commands.restart_agent = self._restart_on_command
         transport.set_callbacks(birth=self._birth, on_connected=self._on_connected, on_fatal=self._on_fatal)
         transport.on_message(TopicKind.TWIN_DESIRED, twin.on_message)
         if isinstance(transport, MqttLink):
@@ -445,10 +459,16 @@ class Agent:
         applied = self.twin.load_applied() if persisted is not None else None
         if persisted is not None and applied is not None:
             self.twin.serve_first(applied, persisted)
+        restart = self._restart_reason()
+        why = f" (restarted on command {restart.get('command')} of {restart.get('by') or 'an operator'})"
         self.publisher.emit_event(
             EventKind.AGENT_STARTED,
-            message=f"agent {__version__} started",
-            data={"agent_version": __version__, "cameras": [c.id for c in self.settings.cameras]},
+            message=f"agent {__version__} started{why if restart else ''}",
+            data={
+                "agent_version": __version__,
+                "cameras": [c.id for c in self.settings.cameras],
+                **({"restart": restart} if restart else {}),
+            },
         )
         if self.updater is not None:
             self.updater.start()  # how the last agent update ended, once
@@ -463,6 +483,30 @@ class Agent:
 
     def request_stop(self) -> None:
         self.stop_event.set()
+
+    def _restart_on_command(self, why: dict[str, Any]) -> None:
+        """The ``restart_agent`` command: say why for the next start, then stop with EXIT_RESTART (the
+        supervisor starts the agent again at once; systemd's ``Restart=always`` does too)."""
+        try:
+            atomic_write(self.data_dir / RESTART_MARKER, json.dumps(why).encode())
+        except OSError as exc:
+            log.warning("restart on command: the reason is not kept (%s)", exc)
+        log.warning("restarting on command %s of %s", why.get("command"), why.get("by") or "an operator")
+        self.exit_code = EXIT_RESTART
+        self.stop_event.set()
+
+    def _restart_reason(self) -> dict[str, Any]:
+        """Why the last run ended on command ({}: it did not), read once."""
+        path = self.data_dir / RESTART_MARKER
+        try:
+            why = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("%s unreadable (%s): ignored", path, exc)
+            why = {}
+        path.unlink(missing_ok=True)
+        return {k: why[k] for k in ("command", "by", "at") if k in why} if isinstance(why, dict) else {}
 
     def run(self) -> int:
         """Start, block until stopped (signal, fatal link error), shut down; returns the exit code."""

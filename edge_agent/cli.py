@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from edge_agent.core import logring
 from edge_agent.core.settings import SettingsError, load_settings
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def run(
         level=settings.log_level,
         format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
     )
+    logring.install()  # from here on, the remote ``logs`` command sees what the log file gets
     if stack_check is None:
         from edge_agent.inference.gpu_stack import startup_check
 

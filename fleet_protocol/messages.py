@@ -758,6 +758,12 @@ class CommandName(OpenStrEnum):
     RESTART_PIPELINE = "restart_pipeline"
     SNAPSHOT = "snapshot"
     DIAGNOSTICS = "diagnostics"
+    # Remote troubleshooting (PROTOCOL.md "Commands"): an agent that does not know one answers
+    # ``unsupported command``, so a controller may send them to any agent.
+    LOGS = "logs"
+    PROBE_CAMERA = "probe_camera"
+    RESTART_CAMERA = "restart_camera"
+    RESTART_AGENT = "restart_agent"
 
 
 class Command(Msg):

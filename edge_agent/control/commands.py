@@ -1,4 +1,6 @@
-"""Commands from the controller (restart pipeline, snapshot, diagnostics), each answered by its id.
+"""Commands from the controller, each answered by its id: restart the pipeline, one camera or the
+agent; a snapshot; a diagnostics bundle; the recent log; a probe of a camera's source
+(``diagnostics.py`` holds what the last three compute).
 
 Commands arrive on the link's thread and run on the commands thread (:meth:`CommandRunner.run`), so a
 slow snapshot never holds up MQTT. The queue between them is bounded: when it is full a command is
@@ -25,6 +27,9 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from edge_agent import __version__
+from edge_agent.control import diagnostics
+from edge_agent.core.logring import LogRing
+from edge_agent.core.settings import AgentSettings
 from edge_agent.device.health import Health
 from edge_agent.uplink.artifacts import ArtifactFetcher
 from edge_agent.uplink.link import Delivery, Handed, Transport
@@ -73,9 +78,15 @@ class CommandRunner:
         applied_version: Callable[[], int],
         stop: threading.Event,
         resend_s: float = RESEND_S,
+        settings: AgentSettings | None = None,
+        logs: LogRing | None = None,
+        restart_agent: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """``applied_version``: the desired version the twin last applied (-1 before the first);
-        ``resend_s``: how often kept results not in flight are tried again without a reconnect."""
+        ``resend_s``: how often kept results not in flight are tried again without a reconnect;
+        ``settings``: what the diagnostics bundle shows (redacted); ``logs``: the ring the ``logs``
+        command reads; ``restart_agent(why)``: ends the process to be started again (None: the command
+        is refused, as on an agent that nothing would restart)."""
         self.device_id = device_id
         self.pipeline = pipeline
         self.publisher = publisher
@@ -100,13 +111,22 @@ class CommandRunner:
         self._due = True
         self._resend_s = resend_s
         self._next_try = 0.0
+        self.settings = settings
+        self.logs = logs
+        self.restart_agent = restart_agent
+        # When each queued command arrived (its id -> unix seconds), for the clock reading.
+        self._arrived: dict[str, float] = {}
+        # What a command does once its result is kept (the agent's restart), run by the commands thread.
+        self._after_answer: Callable[[], None] | None = None
 
     def on_message(self, msg: Message) -> None:
         if not isinstance(msg, Command):
             return
         try:
+            self._arrived[msg.id] = time.time()
             self._queue.put_nowait(msg)
         except queue.Full:
+            self._arrived.pop(msg.id, None)
             self._answer(CommandResult(id=msg.id, ok=False, error="busy: too many commands queued"))
 
     def on_connected(self) -> None:
@@ -220,6 +240,9 @@ class CommandRunner:
                 # CommandResult.error is at most 4096 characters (fleet_protocol.messages.LongText).
                 result = CommandResult(id=cmd.id, ok=False, error=f"{type(exc).__name__}: {exc}"[:4096])
             self._answer(result)
+            then, self._after_answer = self._after_answer, None
+            if then is not None:
+                then()
 
     def _deliver_logged(self) -> None:
         # The thread that answers every command must outlive a failing pass (a database error).
@@ -230,8 +253,44 @@ class CommandRunner:
             self._stop.wait(1.0)
 
     def execute(self, cmd: Command) -> CommandResult:
+        received_at = self._arrived.pop(cmd.id, time.time())
+        try:
+            return self._execute(cmd, received_at)
+        except diagnostics.ArgError as exc:
+            return CommandResult(id=cmd.id, ok=False, error=f"bad arguments: {exc}")
+
+    def _execute(self, cmd: Command, received_at: float) -> CommandResult:
         if cmd.name == CommandName.DIAGNOSTICS:
-            return CommandResult(id=cmd.id, ok=True, result=self.diagnostics())
+            bundle = self.diagnostics()
+            bundle["clock"] = diagnostics.clock(cmd.args, received_at)
+            return CommandResult(id=cmd.id, ok=True, result=bundle)
+        if cmd.name == CommandName.LOGS:
+            return CommandResult(id=cmd.id, ok=True, result=diagnostics.log_lines(self.logs, cmd.args))
+        if cmd.name in (CommandName.PROBE_CAMERA, CommandName.RESTART_CAMERA):
+            camera = cmd.args.get("camera")
+            worker = self.pipeline.cameras.get(camera) if isinstance(camera, str) else None
+            if worker is None:
+                return CommandResult(id=cmd.id, ok=False, error=f"unknown camera {camera!r}")
+            if cmd.name == CommandName.RESTART_CAMERA:
+                worker.reopen()
+                log.info("camera %s restarted by command %s", camera, cmd.id)
+                return CommandResult(id=cmd.id, ok=True, result={"restarted": camera})
+            timeout = cmd.args.get("timeout_s", diagnostics.PROBE_TIMEOUT_S)
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 60:
+                raise diagnostics.ArgError(
+                    f"timeout_s must be a number of seconds up to {diagnostics.MAX_PROBE_TIMEOUT_S:g}"
+                )
+            probe = diagnostics.probe_source(worker.config, timeout_s=float(timeout), stop=self._stop)
+            return CommandResult(id=cmd.id, ok=True, result={"camera": camera, **probe.as_dict()})
+        if cmd.name == CommandName.RESTART_AGENT:
+            if self.restart_agent is None:
+                return CommandResult(id=cmd.id, ok=False, error="this agent cannot restart itself")
+            why = {"command": cmd.id, "by": str(cmd.args.get("by", ""))[:64], "at": time.time()}
+            restart = self.restart_agent
+            # After the answer is kept in the outbox (run()): it survives the restart and goes out then
+            # if the broker did not have it yet.
+            self._after_answer = lambda: restart(why)
+            return CommandResult(id=cmd.id, ok=True, result={"restarting": True})
         if cmd.name == CommandName.RESTART_PIPELINE:
             self.pipeline.restart()
             self.publisher.emit_event(
@@ -273,6 +332,18 @@ class CommandRunner:
             "protocol_errors": dict(link_errors),
             "bad_chunks": self.fetcher.bad_chunks,
             "system": {k: v for k, v in self.health.system().items() if k != "gpus"},
+            "uplink": self._uplink(),
+            "inference_stack": diagnostics.inference_stack(),
+            "config": diagnostics.redacted_config(self.settings) if self.settings is not None else None,
+        }
+
+    def _uplink(self) -> dict[str, Any]:
+        """The link's state in words: connected or not, and the connect errors it met (newest last)."""
+        errors = getattr(self.transport, "connect_errors", None)
+        return {
+            "connected": self.transport.connected,
+            "last_error": getattr(self.transport, "last_error", None),
+            "connect_errors": [{"at": at, "error": err} for at, err in errors] if errors is not None else [],
         }
 
     def snapshot(self, camera: str, *, boxes: bool) -> dict[str, Any] | None:

@@ -35,8 +35,11 @@ class SecretFiles:
     """The device's secrets: one file per name in ``directory``, owner-only (0600 or 0400), its text
     without the trailing newline an editor leaves. Read each time a camera needs it."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, on_read: Callable[[str], None] | None = None) -> None:
+        """``on_read(text)``: told each secret's text as it is read (the log ring, so that the secret
+        never leaves the device in a log line)."""
         self.directory = directory
+        self._on_read = on_read
 
     def __call__(self, name: str) -> str:
         path = self.directory / name  # names are [A-Za-z0-9][A-Za-z0-9_.-]*: never a path of their own
@@ -56,6 +59,8 @@ class SecretFiles:
             ) from None
         if not text:
             raise SecretMissing(f"secret file {path} is empty")
+        if self._on_read is not None:
+            self._on_read(text)
         return text
 
 

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # Exit code of an agent that installed a new version and wants the supervisor to start it (EX_TEMPFAIL).
 EXIT_UPDATE = 75
+# Exit code of an agent restarting on an operator's command: started again at once, not a crash.
+EXIT_RESTART = 76
 
 
 # Set by the supervisor in the child's environment: the slot it runs, and that a supervisor is there.

@@ -39,6 +39,7 @@ from typing import IO, Protocol
 
 from edge_agent.update.slots import (
     BASE,
+    EXIT_RESTART,
     EXIT_UPDATE,
     SLOT_ENV,
     LastOutcome,
@@ -282,6 +283,10 @@ class Supervisor:
             self._sleep(self.config.poll_s)
         if code == EXIT_UPDATE:
             log.info("agent %s installed an update: switching to it", ref.version)
+            self._backoff = self.config.backoff_min_s
+            return
+        if code == EXIT_RESTART:
+            log.info("agent %s restarts on command", ref.version)
             self._backoff = self.config.backoff_min_s
             return
         ran = self._clock() - started

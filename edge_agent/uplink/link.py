@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Protocol
@@ -30,6 +31,9 @@ from fleet_protocol.paho_client import (
 from fleet_protocol.topics import SPECS, TopicKind, Topics
 
 log = logging.getLogger(__name__)
+
+# Distinct connect failures remembered (the same one repeated updates its time instead).
+CONNECT_ERRORS_KEPT = 20
 
 MessageHandler = Callable[[Message], None]
 ChunkHandler = Callable[[bytes], None]
@@ -109,6 +113,9 @@ class MqttLink:
         self.fatal: str | None = None
         # Why the last connection attempt failed (TLS verification above all); None once connected.
         self.last_error: str | None = None
+        # The newest connect failures (unix seconds, in words), kept after a connection succeeds: what
+        # a technician or the diagnostics bundle reads to learn why the link was down.
+        self.connect_errors: deque[tuple[float, str]] = deque(maxlen=CONNECT_ERRORS_KEPT)
         # Connection attempts so far (the first and every reconnect), counted as paho starts each one:
         # shows that a failing link keeps trying with its backoff instead of having given up.
         self.connect_attempts = 0
@@ -227,6 +234,7 @@ class MqttLink:
                 client, reason, log=log, broker="broker", hint="check the credentials / ACL"
             )
             if refusal is not None:
+                self._failed(f"broker refused the connection: {refusal.reason}")
                 if refusal.for_good:
                     self.fatal = f"broker refused the connection: {refusal.reason}"
                     if self._on_fatal is not None:
@@ -271,16 +279,24 @@ class MqttLink:
         # Not fatal: a CA or certificate can be fixed on the broker side while we back off, so the
         # reconnect policy applies.
         try:
-            self.last_error = connect_failure(str(self._endpoint))
+            error = connect_failure(str(self._endpoint))
+            self._failed(error)
             now = time.monotonic()
             last = self._last_error_logged
-            if last is None or last[0] != self.last_error or now - last[1] > 60.0:
-                self._last_error_logged = (self.last_error, now)
+            if last is None or last[0] != error or now - last[1] > 60.0:
+                self._last_error_logged = (error, now)
                 # A TLS failure needs a person; a broker that is down merely needs time.
-                level = logging.ERROR if self.last_error.startswith("TLS") else logging.WARNING
-                log.log(level, "%s; retrying with backoff", self.last_error)
+                level = logging.ERROR if error.startswith("TLS") else logging.WARNING
+                log.log(level, "%s; retrying with backoff", error)
         except Exception:
             log.exception("on_connect_fail failed")
+
+    def _failed(self, error: str) -> None:
+        self.last_error = error
+        if not self.connect_errors or self.connect_errors[-1][1] != error:
+            self.connect_errors.append((time.time(), error))
+        else:  # the same failure again: its newest time, not another row
+            self.connect_errors[-1] = (time.time(), error)
 
     def _handle_disconnect(
         self, client: mqtt.Client, userdata: object, flags: object, reason: object, properties: object

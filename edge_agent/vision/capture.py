@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Literal, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
@@ -39,6 +38,7 @@ from edge_agent.core.restart_policy import capped_backoff
 from edge_agent.core.settings import CameraConfig
 from edge_agent.vision.rtsp import FfmpegOptionsGate, Transport, describe, ffmpeg_gate
 from fleet_protocol.messages import COST_EWMA_ALPHA, CameraState, InputSpec
+from fleet_protocol.sources import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -107,25 +107,10 @@ class RetryAttempt:
 
 
 def redact_source(source: str) -> str:
-    """``source`` without its secrets: the password of URL credentials (``rtsp://user:pass@host`` ->
-    ``rtsp://user:***@host``; credentials without a password may be a token: ``rtsp://***@host``) and
-    query values (``?token=abc`` -> ``?token=***``, where a camera may take its credential). The one
-    function that makes a source printable: whatever names a source in a log, an event, a reported
-    error or an exception goes through it."""
-    if "://" not in source:
-        return source
-    try:
-        parts = urlsplit(source)
-    except ValueError:
-        return "<unparsable url>"
-    if "@" in parts.netloc:
-        userinfo, host = parts.netloc.rsplit("@", 1)
-        user, colon, _ = userinfo.partition(":")
-        parts = parts._replace(netloc=f"{user}:***@{host}" if colon and user else f"***@{host}")
-    if parts.query:
-        hidden = (p.split("=", 1)[0] + "=***" if "=" in p else p for p in parts.query.split("&"))
-        parts = parts._replace(query="&".join(hidden))
-    return urlunsplit(parts)
+    """``source`` without its secrets (:func:`fleet_protocol.sources.redact_url`): the one function that
+    makes a source printable; whatever names a source in a log, an event, a reported error or an
+    exception goes through it."""
+    return redact_url(source)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from edge_agent.agent import Agent
 from edge_agent.core.settings import MqttEndpoint, SettingsError, parse_settings
 from edge_agent.uplink.link import MqttLink
 from fleet_protocol import Topics
@@ -225,3 +226,55 @@ def test_bad_tls_files_are_refused_at_start(tmp_path: Path, pki: Pki) -> None:
         env={},
     )
     assert ok.mqtt_url.tls and ok.mqtt_url.ca_file == pki.ca.cert
+
+
+def test_the_diagnostics_bundle_names_the_tls_failure_the_link_met_before_it_connected(
+    tmp_path: Path, pki: Pki
+) -> None:
+    # The broker first serves a certificate of a CA the device does not trust (a botched rotation),
+    # then the right one on the same port: the device connects, and its diagnostics bundle still says
+    # why it was down, in words a technician can act on.
+    impostor = pki.other_ca.issue("impostor", server=True, ips=["127.0.0.1"])
+    b = tls_broker(
+        tmp_path / "rotating", TlsFiles(pki.ca.cert, impostor.cert, impostor.key), require_certificate=True
+    )
+    b.start()
+    assert b.tls_port is not None
+    wait_port(b.host, b.tls_port)
+    agent = Agent.from_settings(
+        parse_settings(
+            {
+                "device_id": "tls-diag",
+                "data_dir": str(tmp_path / "agent"),
+                "mqtt_url": _tls_url(b),
+                "mqtt_ca_file": str(pki.ca.cert),
+                "mqtt_cert_file": str(pki.client.cert),
+                "mqtt_key_file": str(pki.client.key),
+                "mqtt_reconnect_min_s": 1,
+                "mqtt_reconnect_max_s": 2,
+                "cameras": [],
+            },
+            env={},
+        )
+    )
+    link = agent.transport
+    assert isinstance(link, MqttLink)
+    link.start()
+    try:
+        wait_for(_error_of(link), timeout=15, what="the TLS failure")
+        b.stop()
+        b.conf.write_text(
+            b.conf.read_text()
+            .replace(str(impostor.cert), str(pki.server.cert))
+            .replace(str(impostor.key), str(pki.server.key))
+        )
+        b.start()
+        assert link.wait_connected(30), link.last_error
+        uplink = agent.commands.diagnostics()["uplink"]
+        assert uplink["connected"] is True
+        (failure,) = [e for e in uplink["connect_errors"] if e["error"].startswith("TLS")]
+        assert "certificate verify failed" in failure["error"] and "mqtt_ca_file" in failure["error"], uplink
+    finally:
+        link.stop()
+        agent.outbox.close()
+        b.kill()
