@@ -14,6 +14,7 @@ from controller.api import (
     assignments,
     deployments,
     detections,
+    device_commands,
     devices,
     events,
     fleet,
@@ -29,6 +30,7 @@ from controller.api.errors import register_error_handlers
 ROUTERS = (
     fleet.router,
     devices.router,
+    device_commands.router,
     assignments.router,
     model_versions.router,
     agent_packages.router,

@@ -13,14 +13,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Response, status
 
 from controller.api.deps import DeviceIdPath, IdPath, RuntimeDep, SessionDep
+from controller.api.device_commands import ASK_RESPONSES, ask_device
 from controller.api.presenters import device_public
 from controller.api.schemas import DevicePublic, EnrolledDevice, LabelsBody, RevokedDevice
 from controller.db import crud
 from controller.db.states import DeviceStatus
 from controller.db.tables import Device, DeviceCreate, HealthSamplePublic
-from controller.errors import ConflictError, DeviceError, NotFoundError, UnavailableError
+from controller.errors import ConflictError, DeviceError, NotFoundError
 from controller.link.broker_auth import check_device_id, generate_password, hash_password
-from controller.link.commands import CommandFailedError
 from controller.runtime import ControllerRuntime
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Availability, CommandName
@@ -229,14 +229,7 @@ def put_labels(
     "/{device_id}/cameras/{camera}/snapshot",
     summary="The camera's current frame as JPEG (boxes=true draws the latest detections), asked of the device",
     response_class=Response,
-    responses={
-        200: {"content": {"image/jpeg": {}}},
-        404: {"description": "unknown device or camera"},
-        409: {"description": "device offline"},
-        502: {"description": "the device answered with an error"},
-        503: {"description": "the camera has no frame yet, or the controller is not connected to MQTT"},
-        504: {"description": "the device did not answer in time"},
-    },
+    responses={200: {"content": {"image/jpeg": {}}}, **ASK_RESPONSES},
 )
 def snapshot(
     device_id: IdPath,
@@ -246,26 +239,15 @@ def snapshot(
     boxes: bool = False,
     timeout: Annotated[float | None, Query(gt=0, le=60, description="seconds; default from settings")] = None,
 ) -> Response:
-    dev = crud.get_device(session, device_id=device_id)
-    # Give the connection back before waiting for the device, which may take up to `timeout`.
-    session.close()
-    if dev is None:
-        raise _unknown(device_id)
-    if dev.status != DeviceStatus.ONLINE:
-        since = f" since {dev.offline_since.isoformat()}" if dev.offline_since is not None else ""
-        raise ConflictError(f"device {device_id} is offline{since}; a snapshot needs the device online")
-    if not rt.bridge.connected:
-        raise UnavailableError("the controller is not connected to the MQTT broker")
-    # CommandError: 503 (busy, stopping) or 504 (no answer in time).
-    res = rt.commands.request(
+    res = ask_device(
+        session,
+        rt,
         device_id,
         CommandName.SNAPSHOT,
         {"camera": camera, "boxes": boxes},
-        timeout=timeout or rt.settings.command_timeout_s,
+        timeout=timeout,
+        doing="take a snapshot",
     )
-    if not res.ok:
-        # An unknown camera: 404; no frame yet or busy: 503; any other error: 502.
-        raise CommandFailedError.of(device_id, res.error, doing="take a snapshot")
     try:
         jpeg = base64.b64decode(str(res.result.get("jpeg_base64", "")), validate=True)
     except (binascii.Error, ValueError):

@@ -20,7 +20,10 @@ from typing import Annotated
 
 import typer
 
-from controller.cli import serve
+from controller.cli import (
+    serve,
+    troubleshoot,  # noqa: F401  (registers its commands on devices_app)
+)
 from controller.cli.agent import agent_app
 from controller.cli.client import cli_token
 from controller.cli.deployments import deploy, deployments_app

@@ -1,4 +1,4 @@
-"""``edgefleet devices``: ls, show, label, enroll, decommission."""
+"""``edgefleet devices``: ls, show, label, enroll, decommission (troubleshooting: ``troubleshoot.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import typer
 
 from controller.cli.client import DEFAULT_API, ApiOption, request
 
-devices_app = typer.Typer(help="Devices: list, show, label, enroll, decommission.", no_args_is_help=True)
+devices_app = typer.Typer(
+    help="Devices: list, show, label, enroll, decommission; logs, diagnose, probe, restart.",
+    no_args_is_help=True,
+)
 
 
 def _labels(labels: dict[str, str]) -> str:

@@ -219,11 +219,19 @@ class DroppedRange(SQLModel, table=True):
 # Who wrote an event: the device (its events topic) or the controller itself.
 SOURCE_DEVICE = "device"
 SOURCE_CONTROLLER = "controller"
-# The kinds only the controller writes (the decommission, a new incarnation, a command's result, the
-# converger's re-sends and their outcome, a pool camera moved by a plan): refused when a device sends
-# one, so that the audit trail cannot be forged from a device.
+# The kinds only the controller writes (the decommission, a new incarnation, a command's result and
+# who asked for one, the converger's re-sends and their outcome, a pool camera moved by a plan): refused
+# when a device sends one, so that the audit trail cannot be forged from a device.
 CONTROLLER_EVENT_KINDS = frozenset(
-    {"decommissioned", "device_reset", "command_result", "twin_resend", "twin_converged", "camera_moved"}
+    {
+        "decommissioned",
+        "device_reset",
+        "command_result",
+        "remote_command",
+        "twin_resend",
+        "twin_converged",
+        "camera_moved",
+    }
 )
 
 

@@ -79,6 +79,10 @@ RELEASE_PATHS = (
     re.compile(r"/api/v1/devices/[^/]+/agent(/.*)?"),
 )
 
+# Reads that need an operator: a device's log and its diagnostics bundle are asked of the device and
+# carry what a viewer (a wall screen, a contractor) has no need to see.
+OPERATOR_READ_PATHS = (re.compile(r"/api/v1/devices/[^/]+/(logs|diagnostics)"),)
+
 
 class Role(StrEnum):
     VIEWER = "viewer"
@@ -119,6 +123,8 @@ def required_role(method: str | None, path: str) -> Role | None:
         return None
     if path == TOKENS_PATH or path.startswith(TOKENS_PATH + "/"):
         return Role.ADMIN
+    if method is not None and any(p.fullmatch(path) for p in OPERATOR_READ_PATHS):
+        return Role.OPERATOR
     if method is None or method.upper() in READ_METHODS:
         return Role.VIEWER
     if any(p.fullmatch(path) for p in RELEASE_PATHS):

@@ -89,6 +89,10 @@ def test_every_route_refuses_anonymous_calls_except_the_public_ones(fleet: Fleet
     assert required_role(None, "/api/v1/detections/live") is Role.VIEWER
     assert required_role("DELETE", "/api/v1/deployments/x1") is Role.OPERATOR
     assert required_role("GET", "/api/v1/tokens") is Role.ADMIN
+    # A device's log and diagnostics are asked of the device and carry its configuration: operators only.
+    assert required_role("GET", "/api/v1/devices/x1/logs") is Role.OPERATOR
+    assert required_role("GET", "/api/v1/devices/x1/diagnostics") is Role.OPERATOR
+    assert required_role("POST", "/api/v1/devices/x1/restart") is Role.OPERATOR
     assert required_role("GET", "/some/new/route") is Role.VIEWER
 
 
