@@ -105,6 +105,9 @@ class ControllerSettings(BaseSettings):
     # A device's heartbeats are stored as health history at most this often (its current health is
     # always its last heartbeat): a little under the agent's 5 s interval, so no regular one is skipped.
     health_sample_interval_s: float = Field(default=4.0, ge=0)
+    # A device whose clock its heartbeats put further than this from the controller's is flagged
+    # (clock_off in the device view): detection timestamps and the gates' windows read the device's clock.
+    clock_off_threshold_s: float = Field(default=2.0, gt=0)
     artifact_queue_max: int = Field(default=1000, ge=1)
     artifact_workers: int = Field(default=2, ge=1, le=32)
     chunk_size: int = Field(default=256 * 1024, ge=1024, le=4 * 1024 * 1024)

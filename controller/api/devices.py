@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Response, status
 
 from controller.api.deps import DeviceIdPath, IdPath, RuntimeDep, SessionDep
 from controller.api.device_commands import ASK_RESPONSES, ask_device
-from controller.api.presenters import device_public
+from controller.api.presenters import device_public, with_clock
 from controller.api.schemas import DevicePublic, EnrolledDevice, LabelsBody, RevokedDevice
 from controller.db import crud
 from controller.db.states import DeviceStatus
@@ -176,14 +176,19 @@ def list_devices(session: SessionDep, rt: RuntimeDep) -> list[DevicePublic]:
 @router.get(
     "/{device_id}",
     response_model=DevicePublic,
-    summary="One device: status, cameras, models, health, twin versions, ingest stats",
+    summary="One device: status, cameras, models, health, twin versions, ingest stats, clock offset",
     responses={404: {"description": "unknown device"}},
 )
 def get_device(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -> DevicePublic:
     dev = crud.get_device(session, device_id=device_id)
     if dev is None:
         raise _unknown(device_id)
-    return device_public(dev, rt.ingest.stats(dev.id))
+    return with_clock(
+        device_public(dev, rt.ingest.stats(dev.id)),
+        session,
+        dev,
+        threshold_s=rt.settings.clock_off_threshold_s,
+    )
 
 
 @router.get(

@@ -6,7 +6,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -150,6 +151,43 @@ def device_public(dev: Device, stats: SeqStats) -> DevicePublic:
         incarnation_started_at=dev.incarnation_started_at,
         decommissioned_at=dev.decommissioned_at,
         created_at=dev.created_at,
+    )
+
+
+# Heartbeats weighed for a device's clock offset: at the default sampling, about its last minute.
+CLOCK_BEATS = 12
+
+
+def clock_offset(beats: Iterable[tuple[datetime, Mapping[str, Any]]]) -> float | None:
+    """Device clock minus controller clock from heartbeats: when each was received here, and its payload
+    with the device's clock at sending (``ts``); None without a usable one.
+
+    Each reading ``ts - received`` is the offset less that heartbeat's delay on the way, and a delay is
+    never negative: the largest reading, the fastest heartbeat's, is nearest the truth (NTP's
+    minimum-delay filter on a one-way path). A heartbeat held up (a broker reconnect, a busy
+    controller) only lowers its own reading, so it cannot raise a false alarm.
+    """
+    readings = [
+        float(p["ts"]) - at.timestamp()
+        for at, p in beats
+        if isinstance(p.get("ts"), int | float)
+        and not isinstance(p.get("ts"), bool)
+        and math.isfinite(float(p["ts"]))
+    ]
+    return round(max(readings), 3) if readings else None
+
+
+def with_clock(public: DevicePublic, session: Session, dev: Device, *, threshold_s: float) -> DevicePublic:
+    """The device view with its clock offset estimated from its latest heartbeat and recent samples."""
+    beats: list[tuple[datetime, Mapping[str, Any]]] = [
+        (r.ts, r.payload)
+        for r in crud.health_history(session, device_id=dev.id, since=None, until=None, limit=CLOCK_BEATS)
+    ]
+    if dev.last_seen is not None and dev.last_health:
+        beats.append((dev.last_seen, dev.last_health))
+    offset = clock_offset(beats)
+    return public.model_copy(
+        update={"clock_offset_s": offset, "clock_off": offset is not None and abs(offset) > threshold_s}
     )
 
 

@@ -158,6 +158,14 @@ class DevicePublic(BaseModel):
     decommissioned_at: datetime | None = Field(
         default=None, description="when the device was decommissioned (status decommissioned)"
     )
+    clock_offset_s: float | None = Field(
+        default=None,
+        description="device clock minus controller clock, estimated from its recent heartbeats (the one that "
+        "travelled fastest); null: no heartbeat yet, or in the device list",
+    )
+    clock_off: bool = Field(
+        default=False, description="the estimated offset is beyond the controller's clock_off_threshold_s"
+    )
     created_at: datetime
 
 

@@ -107,8 +107,8 @@ def print_devices(devices: list[dict[str, Any]]) -> None:
 def devices_show(
     device: Annotated[str, typer.Argument(help="device id")], api: ApiOption = DEFAULT_API
 ) -> None:
-    """One device: status, labels, its agent (version, update state, last failed update), per camera
-    assignment (with the layer that won) and what it runs."""
+    """One device: status, labels, its agent (version, update state, last failed update), its clock's
+    offset (flagged when off), per camera assignment (with the layer that won) and what it runs."""
     print_device(request(api, "GET", f"/api/v1/devices/{device}"))
 
 
@@ -125,6 +125,13 @@ def print_device(d: dict[str, Any]) -> None:
     )
     for line in _agent_lines(d.get("agent")):
         console.print(line, markup=False, highlight=False)
+    if d.get("clock_offset_s") is not None:
+        flag = (
+            "  CLOCK OFF: detection times from this device are off by as much" if d.get("clock_off") else ""
+        )
+        console.print(
+            f"clock: {d['clock_offset_s']:+.1f} s from the controller{flag}", markup=False, highlight=False
+        )
     table = Table("camera", "assigned", "layer", "variant", "runs", "state", "error")
     models = d.get("models") or {}
     for cam in sorted(set(d.get("assignments") or {}) | set(models)):
