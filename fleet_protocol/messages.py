@@ -390,6 +390,94 @@ class GpuStats(Strict):
     power_w: float | None = None
 
 
+# --------------------------------------------------------------------------- zones and lines
+
+# Per camera (PROTOCOL.md "Zones and lines"): a handful is what a scene needs, and every inferred frame
+# tests each track against each of them.
+MAX_ZONES = 16
+MAX_LINES = 16
+MAX_ZONE_POINTS = 32
+# A zone's or line's id: an event field, a query parameter and a dashboard label.
+ZoneId = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+# A coordinate as a fraction of the frame's width or height, so that one deployment's zones fit every
+# camera's resolution (and a stream that changes resolution keeps its zones).
+Coordinate = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+NormPoint = tuple[Coordinate, Coordinate]
+
+
+class Anchor(StrEnum):
+    """The point of a box that is in a zone or crosses a line."""
+
+    BOTTOM_CENTER = "bottom_center"  # the feet of a person, the wheels of a car: where it stands
+    CENTER = "center"  # for views from above, where the bottom edge is no nearer the ground
+
+
+class Zone(Signed):
+    """A polygon of the frame (normalised [x, y] points, in order, closed implicitly)."""
+
+    id: ZoneId
+    points: list[NormPoint] = Field(min_length=3, max_length=MAX_ZONE_POINTS)
+    labels: LabelList | None = Field(default=None, exclude_if=_absent)  # None: every label
+    anchor: Anchor | None = Field(default=None, exclude_if=_absent)  # None: bottom_center
+
+
+class CountLine(Signed):
+    """A segment of the frame from ``a`` to ``b`` (normalised). Crossing it from the left of a→b to
+    its right, as seen on the image (y down), is ``in``; the other way ``out``."""
+
+    id: ZoneId
+    a: NormPoint
+    b: NormPoint
+    labels: LabelList | None = Field(default=None, exclude_if=_absent)
+    anchor: Anchor | None = Field(default=None, exclude_if=_absent)
+
+    @model_validator(mode="after")
+    def _a_segment(self) -> CountLine:
+        if self.a == self.b:
+            raise ValueError("a line's two points must differ")
+        return self
+
+
+def _unique_ids(items: list[Any]) -> list[Any]:
+    ids = [item.id for item in items]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"ids must be unique within a camera: {sorted(ids)}")
+    return items
+
+
+Zones = Annotated[list[Zone], Field(max_length=MAX_ZONES), AfterValidator(_unique_ids)]
+CountLines = Annotated[list[CountLine], Field(max_length=MAX_LINES), AfterValidator(_unique_ids)]
+# Per zone, per label: the confirmed tracks whose anchor is in it now.
+Occupancy = Annotated[
+    dict[ZoneId, Annotated[dict[Label, Count], Field(max_length=MAX_LABELS)]], Field(max_length=MAX_ZONES)
+]
+
+
+class CrossDirection(StrEnum):
+    IN = "in"
+    OUT = "out"
+
+
+class ZoneTransit(Strict):
+    """``Event.data`` of ``zone_entered`` and ``zone_left``: which track, at the capture time of the
+    frame that decided it."""
+
+    zone: ZoneId
+    track_id: Count
+    label: Label
+    at: float = Field(ge=0.0)
+
+
+class LineCrossing(Strict):
+    """``Event.data`` of ``line_crossed``."""
+
+    line: ZoneId
+    track_id: Count
+    label: Label
+    direction: CrossDirection
+    at: float = Field(ge=0.0)
+
+
 class CameraState(OpenStrEnum):
     STARTING = "starting"
     UP = "up"
@@ -403,6 +491,9 @@ class CameraStats(Strict):
     fps: float = 0.0
     frames: Count = 0
     dropped: Count = 0
+    # Frames the camera's motion gate kept from the detector (nothing moved); absent while the camera
+    # has no gate, so a heartbeat without it is what agents before it sent.
+    frames_skipped: Count | None = Field(default=None, exclude_if=_absent)
     # Median of the last 50 inference times of the model running now (fresh window at every swap).
     inference_ms: float | None = None
     model: ShortText | None = None
@@ -416,6 +507,9 @@ class CameraStats(Strict):
     decode_ms: float | None = Field(default=None, ge=0.0, exclude_if=_absent)
     source_fps: float | None = Field(default=None, ge=0.0, exclude_if=_absent)
     last_inferred_at: float | None = Field(default=None, ge=0.0, exclude_if=_absent)
+    # Per zone of the camera, the confirmed tracks inside it now, per label (PROTOCOL.md "Zones and
+    # lines"); absent while the camera has no zone, so a heartbeat without zones is what it was.
+    occupancy: Occupancy | None = Field(default=None, exclude_if=_absent)
 
 
 # The weight of a new run in the smoothed costs of VariantCost (an EWMA; the first 1 / alpha runs are
@@ -553,6 +647,9 @@ class EventKind(OpenStrEnum):
     AGENT_ROLLED_BACK = "agent_rolled_back"  # the new version failed; the previous one runs again
     TRACK_STARTED = "track_started"  # a camera's track was confirmed: its first sighting (TrackSighting)
     TRACK_ENDED = "track_ended"  # a confirmed track was lost long enough to end: its last sighting
+    ZONE_ENTERED = "zone_entered"  # a track's anchor came into a zone (ZoneTransit)
+    ZONE_LEFT = "zone_left"  # it left the zone, or its track ended inside it (ZoneTransit)
+    LINE_CROSSED = "line_crossed"  # a track's anchor crossed a counting line (LineCrossing)
     DEVICE_RESET = "device_reset"  # controller-made: a new incarnation (seq space) began
     DECOMMISSIONED = "decommissioned"  # controller-made: the operator retired the device
     ERROR = "error"
@@ -605,12 +702,30 @@ LabelThresholds = Annotated[dict[Label, Score], Field(max_length=MAX_LABELS)]
 BoxAreaFraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
 
+class MotionSettings(Signed):
+    """A camera's motion gate (PROTOCOL.md "Motion-gated inference"): the detector runs on a frame only
+    when the scene moved, and on a full frame at least every ``full_frame_every_s``, so that an object
+    standing still is seen again before its track is lost. The defaults are the agent's."""
+
+    enabled: bool = False
+    # The grey-level change (0-255, on the blurred, downscaled frame) from the running-average
+    # background that counts a pixel as changed: above sensor noise and compression artefacts.
+    threshold: int = Field(default=25, ge=1, le=255)
+    # The smallest changed region that is motion, as a fraction of the frame's area (like
+    # ``min_box_area``, so one setting fits cameras of any resolution).
+    min_area: float = Field(default=0.001, gt=0.0, le=1.0)
+    full_frame_every_s: float = Field(default=1.0, gt=0.0, le=3600.0)
+
+
 class CameraReported(Strict):
     model: ShortText | None = None  # "name:version"
     sha256: Sha256 | None = None
     state: Literal["idle", "fetching", "verifying", "loading", "running", "failed"] = "idle"
     error: LongText | None = None
     progress_pct: float | None = None
+    # The motion gate in effect; reported while a model runs by an agent that knows it, so None means an
+    # agent before it and the controller does not compare it.
+    motion: MotionSettings | None = Field(default=None, exclude_if=_absent)
     # The settings the camera's running model applies now (PROTOCOL.md "Desired and reported state"):
     # the threshold in effect (the desired one, else the manifest's default), the FPS cap and the label
     # filter (None: none). An agent that reports them always reports ``threshold`` while a model runs;
@@ -624,6 +739,10 @@ class CameraReported(Strict):
     # controller does not compare them. Left out of the JSON while unset.
     label_thresholds: LabelThresholds | None = Field(default=None, exclude_if=_absent)
     min_box_area: BoxAreaFraction | None = Field(default=None, exclude_if=_absent)
+    # The zones and counting lines in effect; reported ([] when none) by an agent that knows them, so
+    # None means an agent before them and the controller does not compare them.
+    zones: Zones | None = Field(default=None, exclude_if=_absent)
+    lines: CountLines | None = Field(default=None, exclude_if=_absent)
 
 
 class AgentUpdateState(OpenStrEnum):
@@ -701,10 +820,17 @@ class CameraDesired(Signed):
     # JSON (and so of the signed bytes) while unset, so a state without them is what older agents get.
     label_thresholds: LabelThresholds | None = Field(default=None, exclude_if=_absent)
     min_box_area: BoxAreaFraction | None = Field(default=None, exclude_if=_absent)
+    # Zones and counting lines (PROTOCOL.md "Zones and lines"), applied without a model reload; left
+    # out of the JSON (and the signed bytes) while unset.
+    zones: Zones | None = Field(default=None, exclude_if=_absent)
+    lines: CountLines | None = Field(default=None, exclude_if=_absent)
     # A pool camera (PROTOCOL.md "Pool cameras"): the device opens this source itself, and stops it
     # when a later state no longer names the camera. Credentials only as {secret:NAME} references,
     # resolved on the device. Absent for the cameras of the device's own configuration.
     source: str | None = Field(default=None, min_length=1, max_length=MAX_SOURCE_LEN, exclude_if=_absent)
+    # The camera's motion gate (PROTOCOL.md "Motion-gated inference"), the whole of it; unset: the
+    # agent's own configuration. Left out of the JSON (and the signed bytes) while unset.
+    motion: MotionSettings | None = Field(default=None, exclude_if=_absent)
 
 
 class AgentPackageRef(Signed):
