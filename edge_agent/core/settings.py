@@ -25,7 +25,7 @@ from pydantic import (
 
 from fleet_protocol.endpoint import MqttEndpoint, check_tls_files
 from fleet_protocol.ids import CameraId
-from fleet_protocol.messages import MAX_CAMERAS
+from fleet_protocol.messages import MAX_CAMERAS, MotionSettings
 from fleet_protocol.signing import SignatureError, load_public_key
 from fleet_protocol.topics import DEFAULT_PREFIX, valid_device_id
 
@@ -89,6 +89,13 @@ class CameraConfig(_Strict):
     read_timeout_s: float = Field(default=10.0, gt=0.0, le=300.0)
     """Network sources: how long a read may wait for a frame before the stream counts as lost; what
     notices a camera that stops sending without closing the connection (UDP, a dead link)."""
+    motion: MotionSettings = Field(default_factory=MotionSettings)
+    """Motion-gated inference (edge_agent/vision/motion.py): the detector runs only on frames where
+    something moved, and on a full frame every ``full_frame_every_s``; ``enabled``, ``threshold``
+    (grey levels), ``min_area`` (fraction of the frame), ``full_frame_every_s``. Off unless set: a gated
+    camera on a quiet scene infers a fraction of its frames, and the heartbeat's ``fps`` (the inferred
+    rate) that rollout gates judge against a baseline would read as a slow model. A desired state's
+    ``motion`` replaces this whole."""
 
     @property
     def is_file(self) -> bool:
