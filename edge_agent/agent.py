@@ -10,6 +10,8 @@ Threads (all named, all stopped by ONE event, joined with timeouts):
   heartbeat         health every heartbeat_interval_s (QoS 0)
   reach             probes the sources of pool cameras the device could be given (probe_interval_s)
   watchdog          abandons an inference that hangs, restarts it (rate-limited), reports each step
+  local-page        the local status page and API (edge_agent/local/), when enabled; its request
+                    threads bounded by local_page.max_clients
   + paho's network thread inside MqttLink.
 
 Desired state lives in :mod:`edge_agent.control.twin`, commands in :mod:`edge_agent.control.commands`, the heartbeat
@@ -48,6 +50,8 @@ from edge_agent.device.health import Health
 from edge_agent.inference.backend import BackendFactory, CudaFatalError, ProviderFallback
 from edge_agent.inference.factory import AutoBackendFactory
 from edge_agent.inference.tensorrt.runtime import TrtRuntime
+from edge_agent.local.server import LocalPage, open_local_page
+from edge_agent.local.status import StatusParts, StatusReader
 from edge_agent.update.install import PackageFetcher
 from edge_agent.update.slots import EXIT_RESTART, EXIT_UPDATE
 from edge_agent.update.updater import AgentUpdater
@@ -67,9 +71,11 @@ from fleet_protocol.messages import (
     Capabilities,
     EventKind,
     FrameDetections,
+    LineCrossing,
     Message,
     Severity,
     TrackSighting,
+    ZoneTransit,
 )
 from fleet_protocol.signing import key_id, load_public_key
 from fleet_protocol.topics import TopicKind, Topics
@@ -408,10 +414,12 @@ class Agent:
         self.updater = updater
         self.reach = reach
         self._capabilities: Capabilities | None = None
+        self.local_page: LocalPage | None = None
         # Backend faults on the inference path (see the module docstring).
         pipeline.watchdog.on_fatal = self._on_cuda_fatal
         pipeline.on_provider_fallback = self._on_provider_fallback
         pipeline.on_track_event = self._on_track_event
+        pipeline.on_zone_event = self._on_zone_event
 
         commands.restart_agent = self._restart_on_command
         transport.set_callbacks(birth=self._birth, on_connected=self._on_connected, on_fatal=self._on_fatal)
@@ -480,6 +488,32 @@ class Agent:
             log.info("re-applying persisted desired state version %s", persisted.version)
             self.twin.accept(persisted, persist=False)
         self.transport.start()
+        self.local_page = open_local_page(
+            self.settings.local_page,
+            self.data_dir,
+            status=StatusReader(self._status_parts()),
+            frame_of=self._image_of,
+        )
+
+    def _status_parts(self) -> StatusParts:
+        updater = self.updater
+        return StatusParts(
+            device_id=self.device_id,
+            link=self.transport,
+            outbox=self.outbox,
+            pipeline=self.pipeline,
+            twin=self.twin,
+            health=self.health,
+            updater=updater,
+            camera_errors=lambda: {
+                c: w.retries[-1].reason if w.retries else None for c, w in self.pipeline.cameras.items()
+            },
+            slot_state=lambda: updater.store.load().to_json() if updater is not None else None,
+        )
+
+    def _image_of(self, camera: str) -> Any:
+        frame = self.pipeline.latest_frame(camera)
+        return frame.image if frame is not None else None
 
     def request_stop(self) -> None:
         self.stop_event.set()
@@ -527,6 +561,8 @@ class Agent:
             self._close_health()
             self.outbox.close()
             return
+        if self.local_page is not None:
+            self.local_page.close()
         # Before the joins: the twin thread may be waiting on an engine build.
         self._close_backends()
         self.pipeline.join(_JOIN_S)
@@ -600,6 +636,14 @@ class Agent:
             message=f"{sighting.label} track {sighting.track_id} {what}",
             data=sighting.model_dump(mode="json"),
         )
+
+    def _on_zone_event(self, kind: EventKind, camera: str, data: ZoneTransit | LineCrossing) -> None:
+        if isinstance(data, LineCrossing):
+            message = f"{data.label} track {data.track_id} crossed {data.line} ({data.direction.value})"
+        else:
+            what = "entered" if kind == EventKind.ZONE_ENTERED else "left"
+            message = f"{data.label} track {data.track_id} {what} {data.zone}"
+        self.publisher.emit_event(kind, camera=camera, message=message, data=data.model_dump(mode="json"))
 
     def _on_provider_fallback(self, model: LoadedModel, fb: ProviderFallback) -> None:
         """ORT moved ``model``'s session to another provider during a run: one batch lost, the

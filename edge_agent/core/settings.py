@@ -234,6 +234,28 @@ class UpdateConfig(_Strict):
     retry_max_s: float = Field(default=300.0, gt=0.0)
 
 
+class LocalPageConfig(_Strict):
+    """The agent's local status page and API (edge_agent/local/), for a technician on site with no
+    controller and no internet.
+
+    On by default, bound to 127.0.0.1: it is then already running when the uplink fails, which is when
+    it is needed and when the configuration can no longer be changed from afar (and restarting the agent
+    to turn it on may clear the very state to look at), while nothing off the device can reach it (an
+    SSH tunnel can). Serving the site's LAN, for a phone, is a choice made at provisioning:
+    ``bind: 0.0.0.0``. Every API call needs the device-local token either way.
+    """
+
+    enabled: bool = True
+    bind: str = Field(default="127.0.0.1", min_length=1)
+    """The address it listens on: 127.0.0.1 (this device only), 0.0.0.0 (every interface: the LAN)."""
+    port: int = Field(default=8090, ge=1, le=65535)
+    token_file: Path | None = None
+    """A file holding the token (mode 0600 or 0400), e.g. written at provisioning; None:
+    ``<data_dir>/local_page.token``, generated at the first start (its path is logged, not the token)."""
+    max_clients: int = Field(default=8, ge=1, le=64)
+    """Requests served at once; one more is refused with 503, so a busy page never takes more threads."""
+
+
 class TrackingConfig(_Strict):
     """Tracking per camera (edge_agent/vision/tracking.py; PROTOCOL.md "Tracks")."""
 
@@ -294,6 +316,7 @@ class AgentSettings(_Strict):
     artifacts: ArtifactConfig = Field(default_factory=ArtifactConfig)
     update: UpdateConfig = Field(default_factory=UpdateConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    local_page: LocalPageConfig = Field(default_factory=LocalPageConfig)
     artifact_public_key: str | None = None
     """The controller's Ed25519 artifact key (base64 of 32 bytes), from the enrollment answer or
     ``GET /api/v1/keys/artifacts``; ``EDGEFLEET_ARTIFACT_PUBLIC_KEY`` overrides it. With a key, every

@@ -560,6 +560,15 @@ class Outbox:
             (n,) = db.execute("SELECT COUNT(*) FROM outbox").fetchone()
             return int(n)
 
+    def oldest_pending_at(self) -> float | None:
+        """When the oldest row not acked yet was written (unix seconds); None: none, or unreadable."""
+        with self._lock:
+            db = self._reader()
+            if db is None:
+                return None
+            (at,) = db.execute("SELECT MIN(created_at) FROM outbox").fetchone()
+            return float(at) if at is not None else None
+
     @property
     def dropped(self) -> int:
         with self._lock:

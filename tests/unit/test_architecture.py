@@ -42,6 +42,9 @@ AGENT_DISPATCH_FROM = "controller.cli.serve"
 # ``fleet_protocol`` (the contract and ``fleet_protocol.vision``) sits below them all.
 AGENT_LAYERS: tuple[tuple[str, ...], ...] = (
     ("edge_agent.__main__", "edge_agent.cli", "edge_agent.agent", "edge_agent.supervisor"),
+    # The local status page reads the parts the composition root wires (the twin, the pipeline, the
+    # link, the outbox), so it sits right below it and above every wing it reads.
+    ("edge_agent.local",),
     ("edge_agent.control",),
     ("edge_agent.vision", "edge_agent.update"),
     ("edge_agent.device",),
@@ -78,6 +81,7 @@ OPTIONAL_IMPORTS: dict[str, tuple[str, ...]] = {
     "cv2": (
         "edge_agent.vision",
         "edge_agent.control.commands",
+        "edge_agent.local.server",
         "fleet_protocol.vision",
         "controller.registry",
     ),
