@@ -71,9 +71,11 @@ from fleet_protocol.messages import (
     Capabilities,
     EventKind,
     FrameDetections,
+    LineCrossing,
     Message,
     Severity,
     TrackSighting,
+    ZoneTransit,
 )
 from fleet_protocol.signing import key_id, load_public_key
 from fleet_protocol.topics import TopicKind, Topics
@@ -417,6 +419,7 @@ class Agent:
         pipeline.watchdog.on_fatal = self._on_cuda_fatal
         pipeline.on_provider_fallback = self._on_provider_fallback
         pipeline.on_track_event = self._on_track_event
+        pipeline.on_zone_event = self._on_zone_event
 
         commands.restart_agent = self._restart_on_command
         transport.set_callbacks(birth=self._birth, on_connected=self._on_connected, on_fatal=self._on_fatal)
@@ -633,6 +636,14 @@ class Agent:
             message=f"{sighting.label} track {sighting.track_id} {what}",
             data=sighting.model_dump(mode="json"),
         )
+
+    def _on_zone_event(self, kind: EventKind, camera: str, data: ZoneTransit | LineCrossing) -> None:
+        if isinstance(data, LineCrossing):
+            message = f"{data.label} track {data.track_id} crossed {data.line} ({data.direction.value})"
+        else:
+            what = "entered" if kind == EventKind.ZONE_ENTERED else "left"
+            message = f"{data.label} track {data.track_id} {what} {data.zone}"
+        self.publisher.emit_event(kind, camera=camera, message=message, data=data.model_dump(mode="json"))
 
     def _on_provider_fallback(self, model: LoadedModel, fb: ProviderFallback) -> None:
         """ORT moved ``model``'s session to another provider during a run: one batch lost, the

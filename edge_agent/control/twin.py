@@ -655,6 +655,8 @@ class Twin:
             labels=frozenset(cd.labels) if cd.labels is not None else None,
             label_thresholds=dict(cd.label_thresholds or {}),
             min_box_area=cd.min_box_area or 0.0,
+            zones=tuple(cd.zones or ()),
+            lines=tuple(cd.lines or ()),
         )
         # Before anything else, even for the model already running: a ref that does not check out
         # is not the controller's word, so nothing of it is fetched, loaded or applied.
@@ -722,6 +724,8 @@ class Twin:
             # before these settings by them.
             "label_thresholds": dict(sorted(params.label_thresholds.items())),
             "min_box_area": params.min_box_area,
+            "zones": list(params.zones),
+            "lines": list(params.lines),
         }
 
     def _signature_problem(self, ref: ArtifactRef) -> str | None:

@@ -64,16 +64,21 @@ from edge_agent.inference.backend import (
 from edge_agent.vision.capture import CameraWorker, Frame, smoothed
 from edge_agent.vision.inference_watchdog import FatalCallback, InferenceWatchdog, WatchdogCallback
 from edge_agent.vision.tracking import CameraTracking, Track, TrackerFactory, TrackEventFn
+from edge_agent.vision.zones import ZoneCounter, ZoneEventFn
 from fleet_protocol.messages import (
     Box,
     CameraState,
     CameraStats,
+    CountLine,
     Detection,
     EventKind,
     FrameDetections,
     InputSpec,
+    LineCrossing,
     ModelManifest,
     TrackSighting,
+    Zone,
+    ZoneTransit,
 )
 
 log = logging.getLogger(__name__)
@@ -197,6 +202,9 @@ class CameraParams:
     labels: frozenset[str] | None = None
     label_thresholds: Mapping[str, float] = field(default_factory=dict)
     min_box_area: float = 0.0
+    # Counted after tracking (edge_agent/vision/zones.py); none: no counter.
+    zones: tuple[Zone, ...] = ()
+    lines: tuple[CountLine, ...] = ()
 
     @property
     def floor(self) -> float:
@@ -324,6 +332,9 @@ class Pipeline:
         self._tracking: dict[str, CameraTracking] = {}
         self.on_track_event: TrackEventFn | None = None
         self._expired_at = 0.0
+        # Zones and lines (edge_agent/vision/zones.py), per camera with any; replaced whole too.
+        self._zone_counters: dict[str, ZoneCounter] = {}
+        self.on_zone_event: ZoneEventFn | None = None
         # Prepare -> inference, one queue per worker. Drop policy: none; the prepare thread waits (see
         # HandoffQueue), and prepares only for workers with room, so one busy worker never holds
         # frames back from an idle one.
@@ -427,6 +438,7 @@ class Pipeline:
                 # A camera that runs no model reports no inference latency.
                 self._stats[camera].window = _ModelWindow()
         self._restart_tracking(camera, keep=False)
+        self._drop_zone_counter(camera, time.time())
 
     def _retire_if_unused(self, model: LoadedModel | None) -> None:
         if model is not None and all(m is not model for m, _ in self._slots.values()):
@@ -477,6 +489,36 @@ class Pipeline:
             tracking = list(self._tracking.values())
         for tracks in tracking:
             tracks.expire(now)
+
+    def _count_zones(
+        self, camera: str, params: CameraParams, tracks: CameraTracking, at: float, meta: _Meta
+    ) -> None:
+        """Feed ``camera``'s zone counter the tracks after the frame captured at ``at``."""
+        counter = self._zone_counters.get(camera)
+        if not params.zones and not params.lines:
+            if counter is not None:
+                self._drop_zone_counter(camera, at)
+            return
+        if counter is None:
+            counter = ZoneCounter(
+                camera, self._send_zone_event, events_per_minute=self._track_events_per_minute
+            )
+            with self._lock:
+                self._zone_counters = {**self._zone_counters, camera: counter}
+        counter.configure(params.zones, params.lines)
+        counter.observe(tracks.tracks(), at, float(meta.width), float(meta.height))
+
+    def _drop_zone_counter(self, camera: str, at: float) -> None:
+        with self._lock:
+            counter = self._zone_counters.get(camera)
+            self._zone_counters = {c: z for c, z in self._zone_counters.items() if c != camera}
+        if counter is not None:
+            counter.reset(at)
+
+    def _send_zone_event(self, kind: EventKind, camera: str, data: ZoneTransit | LineCrossing) -> None:
+        callback = self.on_zone_event
+        if callback is not None:
+            callback(kind, camera, data)
 
     def _send_track_event(self, kind: EventKind, camera: str, sighting: TrackSighting) -> None:
         callback = self.on_track_event
@@ -596,6 +638,7 @@ class Pipeline:
                 c: (list(st.window.inference_ms), list(st.window.times)) for c, st in self._stats.items()
             }
             inferred_at = {c: st.inferred_at for c, st in self._stats.items()}
+            counters = self._zone_counters
         for cam_id, cam in cameras.items():
             ms, times = windows[cam_id]
             slot = slots.get(cam_id)
@@ -616,6 +659,7 @@ class Pipeline:
                     decode_ms=cam.decode_ms,
                     source_fps=cam.source_fps,
                     last_inferred_at=inferred_at.get(cam_id),
+                    occupancy=counters[cam_id].occupancy() if cam_id in counters else None,
                 )
             )
         return out
@@ -847,6 +891,7 @@ class Pipeline:
             tracks = tracking.get(frame.camera)
             if tracks is not None:
                 dets = tracks.update(dets, frame.captured_at)
+                self._count_zones(frame.camera, params, tracks, frame.captured_at, meta)
             result = FrameDetections(
                 camera=frame.camera,
                 frame=frame.index,
