@@ -76,7 +76,7 @@ class DemoProcesses:
                 proc.wait(5)
 
 
-def _agent_config(data_dir: Path, device_id: str, mqtt_url: str, public_key: str) -> Path:
+def _agent_config(data_dir: Path, device_id: str, mqtt_url: str, public_key: str, local_port: int) -> Path:
     cfg = {
         "device_id": device_id,
         "mqtt_url": mqtt_url,
@@ -87,6 +87,8 @@ def _agent_config(data_dir: Path, device_id: str, mqtt_url: str, public_key: str
         "cameras": [{"id": "cam1", "source": str(FOOTAGE), "loop": True}],
         # Two agents and a controller share the demo machine: one inference thread each.
         "inference": {"threads": 1},
+        # Each agent's local status page on a port of its own (the agents share the demo machine).
+        "local_page": {"port": local_port},
     }
     path = data_dir / f"{device_id}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -247,7 +249,12 @@ def run_demo(
             _wait_healthy(client, procs, stop)
             keys = _setup_fleet(client)
             for device_id, _model in DEVICES:
-                cfg = _agent_config(data_dir, device_id, mqtt_url, keys[device_id])
+                local_port = _free_port()
+                cfg = _agent_config(data_dir, device_id, mqtt_url, keys[device_id], local_port)
+                console.print(
+                    f"{device_id}'s local status page: http://127.0.0.1:{local_port}/ "
+                    f"(token in {data_dir / device_id / 'local_page.token'})"
+                )
                 procs.spawn(
                     device_id,
                     [sys.executable, "-m", "edge_agent", "--config", str(cfg)],
