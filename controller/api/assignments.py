@@ -32,6 +32,8 @@ def assign_model(
         variant=body.variant,
         label_thresholds=body.label_thresholds,
         min_box_area=body.min_box_area,
+        zones=[z.model_dump(mode="json", exclude_none=True) for z in body.zones] if body.zones else None,
+        lines=[ln.model_dump(mode="json", exclude_none=True) for ln in body.lines] if body.lines else None,
     )
 
 

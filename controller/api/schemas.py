@@ -16,9 +16,11 @@ from fleet_protocol.messages import (
     BoxAreaFraction,
     CameraReported,
     CameraStats,
+    CountLines,
     LabelList,
     LabelThresholds,
     Name,
+    Zones,
 )
 
 
@@ -242,6 +244,14 @@ class DetectionPage(BaseModel):
 LABEL_THRESHOLDS_HELP = (
     "per label, the score a detection of it needs instead of threshold (lower or higher); null: none"
 )
+ZONES_HELP = (
+    "polygons of normalised [x, y] points (0-1, y down; at most 16 zones of 3-32 points) with an id, "
+    "optional labels and anchor (bottom_center by default); tracks entering and leaving them are counted"
+)
+LINES_HELP = (
+    "counting lines a to b (normalised; at most 16); crossing from the left of a->b to its right as seen on "
+    "the image is 'in', the other way 'out'"
+)
 MIN_BOX_AREA_HELP = (
     "the smallest box kept, as a fraction of the frame's area (0.001: 0.1 %, about 46x46 px at 1920x1080); "
     "null: no minimum"
@@ -258,6 +268,8 @@ class AssignModel(BaseModel):
     labels: LabelList | None = Field(default=None, description="keep only these labels; null keeps all")
     label_thresholds: LabelThresholds | None = Field(default=None, description=LABEL_THRESHOLDS_HELP)
     min_box_area: BoxAreaFraction | None = Field(default=None, description=MIN_BOX_AREA_HELP)
+    zones: Zones | None = Field(default=None, description=ZONES_HELP)
+    lines: CountLines | None = Field(default=None, description=LINES_HELP)
     variant: VariantChoice = Field(
         default="auto",
         description="auto: chosen from the device's capabilities; or pin fp32, fp16 or int8 (must be fit)",
@@ -336,6 +348,8 @@ class DeploymentCamera(BaseModel):
     labels: LabelList | None = None
     label_thresholds: LabelThresholds | None = Field(default=None, description=LABEL_THRESHOLDS_HELP)
     min_box_area: BoxAreaFraction | None = Field(default=None, description=MIN_BOX_AREA_HELP)
+    zones: Zones | None = Field(default=None, description=ZONES_HELP)
+    lines: CountLines | None = Field(default=None, description=LINES_HELP)
 
 
 class DeploymentCreate(BaseModel):

@@ -56,6 +56,8 @@ class Layer:
     labels: list[str] | None = None
     label_thresholds: dict[str, float] | None = None
     min_box_area: float | None = None
+    zones: list[dict[str, Any]] | None = None
+    lines: list[dict[str, Any]] | None = None
 
     def key(self) -> tuple[Any, ...]:
         return (
@@ -67,6 +69,8 @@ class Layer:
             self.labels,
             self.label_thresholds,
             self.min_box_area,
+            self.zones,
+            self.lines,
         )
 
 
@@ -79,6 +83,8 @@ def camera_settings(entry: Mapping[str, Any]) -> dict[str, Any]:
         "labels": entry.get("labels"),
         "label_thresholds": entry.get("label_thresholds"),
         "min_box_area": entry.get("min_box_area"),
+        "zones": entry.get("zones"),
+        "lines": entry.get("lines"),
     }
 
 

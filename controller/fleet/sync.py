@@ -7,7 +7,7 @@ from typing import Any
 
 from controller.db.states import SyncState  # also imported from here by controller.api.schemas
 from controller.db.tables import Device
-from fleet_protocol.messages import CameraReported
+from fleet_protocol.messages import CameraReported, CountLine, Zone
 
 # CameraReported states (fleet_protocol CameraState) of a model on its way.
 _APPLYING = ("fetching", "verifying", "loading")
@@ -106,6 +106,13 @@ def settings_drift(desired_camera: dict[str, Any], r: CameraReported) -> str | N
         min_area = float(desired_camera.get("min_box_area") or 0.0)
         if not _same_float(min_area, r.min_box_area):
             out.append(f"min_box_area {r.min_box_area:g} instead of {min_area:g}")
+    if r.zones is not None or r.lines is not None:
+        # Compared as the contract reads them, so a default left out on one side is the same.
+        for name, kind, got in (("zones", Zone, r.zones), ("lines", CountLine, r.lines)):
+            want = [kind.model_validate(x).model_dump(mode="json") for x in desired_camera.get(name) or []]
+            have = [x.model_dump(mode="json") for x in got or []]
+            if want != have:
+                out.append(f"{name} {[x['id'] for x in have]} differ from {[x['id'] for x in want]}")
     return ", ".join(out) or None
 
 

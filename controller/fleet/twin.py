@@ -50,8 +50,10 @@ from fleet_protocol.messages import (
     AgentPackageRef,
     ArtifactRef,
     CameraDesired,
+    CountLine,
     DesiredState,
     ModelManifest,
+    Zone,
 )
 from fleet_protocol.signing import sign_agent_package, signed_desired
 
@@ -125,6 +127,8 @@ class TwinService:
         variant: str = AUTO,
         label_thresholds: dict[str, float] | None = None,
         min_box_area: float | None = None,
+        zones: list[dict[str, Any]] | None = None,
+        lines: list[dict[str, Any]] | None = None,
     ) -> DesiredState:
         """Set the direct assignment of a camera (the bottom layer; a deployment that applies to the
         camera wins over it) and publish the device's desired state when it changed."""
@@ -154,6 +158,8 @@ class TwinService:
                 "labels": labels,
                 "label_thresholds": label_thresholds,
                 "min_box_area": min_box_area,
+                "zones": zones,
+                "lines": lines,
             }
             dev.direct = direct
             return self._apply(s, dev) or self.current(dev.desired)
@@ -244,6 +250,8 @@ class TwinService:
                 # the agent reports them, so the converger's text comparison finds them equal.
                 label_thresholds=dict(sorted(per_label.items())) if per_label else None,
                 min_box_area=layer.min_box_area or None,
+                zones=[Zone.model_validate(z) for z in layer.zones] if layer.zones else None,
+                lines=[CountLine.model_validate(ln) for ln in layer.lines] if layer.lines else None,
             )
             assignments[cam] = {
                 **_assignment(mv, layer.pin, choice),

@@ -1,0 +1,64 @@
+"""Zones and counting lines in the controller's twin: from a direct assignment or a deployment's camera
+entry into the signed desired state, and compared with what a device reports only when it reports
+them (PROTOCOL.md "Zones and lines"), on SQLite and PostgreSQL (``parts``)."""
+
+from __future__ import annotations
+
+from sqlmodel import Session
+
+from controller.db import crud
+from controller.db.states import DeploymentState
+from controller.db.tables import Deployment
+from controller.fleet.deployments import layers
+from controller.fleet.sync import settings_drift
+from fleet_protocol.messages import CameraReported, CountLine, Zone
+from tests.support.fleet_replicas import Parts
+
+SHA = "a" * 64
+ZONE = {"id": "desk", "points": [[0.6, 0.1], [0.9, 0.1], [0.9, 0.4]], "labels": ["person"]}
+LINE = {"id": "door", "a": [0.1, 0.5], "b": [0.9, 0.5]}
+
+
+def test_an_assignment_puts_zones_and_lines_into_the_desired_state(parts: Parts) -> None:
+    parts.twin.assign(device_id="d1", camera="cam1", model="tiny", version="1", zones=[ZONE], lines=[LINE])
+    want = parts.desired("d1")[-1].cameras["cam1"]
+    assert want.zones == [Zone.model_validate(ZONE)] and want.lines == [CountLine.model_validate(LINE)]
+
+
+def test_a_deployment_entry_carries_zones_into_the_layer(parts: Parts) -> None:
+    with Session(parts.engine) as s:
+        dev = crud.get_device(s, device_id="d1")
+        assert dev is not None
+        dep = Deployment(
+            id=1,
+            name="d",
+            model="tiny",
+            version="1",
+            state=DeploymentState.ACTIVE,
+            cameras=[{"camera": "cam2", "zones": [ZONE], "lines": [LINE]}],
+        )
+        dev.capabilities = {"cameras": ["cam2"]}
+        got = layers(dev, [dep], {})
+    assert got["cam2"].zones == [ZONE] and got["cam2"].lines == [LINE]
+
+
+def _running(**settings: object) -> CameraReported:
+    return CameraReported(model="m:1", sha256=SHA, state="running", threshold=0.5, **settings)  # type: ignore[arg-type]
+
+
+def test_zones_drift_only_where_the_device_reports_them() -> None:
+    want = {
+        "model": {"manifest": {"sha256": SHA, "default_threshold": 0.5}},
+        "zones": [ZONE],
+        "lines": [LINE],
+    }
+    same = _running(zones=[Zone.model_validate(ZONE)], lines=[CountLine.model_validate(LINE)])
+    assert settings_drift(want, same) is None
+    moved = {**LINE, "b": [0.8, 0.5]}
+    drift = settings_drift(
+        want, _running(zones=[Zone.model_validate(ZONE)], lines=[CountLine.model_validate(moved)])
+    )
+    assert drift is not None and "lines" in drift
+    assert "zones" in (settings_drift(want, _running(zones=[], lines=[CountLine.model_validate(LINE)])) or "")
+    # An agent before zones reports none: not compared.
+    assert settings_drift(want, _running()) is None
