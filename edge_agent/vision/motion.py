@@ -17,16 +17,21 @@ What it must not do is lose objects, so a frame is inferred:
   moving is still seen, its track matched again before the tracker's ``lost_after_s`` ends it, and a
   scene whose change was too slow or small for the test is still looked at.
 
-Frames that are not inferred coast the camera's tracks (edge_agent/vision/pipeline.py). Whether a
-confirmed track alone should keep the detector running is left to the periodic full frame: a track
-that moves makes motion, and one that stands still needs no more than the periodic look.
+- while the caller holds it open (``hold``): the pipeline does while the camera's last inferred frame
+  had detections of tracks not yet confirmed, since the tracker confirms a track only over
+  consecutive inferred frames and drops an unconfirmed one at the first frame it misses: an object
+  that never moved would otherwise never get a track.
+
+Frames that are not inferred coast the camera's tracks (edge_agent/vision/pipeline.py). A confirmed
+track alone does not keep the detector running: a track that moves makes motion, and one that stands
+still needs no more than the periodic look.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
-import cv2
 import numpy as np
 
 from fleet_protocol.messages import MotionSettings
@@ -47,6 +52,7 @@ class Verdict(StrEnum):
     MOTION = "motion"
     LIGHTING = "lighting"
     PERIODIC = "periodic"
+    HELD = "held"
     SKIP = "skip"
 
     @property
@@ -59,13 +65,19 @@ class MotionGate:
     order; a new gate (its first frame inferred) when the camera's motion settings change."""
 
     def __init__(self, settings: MotionSettings, *, width: int = WIDTH) -> None:
+        # OpenCV is the agent extra's, imported here so that the pipeline module imports without it.
+        import cv2
+
+        self._cv2: Any = cv2
         self.settings = settings
         self._width = width
         self._background: np.ndarray | None = None
         self._last_inferred: float | None = None
 
-    def check(self, image: np.ndarray, at: float) -> Verdict:
-        """Whether the frame ``image`` (BGR or grey), captured at ``at`` (seconds), is inferred."""
+    def check(self, image: np.ndarray, at: float, *, hold: bool = False) -> Verdict:
+        """Whether the frame ``image`` (BGR or grey), captured at ``at`` (seconds), is inferred;
+        ``hold``: inferred whatever the test says (the background is updated all the same)."""
+        cv2 = self._cv2
         grey = self._small_grey(image)
         background = self._background
         if background is None or background.shape != grey.shape:
@@ -83,13 +95,14 @@ class MotionGate:
         last = self._last_inferred
         if last is None or at - last >= self.settings.full_frame_every_s:
             return self._inferred(Verdict.PERIODIC, at)
-        return Verdict.SKIP
+        return self._inferred(Verdict.HELD, at) if hold else Verdict.SKIP
 
     def _inferred(self, verdict: Verdict, at: float) -> Verdict:
         self._last_inferred = at
         return verdict
 
     def _small_grey(self, image: np.ndarray) -> np.ndarray:
+        cv2 = self._cv2
         h, w = image.shape[:2]
         width = min(self._width, w)
         height = max(1, round(h * width / w))
@@ -99,10 +112,10 @@ class MotionGate:
             small = cv2.cvtColor(small, cv2.COLOR_BGR2GRAY)
         return cv2.GaussianBlur(small, (5, 5), 0)
 
-    @staticmethod
-    def _largest_region(mask: np.ndarray) -> int:
+    def _largest_region(self, mask: np.ndarray) -> int:
         """The pixel count of the largest changed region: scattered noise pixels add up to a share of
         the frame without being an object, so the regions, not the total, are compared with min_area."""
+        cv2 = self._cv2
         grown = cv2.dilate(mask, _DILATE, iterations=2)
         count, _, stats, _ = cv2.connectedComponentsWithStats(grown, connectivity=8)
         if count <= 1:

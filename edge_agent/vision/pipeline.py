@@ -63,6 +63,7 @@ from edge_agent.inference.backend import (
 )
 from edge_agent.vision.capture import CameraWorker, Frame, smoothed
 from edge_agent.vision.inference_watchdog import FatalCallback, InferenceWatchdog, WatchdogCallback
+from edge_agent.vision.motion import MotionGate
 from edge_agent.vision.tracking import CameraTracking, Track, TrackerFactory, TrackEventFn
 from edge_agent.vision.zones import ZoneCounter, ZoneEventFn
 from fleet_protocol.messages import (
@@ -76,6 +77,7 @@ from fleet_protocol.messages import (
     InputSpec,
     LineCrossing,
     ModelManifest,
+    MotionSettings,
     TrackSighting,
     Zone,
     ZoneTransit,
@@ -257,6 +259,13 @@ class _CamStats:
     inferred: int = 0
     skipped: int = 0
     errors: int = 0
+    motion_skipped: int = 0  # frames the motion gate kept from the detector
+    # Capture times of the camera's last frame sent to the detector and of the last one tracked: a
+    # skipped frame coasts the tracks only while none is in flight, since the tracker refuses an
+    # update older than a coast it was given (and that update's detections would be lost).
+    sent_at: float = 0.0
+    tracked_at: float = 0.0
+    confirming: bool = False  # its last inferred frame had detections of unconfirmed tracks
     window: _ModelWindow = field(default_factory=_ModelWindow)
     last_inferred: float = 0.0  # the FPS cap's clock: kept across a swap, the cap is the camera's
     last: FrameDetections | None = None
@@ -332,6 +341,11 @@ class Pipeline:
         self._tracking: dict[str, CameraTracking] = {}
         self.on_track_event: TrackEventFn | None = None
         self._expired_at = 0.0
+        # Motion gates (edge_agent/vision/motion.py): per camera, the desired state's settings over
+        # its configuration's (replaced whole, like ``cameras``); the gates themselves belong to the
+        # prepare thread alone.
+        self._motion: dict[str, MotionSettings] = {}
+        self._gates: dict[str, MotionGate] = {}
         # Zones and lines (edge_agent/vision/zones.py), per camera with any; replaced whole too.
         self._zone_counters: dict[str, ZoneCounter] = {}
         self.on_zone_event: ZoneEventFn | None = None
@@ -451,6 +465,46 @@ class Pipeline:
         with self._lock:
             tracks = self._tracking.get(camera)
         return tracks.tracks() if tracks is not None else []
+
+    def set_motion(self, camera: str, settings: MotionSettings | None) -> None:
+        """``camera``'s motion gate from now on (None: its configuration's); new settings start a new
+        gate, whose first frame is inferred."""
+        with self._lock:
+            motion = {c: s for c, s in self._motion.items() if c != camera}
+            if settings is not None:
+                motion[camera] = settings
+            self._motion = motion
+
+    def motion_of(self, camera: str) -> MotionSettings | None:
+        """The motion settings ``camera`` runs with (None: no such camera)."""
+        cam = self.cameras.get(camera)
+        return self._motion.get(camera, cam.config.motion) if cam is not None else None
+
+    def _gate_passes(self, cam: CameraWorker, frame: Frame, st: _CamStats) -> bool:
+        """Whether ``cam``'s motion gate sends ``frame`` to the detector; a frame kept back is counted
+        and coasts the camera's tracks. Prepare thread only."""
+        settings = self._motion.get(cam.id, cam.config.motion)
+        if not settings.enabled:
+            self._gates.pop(cam.id, None)
+            return True
+        gate = self._gates.get(cam.id)
+        if gate is None or gate.settings != settings:
+            gate = self._gates[cam.id] = MotionGate(settings)
+        try:
+            # Held for the next frame only once the last one sent is tracked, so as not to send more.
+            idle = st.tracked_at >= st.sent_at
+            infer = gate.check(frame.image, frame.captured_at, hold=st.confirming and idle).infer
+        except Exception as exc:
+            # A gate that cannot judge a frame must not cost its detections.
+            self._log_error("motion gate of %s failed: %s", cam.id, exc)
+            infer = True
+        if infer:
+            st.sent_at = frame.captured_at
+            return True
+        st.motion_skipped += 1
+        if idle:
+            self.coast(cam.id, frame.captured_at)
+        return False
 
     def coast(self, camera: str, at: float) -> None:
         """A frame of ``camera`` captured at ``at`` that is not inferred: its tracks move on by
@@ -638,6 +692,8 @@ class Pipeline:
                 c: (list(st.window.inference_ms), list(st.window.times)) for c, st in self._stats.items()
             }
             inferred_at = {c: st.inferred_at for c, st in self._stats.items()}
+            skipped = {c: st.motion_skipped for c, st in self._stats.items()}
+            motion = self._motion
             counters = self._zone_counters
         for cam_id, cam in cameras.items():
             ms, times = windows[cam_id]
@@ -653,6 +709,7 @@ class Pipeline:
                     fps=round(fps, 2),
                     frames=cam.frames,
                     dropped=cam.dropped,
+                    frames_skipped=skipped[cam_id] if motion.get(cam_id, cam.config.motion).enabled else None,
                     inference_ms=median,
                     inference_p99_ms=p99,
                     model=slot[0].key if slot else None,
@@ -748,6 +805,8 @@ class Pipeline:
             st = stats[cam_id]
             if params.max_fps and now - st.last_inferred < 1.0 / params.max_fps:
                 st.skipped += 1  # the FPS cap asked for it; not a loss
+                continue
+            if not self._gate_passes(cam, frame, st):
                 continue
             st.last_inferred = now
             groups.setdefault((worker, id(model)), []).append((frame, params))
@@ -907,6 +966,8 @@ class Pipeline:
                 continue  # the camera was removed while its frame was inferred
             with self._lock:
                 st.inferred += 1
+                st.tracked_at = frame.captured_at
+                st.confirming = tracks is not None and any(d.track_id is None for d in dets)
                 # A batch prepared for the old model that finishes after the swap is still published
                 # (no gap in detections) but kept out of the new model's window.
                 if st.window.model is model:

@@ -101,3 +101,12 @@ def test_new_cameras_run_ungated_unless_configured() -> None:
         CameraConfig.model_validate({"id": "c", "source": "x.mp4", "motion": {"full_frame_every_s": 0}})
     with pytest.raises(ValueError, match="tresh"):
         CameraConfig.model_validate({"id": "c", "source": "x.mp4", "motion": {"tresh": 3}})
+
+
+def test_a_held_gate_infers_a_still_scene_and_keeps_its_period_from_there(scene: np.ndarray) -> None:
+    rng = np.random.default_rng(6)
+    gate = MotionGate(MotionSettings(enabled=True, full_frame_every_s=1.0))
+    gate.check(noisy(scene, rng), 0.0)
+    assert [gate.check(noisy(scene, rng), i / FPS, hold=True) for i in (1, 2)] == [Verdict.HELD] * 2
+    verdicts = run(gate, [noisy(scene, rng) for _ in range(10)], start=3)
+    assert verdicts.index(Verdict.PERIODIC) == 9  # 1 s after the last held frame, not after the first
