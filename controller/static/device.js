@@ -78,6 +78,7 @@
     $("incarnation").textContent = d.incarnation
       ? `${d.incarnation.slice(0, 8)} since ${when(d.incarnation_started_at)}` : "legacy / none";
     $("incarnation").dataset.incarnation = d.incarnation || "";
+    clock(d);
     setVal($("cpu"), h.cpu_pct, 1, "%", hb);
     setVal($("memory"), h.memory_pct, 1, "%", hb);
     setVal($("disk"), h.disk_pct, 1, "%", hb);
@@ -122,6 +123,15 @@
     syncTiles(cams.map((c) => c.camera));
   }
 
+  // Detection times are the device's clock: one that is off misplaces them, so it is flagged here.
+  function clock(d) {
+    const off = Boolean(d.clock_off), v = d.clock_offset_s;
+    $("clock-offset").textContent = v === null || v === undefined ? "not measured"
+      : `${v >= 0 ? "+" : ""}${v.toFixed(1)} s${off ? " (off: check the device's NTP)" : ""}`;
+    $("clock").classList.toggle("clock-off", off);
+    $("clock").dataset.off = String(off);
+  }
+
   // Each cell names its column (data-label): under a phone's width the rows are cards (app.css).
   function labelled(tr, tbody) {
     const heads = [...$(tbody).closest("table").querySelectorAll("thead th")].map((th) => th.textContent);
@@ -157,6 +167,7 @@
       const fig = el("figure", { class: "frame", dataset: { camera: cam } }, el("div", { class: "pic" }, img, svg), cap);
       tiles.set(cam, { fig, img, svg, cap, busy: false, url: "" });
       $("frames").append(fig);
+      EFTroubleshoot.cameraTile(cam, fig);
       fresh = true;
     }
     if (fresh) refreshFrames();
@@ -338,6 +349,7 @@
   async function refreshHistory() {
     try { renderHistory(await api(`/api/v1/devices/${enc}/health?limit=600`)); } catch (_) { /* shown by refresh */ }
   }
+  EFTroubleshoot.mount(id, $("camera-section"));
   refresh();
   refreshHistory();
   setInterval(refresh, 2000);
