@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from controller.api import (
     agent_packages,
     assignments,
+    counts,
     deployments,
     detections,
     device_commands,
@@ -37,6 +38,7 @@ ROUTERS = (
     deployments.router,
     pools.router,
     detections.router,
+    counts.router,
     events.router,
     tokens.router,
     whoami.router,

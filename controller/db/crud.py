@@ -354,7 +354,7 @@ def _not_superseded(t: sa.Table) -> Any:
     )
 
 
-def _bucket_start(session: Session, column: Any, bucket: int) -> Any:
+def bucket_start(session: Session, column: Any, bucket: int) -> Any:
     """The start of ``column``'s ``bucket``-second bucket, in unix seconds (an integer)."""
     if session.get_bind().dialect.name == "sqlite":
         unix_s = sa.cast(sa.func.strftime("%s", column), sa.BigInteger)
@@ -378,7 +378,7 @@ def detection_counts(
     """Detections captured in ``[since, until)`` per ``(bucket start in unix seconds, label)``,
     oldest bucket first; ``superseded`` False counts one analyser per camera (superseded spans left out)."""
     t = cast(sa.Table, Detection.__table__)  # type: ignore[attr-defined]
-    b = _bucket_start(session, t.c.captured_at, bucket).label("b")
+    b = bucket_start(session, t.c.captured_at, bucket).label("b")
     q = sa.select(b, t.c.label, sa.func.count()).where(t.c.captured_at >= since, t.c.captured_at < until)
     if device_id is not None:
         q = q.where(t.c.device_id == device_id)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import (
     CameraState,
@@ -22,8 +24,8 @@ from fleet_protocol.messages import (
 from tests.support.controller_app import Fleet, enroll
 from tests.support.waiting import wait_for
 
-# A minute's start, so that the test's events fall in known 60-second buckets.
-T0 = float(int(time.time() // 60 * 60) - 3600)
+# A start on a whole two minutes, so that the test's events fall in known 60- and 120-second buckets.
+T0 = float(int(time.time() // 120 * 120) - 3600)
 
 
 def _event(seq: int, kind: EventKind, data: ZoneTransit | LineCrossing, camera: str = "cam1") -> Event:
@@ -103,3 +105,92 @@ def test_a_cameras_occupancy_is_kept_with_its_heartbeat(fleet: Fleet) -> None:
     (cam,) = fleet.device("d1")["last_health"]["cameras"]
     assert cam["occupancy"] == {"desk": {"person": 2}, "hall": {}}
     assert fleet.counters()[TopicKind.HEARTBEAT.value].get("unknown_fields", 0) == 0
+
+
+def _line(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["camera"], row["line"], row["label"], row["in"], row["out"])
+
+
+def _zone(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["camera"], row["zone"], row["label"], row["entered"], row["left"])
+
+
+def test_counts_per_bucket_line_direction_zone_and_label(fleet: Fleet) -> None:
+    _send_all(fleet)
+    body = _counts(fleet, device="d1")
+    first, second = body["buckets"]
+    assert first["start"].startswith(_iso(T0)[:16]) and second["start"].startswith(_iso(T0 + 60)[:16])
+    assert [_line(r) for r in first["lines"]] == [
+        ("cam1", "door", "car", 1, 0),
+        ("cam1", "door", "person", 2, 1),
+    ]
+    assert [_zone(r) for r in first["zones"]] == [
+        ("cam1", "desk", "person", 1, 0),
+        ("cam2", "desk", "person", 1, 0),
+    ]
+    assert [_line(r) for r in second["lines"]] == [
+        ("cam1", "door", "person", 0, 1),
+        ("cam1", "gate", "person", 1, 0),
+    ]
+    assert [_zone(r) for r in second["zones"]] == [("cam1", "desk", "person", 0, 1)]
+    assert [_line(r) for r in body["totals"]["lines"]] == [
+        ("cam1", "door", "car", 1, 0),
+        ("cam1", "door", "person", 2, 2),
+        ("cam1", "gate", "person", 1, 0),
+    ]
+    # One bucket over the two minutes adds them up the same way.
+    (whole,) = _counts(fleet, bucket=120)["buckets"]
+    assert [_line(r) for r in whole["lines"]] == [_line(r) for r in body["totals"]["lines"]]
+
+
+@pytest.mark.parametrize(
+    ("params", "lines", "zones"),
+    [
+        ({"line": "door"}, [("cam1", "door", "car", 1, 0), ("cam1", "door", "person", 2, 2)], []),
+        ({"zone": "desk", "camera": "cam1"}, [], [("cam1", "desk", "person", 1, 1)]),
+        ({"label": "car"}, [("cam1", "door", "car", 1, 0)], []),
+        ({"camera": "cam2"}, [], [("cam2", "desk", "person", 1, 0)]),
+        ({"device": "d2"}, [], []),
+    ],
+)
+def test_counts_filter_by_place_camera_label_and_device(
+    fleet: Fleet, params: dict[str, str], lines: list[tuple[Any, ...]], zones: list[tuple[Any, ...]]
+) -> None:
+    _send_all(fleet)
+    got = _counts(fleet, **params)["totals"]
+    assert [_line(r) for r in got["lines"]] == lines and [_zone(r) for r in got["zones"]] == zones
+
+
+def test_counts_give_each_zones_occupancy_now_from_the_latest_heartbeat(fleet: Fleet) -> None:
+    enroll(fleet, "d1")
+    _occupied_beat(fleet, {"desk": {"person": 2, "dog": 1}, "hall": {}})
+    occ = fleet.client.get("/api/v1/counts", params={"device": "d1"}).json()["occupancy"]
+    assert [(o["zone"], o["label"], o["count"], o["online"]) for o in occ] == [
+        ("desk", "dog", 1, True),
+        ("desk", "person", 2, True),
+        ("hall", None, 0, True),
+    ]
+    _occupied_beat(fleet, {"desk": {}, "hall": {"person": 1}})
+    occ = fleet.client.get("/api/v1/counts", params={"zone": "hall"}).json()["occupancy"]
+    assert [(o["device"], o["camera"], o["zone"], o["label"], o["count"]) for o in occ] == [
+        ("d1", "cam1", "hall", "person", 1)
+    ]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"bucket": 0},
+        {"bucket": 1, "since": "2026-01-01T00:00:00Z", "until": "2026-02-01T00:00:00Z"},
+        {"since": "2026-02-01T00:00:00Z", "until": "2026-01-01T00:00:00Z"},
+        {"zone": "desk", "line": "door"},
+        {"zone": "no spaces"},
+        {"since": "yesterday"},
+    ],
+)
+def test_bad_count_queries_are_refused_with_422_naming_the_parameter(
+    fleet: Fleet, params: dict[str, Any]
+) -> None:
+    r = fleet.client.get("/api/v1/counts", params=params)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"][0] == "query"
