@@ -1,5 +1,6 @@
 """``/api/v1/detections``: stored detections page by page, counts per label per time bucket for
-charts, and the live stream (WebSocket) with its clients."""
+charts, and the live stream (WebSocket) with its clients: detections (``{"type": "detection"}``) and the
+devices' zone and line events (``zone_event``, ``line_event``) as they are stored."""
 
 from __future__ import annotations
 

@@ -1,9 +1,13 @@
-"""Live detections: a hub that fans stored detections out to WebSocket clients.
+"""Live detections: a hub that fans stored detections, and zone and line events, out to WebSocket clients.
 
 The ingest thread calls :meth:`LiveHub.publish` after each commit. Publishing only filters and appends
 to each client's bounded queue (drop oldest, counted), then wakes the client's sender task on its event
 loop; it never waits on a client. A client that does not read has its oldest messages dropped and is
 told how many (``{"type": "dropped", "count": N}``) before the next messages it gets.
+
+A device's ``zone_entered`` / ``zone_left`` / ``line_crossed`` events go out as ``zone_event`` and
+``line_event`` messages beside the detections (filtered by device, camera and label), so a live view
+counts crossings as they happen without polling the counts.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from controller.link.ingest import StoredBatch
-from fleet_protocol.messages import DetectionBatch
+from fleet_protocol.messages import Event, EventKind, LineCrossing, ZoneTransit
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +177,8 @@ class LiveHub:
         stored_at = stored.stored_at.isoformat()
         per_client: dict[int, list[dict[str, Any]]] = {c.id: [] for c in clients}
         for device, msg in stored.messages:
-            if not isinstance(msg, DetectionBatch):
+            if isinstance(msg, Event):
+                self._zone_line_event(device, msg, stored_at, clients, per_client)
                 continue
             for fr in msg.frames:
                 targets = [c for c in clients if c.filter.frame_matches(device, fr.camera)]
@@ -206,3 +213,45 @@ class LiveHub:
             items = per_client[c.id]
             if items:
                 c.offer(items)
+
+    @staticmethod
+    def _zone_line_event(
+        device: str,
+        ev: Event,
+        stored_at: str,
+        clients: list[LiveClient],
+        per_client: dict[int, list[dict[str, Any]]],
+    ) -> None:
+        """Queue ``ev`` for the clients it matches when it is a zone or line event."""
+        if ev.camera is None or ev.kind not in _ZONE_LINE_KINDS:
+            return
+        data: ZoneTransit | LineCrossing
+        try:
+            if ev.kind == EventKind.LINE_CROSSED:
+                data = LineCrossing.model_validate(ev.data)
+            else:
+                data = ZoneTransit.model_validate(ev.data)
+        except ValidationError:
+            return  # stored as sent, but not the contract's shape: nothing a live view could draw
+        targets = [
+            c
+            for c in clients
+            if c.filter.frame_matches(device, ev.camera) and (c.filter.label in (None, data.label))
+        ]
+        if not targets:
+            return
+        item: dict[str, Any] = {
+            "type": "line_event" if isinstance(data, LineCrossing) else "zone_event",
+            "kind": ev.kind.value,
+            "device": device,
+            "camera": ev.camera,
+            "seq": ev.seq,
+            "at": _iso(data.at),
+            "stored_at": stored_at,
+            **data.model_dump(mode="json", exclude={"at"}),
+        }
+        for c in targets:
+            per_client[c.id].append(item)
+
+
+_ZONE_LINE_KINDS = frozenset({EventKind.ZONE_ENTERED, EventKind.ZONE_LEFT, EventKind.LINE_CROSSED})
