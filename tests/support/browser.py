@@ -22,6 +22,8 @@ CHROMIUM_ARGS = [
 ]
 # What the phone-size tests open the pages at (an iPhone 12-14 in CSS pixels).
 PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 2, "is_mobile": True}
+# What the other tests open them at: a laptop's screen.
+DESKTOP = {"width": 1280, "height": 900}
 
 
 def browser_missing(why: str) -> NoReturn:
@@ -49,6 +51,16 @@ def chromium() -> Iterator[Any]:
             yield b
         finally:
             b.close()
+
+
+@contextmanager
+def desktop_page(browser: Any) -> Iterator[Any]:
+    """A new page of ``browser`` at :data:`DESKTOP` size, closed on exit."""
+    p = browser.new_page(viewport=DESKTOP)
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 def horizontal_overflow(page: Any) -> str | None:
@@ -88,3 +100,18 @@ def cut_off(page: Any, selector: str) -> list[str]:
         selector,
     )
     return out
+
+
+def script_errors(page: Any) -> list[str]:
+    """A list that fills with the page's uncaught exceptions and the errors its scripts log from now on.
+    Chromium's own "Failed to load resource" lines are left out: an API's refusal (403, 409) that the
+    page shows in words still logs one, and is no fault of the page."""
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(f"uncaught: {exc}"))
+
+    def console(msg: Any) -> None:
+        if msg.type == "error" and not msg.text.startswith("Failed to load resource"):
+            errors.append(f"console: {msg.text}")
+
+    page.on("console", console)
+    return errors
