@@ -664,6 +664,9 @@ class Twin:
         if refused is not None:
             self._model_failed(cam, key, manifest.sha256, current, refused, check="signature")
             return
+        # The motion gate is the camera's, not the model's: set before a load, so the new model's first
+        # frames are gated as the state says.
+        self.pipeline.set_motion(cam, cd.motion)
         if current is not None and current.sha256 == manifest.sha256 and current.manifest == manifest:
             self.pipeline.set_params(cam, params)
             self.set_reported(cam, self.running_report(cam, current), publish=False)
@@ -726,6 +729,7 @@ class Twin:
             "min_box_area": params.min_box_area,
             "zones": list(params.zones),
             "lines": list(params.lines),
+            "motion": self.pipeline.motion_of(cam),
         }
 
     def _signature_problem(self, ref: ArtifactRef) -> str | None:
