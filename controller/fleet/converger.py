@@ -120,7 +120,8 @@ def _unix_s(dt: datetime | None) -> float | None:
 
 # Same version applied, yet maybe not running it: a cheap superset in SQL of ``twin_sync``'s drifted and
 # failed verdicts at ``reported_version == desired_version`` (a desired camera the device does not
-# report running with the desired sha256 and, where it reports them, the same settings; or a camera that
+# report running with the desired sha256 and, where it reports them, the same settings, zones and lines
+# (compared as JSON text: a representation that differs only costs a load); or a camera that
 # runs a model no desired camera assigns). Python (``device_sync``) decides on the few rows it yields;
 # a row it yields in excess only costs its load.
 _MAYBE_DRIFT_PG = """
@@ -134,6 +135,10 @@ EXISTS (
       WHERE r.cam = d.cam
         AND r.got ->> 'state' = 'running'
         AND r.got ->> 'sha256' = d.want -> 'model' -> 'manifest' ->> 'sha256'
+        AND (COALESCE(json_typeof(r.got -> 'zones'), '') <> 'array'
+             AND COALESCE(json_typeof(r.got -> 'lines'), '') <> 'array' OR (
+          COALESCE(r.got -> 'zones', '[]'::json)::text = COALESCE(d.want -> 'zones', '[]'::json)::text
+          AND COALESCE(r.got -> 'lines', '[]'::json)::text = COALESCE(d.want -> 'lines', '[]'::json)::text))
         AND (json_typeof(r.got -> 'threshold') IS DISTINCT FROM 'number' OR (
           (CASE WHEN json_typeof(r.got -> 'threshold') = 'number' THEN (r.got ->> 'threshold')::float8 END)
             = COALESCE((d.want ->> 'threshold')::float8,
@@ -161,6 +166,10 @@ EXISTS (
       WHERE r.key = d.key
         AND json_extract(r.value, '$.state') = 'running'
         AND json_extract(r.value, '$.sha256') = json_extract(d.value, '$.model.manifest.sha256')
+        AND (COALESCE(json_type(r.value, '$.zones'), '') <> 'array'
+             AND COALESCE(json_type(r.value, '$.lines'), '') <> 'array' OR (
+          COALESCE(json_extract(r.value, '$.zones'), '[]') = COALESCE(json_extract(d.value, '$.zones'), '[]')
+          AND COALESCE(json_extract(r.value, '$.lines'), '[]') = COALESCE(json_extract(d.value, '$.lines'), '[]')))
         AND (COALESCE(json_type(r.value, '$.threshold'), 'null') NOT IN ('real', 'integer') OR (
           json_extract(r.value, '$.threshold') = COALESCE(json_extract(d.value, '$.threshold'),
             json_extract(d.value, '$.model.manifest.default_threshold'), 0.5)

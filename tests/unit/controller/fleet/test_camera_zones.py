@@ -4,6 +4,8 @@ them (PROTOCOL.md "Zones and lines"), on SQLite and PostgreSQL (``parts``)."""
 
 from __future__ import annotations
 
+import time
+
 from sqlmodel import Session
 
 from controller.db import crud
@@ -62,3 +64,22 @@ def test_zones_drift_only_where_the_device_reports_them() -> None:
     assert "zones" in (settings_drift(want, _running(zones=[], lines=[CountLine.model_validate(LINE)])) or "")
     # An agent before zones reports none: not compared.
     assert settings_drift(want, _running()) is None
+
+
+def test_the_converger_re_sends_to_a_device_that_runs_other_zones_or_lines(parts: Parts) -> None:
+    t0 = time.time()
+    parts.twin.assign(device_id="d1", camera="cam1", model="tiny", version="1", zones=[ZONE], lines=[LINE])
+    zones, lines = [Zone.model_validate(ZONE)], [CountLine.model_validate(LINE)]
+    parts.report("d1", threshold=0.5, zones=zones, lines=lines)
+    parts.report("d2", threshold=0.5, zones=[], lines=[])
+    assert parts.converger.check(t0) == []
+    sent = len(parts.desired("d1"))
+    moved = [CountLine.model_validate({**LINE, "b": [0.8, 0.5]})]
+    parts.report("d1", threshold=0.5, zones=zones, lines=moved)
+    assert parts.converger.check(t0 + 1) == ["d1"]
+    assert len(parts.desired("d1")) == sent + 1
+    parts.report("d1", threshold=0.5, zones=[], lines=lines)  # its zone lost
+    assert parts.converger.check(t0 + 100) == ["d1"]
+    # An agent before zones reports none: in sync with the same desired state.
+    parts.report("d1", threshold=0.5)
+    assert parts.converger.check(t0 + 200) == []
