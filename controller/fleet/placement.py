@@ -38,7 +38,9 @@ The algorithm, greedy best-fit-decreasing and sticky:
    cost (the same sources as any cost: measured on the device, else its class's median, else the
    controller's figure scaled), at the admission factor and, under the reserve, keeping N+1;
    otherwise it keeps its variant and the plan says why (``Plan.canary_held``). A canary admitted
-   once stays while its measured load fits, like any placement.
+   once stays while its measured load fits, like any placement. While it runs, the camera counts
+   at the larger of its two costs in each resource, so that a roll back to its own variant (dearer,
+   say) never overloads the device that others filled meanwhile.
 7. **Raise** degraded cameras back toward their target where room is left, highest priority first.
 
 Choices made, and why:
@@ -407,6 +409,11 @@ class _Planner:
             if cost is not None:
                 decode = estimate_decode_ms(cam.id, dev, self.site.measured, self.devices)
                 u = _Unit(cost.infer_ms, cost.cpu_ms + decode, cost.joules)
+        if u is not None and v != cam.variant:
+            # A canary holds the room of the larger of its two costs: rolled back to its own variant,
+            # the camera must still fit where it runs.
+            own = self.unit(cam, dev, cam.variant)
+            u = None if own is None else _Unit(max(u.lane, own.lane), max(u.cpu, own.cpu), u.joules)
         self._units[key] = u
         return u
 

@@ -490,13 +490,13 @@ def other(variant: str) -> str:
 
 
 @PROPS
-@given(site=sites(), data=st.data())
+@given(site=sites(), seed=st.integers(0, 2**32 - 1))
 def test_a_canary_is_admitted_only_where_its_cost_fits_and_never_moves_a_camera(
-    site: Site, data: st.DataObject
+    site: Site, seed: int
 ) -> None:
     first = plan(site, T0)
-    chosen = data.draw(st.sets(st.sampled_from([c.id for c in site.cameras]))) if site.cameras else set()
-    wanted = {c.id: other(c.variant) for c in site.cameras if c.id in chosen}
+    rng = random.Random(seed)
+    wanted = {c.id: other(c.variant) for c in site.cameras if rng.random() < 0.5}
     canary = replace(with_canaries(site, wanted), current=first.placements)
     p = plan(canary, T0 + 60)
     check_valid(canary, p)  # headroom holds with every admitted canary at its own cost
