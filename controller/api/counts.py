@@ -30,7 +30,8 @@ PlaceQuery = Annotated[str | None, Query(max_length=32, pattern=r"^[A-Za-z0-9][A
         "`zones` rows `{device, camera, zone, label, entered, left}`; `totals` adds them up over the "
         "window. `occupancy` is each zone's tracks inside it now per label, from the latest heartbeat "
         "of each device (`as_of`, `online`); a zone reported empty has one row with `label` null and "
-        "`count` 0. `zone` and `line` filter one kind of place each, so not both at once."
+        "`count` 0 (none with a `line` filter: lines have no occupancy). `zone` and `line` filter one kind "
+        "of place each, so not both at once."
     ),
 )
 def counts(

@@ -175,6 +175,7 @@ def test_counts_give_each_zones_occupancy_now_from_the_latest_heartbeat(fleet: F
     assert [(o["device"], o["camera"], o["zone"], o["label"], o["count"]) for o in occ] == [
         ("d1", "cam1", "hall", "person", 1)
     ]
+    assert fleet.client.get("/api/v1/counts", params={"line": "door"}).json()["occupancy"] == []
 
 
 @pytest.mark.parametrize(
