@@ -34,6 +34,7 @@ def assign_model(
         min_box_area=body.min_box_area,
         zones=[z.model_dump(mode="json", exclude_none=True) for z in body.zones] if body.zones else None,
         lines=[ln.model_dump(mode="json", exclude_none=True) for ln in body.lines] if body.lines else None,
+        motion=body.motion.model_dump(mode="json") if body.motion is not None else None,
     )
 
 

@@ -19,6 +19,7 @@ from fleet_protocol.messages import (
     CountLines,
     LabelList,
     LabelThresholds,
+    MotionSettings,
     Name,
     Zones,
 )
@@ -252,6 +253,10 @@ LINES_HELP = (
     "counting lines a to b (normalised; at most 16); crossing from the left of a->b to its right as seen on "
     "the image is 'in', the other way 'out'"
 )
+MOTION_HELP = (
+    "the camera's motion gate: the detector runs only on frames where the scene moved, and on a full "
+    "frame at least every full_frame_every_s; null: the agent's setting (off unless its config turns it on)"
+)
 MIN_BOX_AREA_HELP = (
     "the smallest box kept, as a fraction of the frame's area (0.001: 0.1 %, about 46x46 px at 1920x1080); "
     "null: no minimum"
@@ -270,6 +275,7 @@ class AssignModel(BaseModel):
     min_box_area: BoxAreaFraction | None = Field(default=None, description=MIN_BOX_AREA_HELP)
     zones: Zones | None = Field(default=None, description=ZONES_HELP)
     lines: CountLines | None = Field(default=None, description=LINES_HELP)
+    motion: MotionSettings | None = Field(default=None, description=MOTION_HELP)
     variant: VariantChoice = Field(
         default="auto",
         description="auto: chosen from the device's capabilities; or pin fp32, fp16 or int8 (must be fit)",
@@ -350,6 +356,7 @@ class DeploymentCamera(BaseModel):
     min_box_area: BoxAreaFraction | None = Field(default=None, description=MIN_BOX_AREA_HELP)
     zones: Zones | None = Field(default=None, description=ZONES_HELP)
     lines: CountLines | None = Field(default=None, description=LINES_HELP)
+    motion: MotionSettings | None = Field(default=None, description=MOTION_HELP)
 
 
 class DeploymentCreate(BaseModel):

@@ -58,6 +58,7 @@ class Layer:
     min_box_area: float | None = None
     zones: list[dict[str, Any]] | None = None
     lines: list[dict[str, Any]] | None = None
+    motion: dict[str, Any] | None = None
 
     def key(self) -> tuple[Any, ...]:
         return (
@@ -71,6 +72,7 @@ class Layer:
             self.min_box_area,
             self.zones,
             self.lines,
+            self.motion,
         )
 
 
@@ -85,6 +87,7 @@ def camera_settings(entry: Mapping[str, Any]) -> dict[str, Any]:
         "min_box_area": entry.get("min_box_area"),
         "zones": entry.get("zones"),
         "lines": entry.get("lines"),
+        "motion": entry.get("motion"),
     }
 
 

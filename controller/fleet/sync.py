@@ -7,7 +7,7 @@ from typing import Any
 
 from controller.db.states import SyncState  # also imported from here by controller.api.schemas
 from controller.db.tables import Device
-from fleet_protocol.messages import CameraReported, CountLine, Zone
+from fleet_protocol.messages import CameraReported, CountLine, MotionSettings, Zone
 
 # CameraReported states (fleet_protocol CameraState) of a model on its way.
 _APPLYING = ("fetching", "verifying", "loading")
@@ -113,6 +113,11 @@ def settings_drift(desired_camera: dict[str, Any], r: CameraReported) -> str | N
             have = [x.model_dump(mode="json") for x in got or []]
             if want != have:
                 out.append(f"{name} {[x['id'] for x in have]} differ from {[x['id'] for x in want]}")
+    if r.motion is not None:
+        # Unset in the desired state leaves the agent's own setting, so only a desired gate is compared.
+        want_motion = desired_camera.get("motion")
+        if want_motion is not None and MotionSettings.model_validate(want_motion) != r.motion:
+            out.append(f"motion {r.motion.model_dump(mode='json')} instead of {want_motion}")
     return ", ".join(out) or None
 
 

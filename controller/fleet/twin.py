@@ -53,6 +53,7 @@ from fleet_protocol.messages import (
     CountLine,
     DesiredState,
     ModelManifest,
+    MotionSettings,
     Zone,
 )
 from fleet_protocol.signing import sign_agent_package, signed_desired
@@ -129,6 +130,7 @@ class TwinService:
         min_box_area: float | None = None,
         zones: list[dict[str, Any]] | None = None,
         lines: list[dict[str, Any]] | None = None,
+        motion: dict[str, Any] | None = None,
     ) -> DesiredState:
         """Set the direct assignment of a camera (the bottom layer; a deployment that applies to the
         camera wins over it) and publish the device's desired state when it changed."""
@@ -160,6 +162,7 @@ class TwinService:
                 "min_box_area": min_box_area,
                 "zones": zones,
                 "lines": lines,
+                "motion": motion,
             }
             dev.direct = direct
             return self._apply(s, dev) or self.current(dev.desired)
@@ -252,6 +255,7 @@ class TwinService:
                 min_box_area=layer.min_box_area or None,
                 zones=[Zone.model_validate(z) for z in layer.zones] if layer.zones else None,
                 lines=[CountLine.model_validate(ln) for ln in layer.lines] if layer.lines else None,
+                motion=MotionSettings.model_validate(layer.motion) if layer.motion else None,
             )
             assignments[cam] = {
                 **_assignment(mv, layer.pin, choice),
