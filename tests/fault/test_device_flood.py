@@ -41,8 +41,8 @@ RSS_GROWTH_MAX = 200 * 2**20
 DB_GROWTH_MAX = 32 * 2**20
 # The steady device's ack p99 during the flood: well inside its outbox's default ack timeout (10 s),
 # so that the flood never makes it send anything twice, with room for the suite's other workers on a
-# 2-core machine (RELIABILITY.md "What one device can send" has the figures of a quiet machine).
-P99_MAX_S = 1.0
+# 2-core machine; a quiet 2-vCPU AMD VM reached 1.25 s (RELIABILITY.md "What one device can send").
+P99_MAX_S = 2.5
 
 
 def _client(broker_port: int, client_id: str) -> mqtt.Client:
