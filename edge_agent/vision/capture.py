@@ -106,6 +106,19 @@ class RetryAttempt:
     reason: str
 
 
+def fourcc_text(value: float | None) -> str | None:
+    """OpenCV's FOURCC property (four characters packed in an int, lowest byte first) as text:
+    ``h264``, ``FMP4``; None for 0 or anything that is not four printable characters."""
+    try:
+        code = int(value or 0)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if code <= 0:
+        return None
+    text = "".join(chr((code >> (8 * i)) & 0xFF) for i in range(4))
+    return text.strip() if text.isprintable() and text.strip() else None
+
+
 def redact_source(source: str) -> str:
     """``source`` without its secrets (:func:`fleet_protocol.sources.redact_url`): the one function that
     makes a source printable; whatever names a source in a log, an event, a reported error or an
@@ -422,6 +435,8 @@ class CvVideoSource:
         self._cap = cap
         fps = float(cap.get(cv2.CAP_PROP_FPS) or 0.0)
         self.fps: float | None = fps if 0.0 < fps < 1000.0 else None
+        # What the stream is encoded with, as FFmpeg names it (a probe reports it); None when unknown.
+        self.codec = fourcc_text(cap.get(cv2.CAP_PROP_FOURCC))
 
     def _open_hardware(self, config: CameraConfig, probe: DecodeProbe) -> Capture | None:
         """The opened hardware pipeline; None: decode in software (``auto``); SourceError (``hardware``)."""

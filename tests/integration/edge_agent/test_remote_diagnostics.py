@@ -101,6 +101,7 @@ def test_an_operator_reads_logs_diagnoses_probes_and_restarts_a_device_and_a_vie
         # Probes: the footage opens with its size; the dead camera fails within its bound, redacted.
         ok = api.post(f"/api/v1/devices/{DEVICE}/cameras/cam1/probe").json()
         assert ok["ok"] is True and (ok["width"], ok["height"]) == (768, 576) and ok["first_frame_s"] < 10, ok
+        assert ok["codec"] == "MP43" and ok["fps"] == 10.0, ok  # the footage: MS-MPEG4 v3 at 10 FPS
         started = time.monotonic()
         dead = api.post(f"/api/v1/devices/{DEVICE}/cameras/gate/probe", params={"probe_timeout_s": 3}).json()
         assert time.monotonic() - started < 3 + 10  # the device's bound plus the command's own

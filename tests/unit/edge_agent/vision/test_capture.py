@@ -6,11 +6,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import cv2
 import numpy as np
 import pytest
 
 from edge_agent.core.settings import CameraConfig
-from edge_agent.vision.capture import CameraWorker, Frame, SourceError, VideoSource, redact_source
+from edge_agent.vision.capture import (
+    CameraWorker,
+    Frame,
+    SourceError,
+    VideoSource,
+    fourcc_text,
+    redact_source,
+)
 from fleet_protocol.messages import CameraState, InputSpec
 from tests.support.waiting import wait_for
 
@@ -247,3 +255,10 @@ def test_a_preprocessing_failure_in_the_capture_thread_leaves_the_frame_unprepar
     assert cam.state == CameraState.UP
     # Said once, not once per frame.
     assert sum("preprocessing in the capture thread failed" in r.message for r in caplog.records) == 1
+
+
+def test_the_stream_codec_is_named_as_ffmpeg_names_it() -> None:
+    assert fourcc_text(cv2.VideoWriter_fourcc(*"h264")) == "h264"
+    assert fourcc_text(cv2.VideoWriter_fourcc(*"MP43")) == "MP43"
+    # Unknown (0), unset or not four printable characters: no codec rather than garbage.
+    assert fourcc_text(0) is None and fourcc_text(None) is None and fourcc_text(1) is None
