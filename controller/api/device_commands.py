@@ -29,9 +29,6 @@ from fleet_protocol.messages import CommandName, CommandResult
 router = APIRouter(prefix="/api/v1/devices", tags=["device troubleshooting"])
 
 REMOTE_COMMAND_EVENT = "remote_command"
-# A device whose clock is further than this from the controller's is flagged: detection timestamps,
-# retention and the gates' windows all read the device's clock.
-CLOCK_OFF_WARN_S = 2.0
 
 # What asking a device may answer besides 200 (``ask_device``), for the OpenAPI schema.
 ASK_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -151,7 +148,7 @@ def device_logs(
 class ClockOut(BaseModel):
     offset_s: float = Field(description="device clock minus controller clock")
     round_trip_s: float = Field(description="controller → broker → device → broker → controller")
-    off: bool = Field(description=f"the offset is over {CLOCK_OFF_WARN_S:g} s either way")
+    off: bool = Field(description="the offset is over the controller's clock_off_threshold_s either way")
 
 
 class DiagnosticsOut(BaseModel):
@@ -160,7 +157,7 @@ class DiagnosticsOut(BaseModel):
     bundle: dict[str, Any] = Field(description="what the agent reports (PROTOCOL.md 'Commands')")
 
 
-def clock_reading(sent: float, answer: dict[str, Any], received: float) -> ClockOut | None:
+def clock_reading(sent: float, answer: dict[str, Any], received: float, *, off_s: float) -> ClockOut | None:
     """NTP's offset and delay from the controller's send and receive times and the device's two."""
     t1, t2 = answer.get("received_at"), answer.get("answered_at")
     if not all(isinstance(t, int | float) and not isinstance(t, bool) for t in (t1, t2)):
@@ -168,7 +165,7 @@ def clock_reading(sent: float, answer: dict[str, Any], received: float) -> Clock
     assert isinstance(t1, int | float) and isinstance(t2, int | float)
     offset = ((t1 - sent) + (t2 - received)) / 2
     rtt = max(0.0, (received - sent) - (t2 - t1))
-    return ClockOut(offset_s=round(offset, 4), round_trip_s=round(rtt, 4), off=abs(offset) > CLOCK_OFF_WARN_S)
+    return ClockOut(offset_s=round(offset, 4), round_trip_s=round(rtt, 4), off=abs(offset) > off_s)
 
 
 @router.get(
@@ -194,7 +191,8 @@ def device_diagnostics(
     )
     received = time.time()
     clock = res.result.get("clock")
-    reading = clock_reading(sent, clock, received) if isinstance(clock, dict) else None
+    off_s = rt.settings.clock_off_threshold_s
+    reading = clock_reading(sent, clock, received, off_s=off_s) if isinstance(clock, dict) else None
     return DiagnosticsOut(device=device_id, clock=reading, bundle=res.result)
 
 
