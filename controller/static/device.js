@@ -168,6 +168,7 @@
       tiles.set(cam, { fig, img, svg, cap, busy: false, url: "" });
       $("frames").append(fig);
       EFTroubleshoot.cameraTile(cam, fig);
+      EFZones.cameraTile(cam, fig);
       fresh = true;
     }
     if (fresh) refreshFrames();
@@ -209,6 +210,7 @@
       const newest = page.items[0];
       const boxes = newest ? page.items.filter((x) => x.frame === newest.frame && x.captured_at === newest.captured_at) : [];
       drawBoxes(t.svg, w, h, boxes);
+      EFZones.frameDrawn(camera, t.svg, w, h);
       Object.assign(t.fig.dataset, {
         boxes: String(boxes.length),
         detFrame: newest ? String(newest.frame) : "",
@@ -340,6 +342,7 @@
         api(`/api/v1/energy?device=${enc}&since=${encodeURIComponent(new Date(Date.now() - 600e3).toISOString())}`).catch(() => null),
       ]);
       render(d, energy);
+      EFZones.update(d);
       renderEvents(mergeEvents(events, problems));
       $("error").textContent = "";
     } catch (e) {
