@@ -60,6 +60,7 @@ const EFZones = (() => {
     const old = t.svg.querySelector("g.places");
     if (old) old.remove();
     const p = places.get(camera) || { zones: [], lines: [] };
+    if (!p.zones.length && !p.lines.length) return;
     const size = Math.max(10, t.h / 28);
     const g = svgEl("g", { class: "places" });
     g.append(...p.zones.map((z) => zoneGroup(z, t.w, t.h, size)), ...p.lines.map((l) => lineGroup(l, t.w, t.h, size)));
