@@ -27,10 +27,10 @@ if its cost fits (``pool_placement.canary``), and otherwise holds with the reaso
 (``pool_placement.canary_held``, and the live plan's ``canary_held``); the twin gives a camera the
 deployment's version only once its placement admitted it.
 
-What consumes the placements next, not done here: the agents' desired state, which must carry each
-device's pool cameras (source, model, FPS) so that a placement really starts and stops a camera
-(make-before-break for planned moves). Until then the placements are computed and recorded, and
-nothing on a device follows them.
+The placements reach the devices through their desired state (``controller.fleet.twin``): each
+device's pool cameras, with source, model and FPS, so that an agent starts the cameras it gains and
+stops those it loses at its next apply; a planned move keeps the camera on its old device until the
+new one reports it running (make-before-break).
 """
 
 from __future__ import annotations
