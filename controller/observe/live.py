@@ -223,7 +223,7 @@ class LiveHub:
         per_client: dict[int, list[dict[str, Any]]],
     ) -> None:
         """Queue ``ev`` for the clients it matches when it is a zone or line event."""
-        if ev.camera is None or ev.kind not in _ZONE_LINE_KINDS:
+        if ev.camera is None or ev.kind not in LIVE_EVENT_KINDS:
             return
         data: ZoneTransit | LineCrossing
         try:
@@ -254,4 +254,5 @@ class LiveHub:
             per_client[c.id].append(item)
 
 
-_ZONE_LINE_KINDS = frozenset({EventKind.ZONE_ENTERED, EventKind.ZONE_LEFT, EventKind.LINE_CROSSED})
+# The events a live client is sent (and the live relay passes between replicas).
+LIVE_EVENT_KINDS = frozenset({EventKind.ZONE_ENTERED, EventKind.ZONE_LEFT, EventKind.LINE_CROSSED})

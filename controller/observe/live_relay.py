@@ -1,4 +1,5 @@
-"""Live detections across controller replicas: what replica B stored reaches a WebSocket on replica A.
+"""Live detections and zone/line events across controller replicas: what replica B stored reaches a
+WebSocket on replica A.
 
 With replicas (``EDGEFLEET_MQTT_SHARE_GROUP``) a device's batches are stored by whichever replica the
 broker handed them to, but a live client is connected to one replica. Each replica therefore relays
@@ -11,7 +12,10 @@ may use (a device id cannot start with ``_``):
   watching pays nothing, and a replica that died while watching stops costing after the TTL.
 - ``{prefix}/_controller/live/{replica}`` (QoS 0, not retained): one message per ingest commit: a JSON
   header line ``{"replica": ..., "stored_at": ...}``, then one line per stored batch, ``device`` + space
-  + the batch as the device sent it (decoded again with the strict codec on the way in).
+  + the batch as the device sent it, and one per stored zone or line event, ``device`` + `` event `` +
+  the event as sent (each decoded again with the strict codec on the way in). A batch line has no
+  word before its JSON, so a replica that knows only batch lines refuses and counts the event lines
+  and still shows the batches.
 
 QoS 0 on purpose: the live view is a best-effort feed (a slow client already has its oldest messages
 dropped); what is stored is never in question, and a lost relay must not queue up on the broker.
@@ -27,14 +31,16 @@ from datetime import datetime
 
 from controller.link.bridge import Transport
 from controller.link.ingest import IngestMsg, StoredBatch
-from controller.observe.live import LiveHub
+from controller.observe.live import LIVE_EVENT_KINDS, LiveHub
 from fleet_protocol.codec import ProtocolError, decode_as, encode
-from fleet_protocol.messages import DetectionBatch
+from fleet_protocol.messages import DetectionBatch, Event
 from fleet_protocol.topics import valid_device_id
 
 log = logging.getLogger(__name__)
 
 ANNOUNCE_S = 30.0
+# Before the JSON of a line that carries an event rather than a batch.
+_EVENT_WORD = b"event "
 LISTENER_TTL_S = 90.0
 
 
@@ -57,8 +63,8 @@ class LiveRelay:
         self._listeners: dict[str, float] = {}  # other replicas with live clients: last announcement
         self._announced: bool | None = None
         self._thread: threading.Thread | None = None
-        self.relayed_out = 0  # batches sent to other replicas
-        self.relayed_in = 0  # batches from other replicas handed to this hub
+        self.relayed_out = 0  # batches and events sent to other replicas
+        self.relayed_in = 0  # batches and events from other replicas handed to this hub
         self.refused_in = 0  # relay lines that did not decode
 
     # ---------------------------------------------------------------- lifecycle
@@ -110,6 +116,8 @@ class LiveRelay:
         for device, msg in stored.messages:
             if isinstance(msg, DetectionBatch):
                 lines.append(device.encode() + b" " + encode(msg))
+            elif msg.kind in LIVE_EVENT_KINDS:
+                lines.append(device.encode() + b" " + _EVENT_WORD + encode(msg))
         if len(lines) == 1:
             return
         self._transport.publish(f"{self._base}/live/{self._replica}", b"\n".join(lines), 0, False)
@@ -157,7 +165,13 @@ class LiveRelay:
                 dev = device.decode()
                 if not valid_device_id(dev):
                     raise ProtocolError(f"bad device id {dev!r}")
-                messages.append((dev, decode_as(DetectionBatch, raw)))
+                if raw.startswith(_EVENT_WORD):
+                    ev = decode_as(Event, raw[len(_EVENT_WORD) :])
+                    if ev.kind not in LIVE_EVENT_KINDS:
+                        raise ProtocolError(f"event kind {ev.kind.value!r} is not relayed")
+                    messages.append((dev, ev))
+                else:
+                    messages.append((dev, decode_as(DetectionBatch, raw)))
             except (ProtocolError, UnicodeDecodeError, ValueError):
                 self.refused_in += 1
         if messages:

@@ -1,5 +1,6 @@
-"""The live relay between replicas over a real mosquitto: what replica B stored reaches a live client on
-replica A; nothing is relayed while no other replica watches; bad relay lines are refused and counted."""
+"""The live relay between replicas over a real mosquitto: what replica B stored (detections, zone and
+line events) reaches a live client on replica A; nothing is relayed while no other replica watches;
+bad relay lines are refused and counted."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from controller.link.bridge import PahoTransport
 from controller.link.ingest import StoredBatch
 from controller.observe.live import LiveFilter, LiveHub
 from controller.observe.live_relay import LiveRelay
+from fleet_protocol.codec import encode
 from fleet_protocol.endpoint import MqttEndpoint
+from fleet_protocol.messages import CrossDirection, Event, EventKind, LineCrossing, ZoneTransit
 from tests.support.messages import detection_batch
 from tests.support.mqtt_broker import MosquittoBroker
 from tests.support.waiting import wait_for
@@ -118,5 +121,58 @@ def test_a_batch_stored_on_b_reaches_a_live_client_on_a_and_nothing_flows_unwatc
             )
         )
         assert b.relay.relayed_out == before
+    finally:
+        loop.close()
+
+
+def test_a_zone_or_line_event_stored_on_b_reaches_a_live_client_on_a_and_other_events_stay(
+    pair: tuple[Replica, Replica],
+) -> None:
+    a, b = pair
+    now = time.time()
+    crossing = LineCrossing(line="door", track_id=7, label="person", direction=CrossDirection.IN, at=now)
+    entered = ZoneTransit(zone="desk", track_id=8, label="person", at=now)
+
+    def event(seq: int, kind: EventKind, data: dict[str, object]) -> Event:
+        return Event(seq=seq, ts=now, kind=kind, camera="cam1", data=data)
+
+    loop = asyncio.new_event_loop()
+    try:
+        client = a.hub.add(LiveFilter(device="dev1"), loop)
+        wait_for(b.relay.someone_listens, timeout=10, what="B hears that A has a live client")
+        b.relay.on_stored(
+            StoredBatch(
+                messages=[
+                    ("dev1", event(1, EventKind.CAMERA_UP, {})),  # not a live client's: stays on B
+                    ("dev1", event(2, EventKind.LINE_CROSSED, crossing.model_dump(mode="json"))),
+                    ("dev1", event(3, EventKind.ZONE_ENTERED, entered.model_dump(mode="json"))),
+                ],
+                stored_at=datetime.now(UTC),
+                write_s=0,
+            )
+        )
+        assert b.relay.relayed_out == 2
+        got: list[dict[str, object]] = []
+
+        def arrived() -> bool:
+            got.extend(client.take()[1])
+            return len(got) >= 2
+
+        wait_for(arrived, timeout=10, what="B's stored zone and line events on A's live client")
+        assert [(g["type"], g["seq"], g["track_id"]) for g in got] == [
+            ("line_event", 2, 7),
+            ("zone_event", 3, 8),
+        ]
+
+        # An event line of a kind no live client is sent is refused and counted.
+        b.transport.publish(
+            f"{PREFIX}/_controller/live/rb",
+            b'{"replica": "rb", "stored_at": "2026-12-03T10:00:00+00:00"}\n'
+            b"dev1 event " + encode(event(4, EventKind.CAMERA_UP, {})),
+            0,
+            False,
+        )
+        wait_for(lambda: a.relay.refused_in == 1, timeout=10, what="the camera_up line refused")
+        assert a.relay.relayed_in == 2
     finally:
         loop.close()
