@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -63,3 +64,23 @@ def request(api: str, method: str, path: str, **kw: Any) -> Any:
     if resp.status_code >= 400:
         api_error(resp)
     return resp.json() if resp.content else None
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML or JSON file (JSON is YAML) as plain data for a request body; a bad file is a usage error."""
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc}") from None
+    try:
+        body = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise typer.BadParameter(f"{path} is not YAML or JSON: {exc}") from None
+    # Dates and other YAML-only types would not survive the JSON body: refuse them here, by name.
+    try:
+        json.dumps(body)
+    except (TypeError, ValueError) as exc:
+        raise typer.BadParameter(f"{path}: {exc}") from None
+    return body

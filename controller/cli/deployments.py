@@ -2,29 +2,51 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from controller.cli.client import DEFAULT_API, ApiOption, request
+from controller.cli.client import DEFAULT_API, ApiOption, read_yaml, request
 from controller.cli.rollouts import follow_rollout, print_rollout
 
 deployments_app = typer.Typer(help="Deployments: ls, delete.", no_args_is_help=True)
 
 
 def _parse_camera(spec: str) -> dict[str, Any]:
-    """``cam1`` or ``cam1:threshold=0.5,max_fps=5,labels=person+car`` (``*`` for every camera)."""
+    """``cam1`` or ``cam1:threshold=0.5,max_fps=5,labels=person+car,thresholds=person:0.6+car:0.4,
+    min_box_area=0.001,motion=on`` (``*`` for every camera). Zones and lines take a file
+    (``--cameras-file``)."""
     cam, _, opts = spec.partition(":")
     out: dict[str, Any] = {"camera": cam or "*"}
     for item in filter(None, opts.split(",")):
         k, _, v = item.partition("=")
-        if k in ("threshold", "max_fps"):
-            out[k] = float(v)
-        elif k == "labels":
-            out[k] = [x for x in v.split("+") if x]
-        else:
-            raise typer.BadParameter(f"camera option {k!r}: threshold, max_fps or labels")
+        try:
+            if k in ("threshold", "max_fps", "min_box_area"):
+                out[k] = float(v)
+            elif k == "labels":
+                out[k] = [x for x in v.split("+") if x]
+            elif k == "thresholds":
+                pairs = (x.rpartition(":") for x in v.split("+") if x)
+                out["label_thresholds"] = {label: float(score) for label, _, score in pairs}
+            elif k == "motion" and v in ("on", "off"):
+                out[k] = {"enabled": v == "on"}
+            else:
+                raise typer.BadParameter(
+                    f"camera option {item!r}: threshold, max_fps, labels, thresholds, min_box_area "
+                    "or motion=on|off"
+                )
+        except ValueError:
+            raise typer.BadParameter(f"camera option {item!r}: not a number") from None
     return out
+
+
+def _camera_file(path: Path) -> list[dict[str, Any]]:
+    """The cameras of a deployment from a YAML or JSON list, each as the API takes it."""
+    body = read_yaml(path)
+    if not isinstance(body, list) or not all(isinstance(c, dict) for c in body):
+        raise typer.BadParameter(f"{path}: a list of cameras (- camera: gate-1, zones: [...]) is needed")
+    return body
 
 
 def deploy(
@@ -33,7 +55,16 @@ def deploy(
     cameras: Annotated[
         list[str] | None,
         typer.Option(
-            "--cameras", help="camera[:threshold=…,max_fps=…,labels=a+b]; repeat; default every camera"
+            "--cameras",
+            help="camera[:threshold=…,max_fps=…,labels=a+b,thresholds=a:0.6+b:0.4,min_box_area=…,"
+            "motion=on|off]; repeat; default every camera",
+        ),
+    ] = None,
+    cameras_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--cameras-file",
+            help="YAML or JSON list of cameras with every setting the API takes (zones, lines, motion, …)",
         ),
     ] = None,
     waves: Annotated[
@@ -94,8 +125,9 @@ def deploy(
     }
     if name:
         body["name"] = name
-    if cameras:
-        body["cameras"] = [_parse_camera(c) for c in cameras]
+    listed = [_parse_camera(c) for c in cameras or []] + (_camera_file(cameras_file) if cameras_file else [])
+    if listed:
+        body["cameras"] = listed
     dep = request(api, "POST", "/api/v1/deployments", json=body)
     typer.echo(f"deployment {dep['name']} (#{dep['id']}) created; rollout plan {dep['rollout']['plan']}")
     if not follow:

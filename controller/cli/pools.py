@@ -3,13 +3,12 @@ pool and a plan are printed (``print_pools``, ``print_pool``, ``print_plan``: fr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from controller.cli.client import DEFAULT_API, ApiOption, request
+from controller.cli.client import DEFAULT_API, ApiOption, read_yaml, request
 
 pools_app = typer.Typer(
     help="Camera pools: ls, show, apply, delete, plan, cordon, uncordon, drain, move, unpin.",
@@ -145,24 +144,10 @@ def print_plan(plan: dict[str, Any]) -> None:
 
 
 def read_declaration(path: Path) -> dict[str, Any]:
-    """A pool declaration from a YAML or JSON file (JSON is YAML); it must name the pool."""
-    import yaml
-
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise typer.BadParameter(f"cannot read {path}: {exc}") from None
-    try:
-        body = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise typer.BadParameter(f"{path} is not YAML or JSON: {exc}") from None
+    """A pool declaration from a YAML or JSON file; it must name the pool."""
+    body = read_yaml(path)
     if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not body["name"]:
         raise typer.BadParameter(f"{path}: a mapping with the pool's name (name: site-north) is needed")
-    # Dates and other YAML-only types would not survive the JSON body: refuse them here, by name.
-    try:
-        json.dumps(body)
-    except (TypeError, ValueError) as exc:
-        raise typer.BadParameter(f"{path}: {exc}") from None
     return body
 
 
