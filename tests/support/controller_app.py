@@ -178,6 +178,19 @@ FleetFactory = Callable[..., Fleet]
 FAST = {"soak_s": 0, "step_timeout_s": 30, "offline_timeout_s": 30}
 
 
+def cli_request(fleet: Fleet) -> Callable[..., Any]:
+    """A stand-in for the CLI's ``request`` that asks this app, with the CLI's handling of a refusal."""
+    from controller.cli.client import api_error
+
+    def request(api: str, method: str, path: str, **kw: Any) -> Any:
+        resp = fleet.client.request(method, path, **kw)
+        if resp.status_code >= 400:
+            api_error(resp)
+        return resp.json() if resp.content else None
+
+    return request
+
+
 def birth(device: str) -> Availability:
     """What an agent sends as it comes online: 2 CPUs, one camera cam1, the CPU provider."""
     caps = Capabilities(

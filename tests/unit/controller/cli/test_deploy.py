@@ -12,8 +12,7 @@ from typer.testing import CliRunner
 
 import controller.cli.deployments as cli_deployments
 from controller.cli import app
-from controller.cli.client import api_error
-from tests.support.controller_app import Fleet
+from tests.support.controller_app import Fleet, cli_request
 
 CAMERAS_YAML = """\
 - camera: gate-1
@@ -32,13 +31,7 @@ CAMERAS_YAML = """\
 def cli(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
     """The deploy command's requests go to this controller."""
 
-    def request(api: str, method: str, path: str, **kw: Any) -> Any:
-        resp = fleet.client.request(method, path, **kw)
-        if resp.status_code >= 400:
-            api_error(resp)
-        return resp.json() if resp.content else None
-
-    monkeypatch.setattr(cli_deployments, "request", request)
+    monkeypatch.setattr(cli_deployments, "request", cli_request(fleet))
     monkeypatch.setenv("COLUMNS", "400")  # the error box does not wrap the message
     return CliRunner()
 

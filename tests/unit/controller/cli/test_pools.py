@@ -12,9 +12,8 @@ from typer.testing import CliRunner
 
 import controller.cli.pools as cli_pools
 from controller.cli import app
-from controller.cli.client import api_error
 from controller.cli.pools import print_plan, print_pool, print_pools
-from tests.support.controller_app import Fleet, enroll_measured
+from tests.support.controller_app import Fleet, cli_request, enroll_measured
 
 POOL = "site-north"
 BOXES = ("box-1", "box-2", "box-3")
@@ -48,13 +47,7 @@ def cli(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
     for box in BOXES:
         enroll_measured(fleet, box, site="north")
 
-    def request(api: str, method: str, path: str, **kw: Any) -> Any:
-        resp = fleet.client.request(method, path, **kw)
-        if resp.status_code >= 400:
-            api_error(resp)
-        return resp.json() if resp.content else None
-
-    monkeypatch.setattr(cli_pools, "request", request)
+    monkeypatch.setattr(cli_pools, "request", cli_request(fleet))
     monkeypatch.setenv("COLUMNS", "220")
     return CliRunner()
 
