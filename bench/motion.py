@@ -121,7 +121,7 @@ def static_scene(background: np.ndarray, person: np.ndarray, frames: int) -> Ite
 def run(frames: Callable[[], Iterator[np.ndarray]], detector: Detector, motion: MotionSettings | None) -> Run:
     factory = tracker_factory(TrackingConfig(), iter(range(1, 10**9)).__next__)
     assert factory is not None
-    tracking = CameraTracking("bench", factory(), None, events_per_minute=60_000)
+    tracking = CameraTracking("bench", factory(lambda: FPS), None, events_per_minute=60_000)
     gate = MotionGate(motion) if motion is not None else None
     out = Run()
     confirming = False
@@ -130,7 +130,7 @@ def run(frames: Callable[[], Iterator[np.ndarray]], detector: Detector, motion: 
         nonlocal confirming
         out.inferred += 1
         out.inferred_frames.add(i)
-        dets = tracking.update(detector(image), at)
+        dets = tracking.update(detector(image), at, at)
         confirming = any(d.track_id is None for d in dets)
         for d in dets:
             if d.track_id is not None:

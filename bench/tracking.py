@@ -51,6 +51,7 @@ def raw_round(frames: list[tuple[np.ndarray, np.ndarray]], config: TrackingConfi
     packed = [sv.Detections(xyxy=b, confidence=s, class_id=np.zeros(len(b), dtype=int)) for b, s in frames]
     tracker = trackers.ByteTrackTracker(
         lost_track_buffer=round(config.lost_after_s * 30),
+        frame_rate=FPS,
         track_activation_threshold=0.0,
         high_conf_det_threshold=0.0,
         minimum_consecutive_frames=config.confirm_frames,
@@ -76,11 +77,11 @@ def ours_round(
     ]
     factory = tracker_factory(config, itertools.count(1).__next__)
     assert factory is not None
-    tracking = CameraTracking("bench", factory(), None, events_per_minute=60_000)
+    tracking = CameraTracking("bench", factory(lambda: FPS), None, events_per_minute=60_000)
     ids: set[int] = set()
     t0 = time.perf_counter()
     for i, frame in enumerate(dets):
-        ids.update(d.track_id for d in tracking.update(frame, i / FPS) if d.track_id is not None)
+        ids.update(d.track_id for d in tracking.update(frame, i / FPS, i / FPS) if d.track_id is not None)
     ms = (time.perf_counter() - t0) * 1000.0 / len(frames)
     t1 = time.perf_counter()
     coasts = 50

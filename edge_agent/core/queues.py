@@ -106,6 +106,12 @@ class LatestSlot(Generic[T]):
                 self._lock.wait(poll_s)
         return not stop.is_set()
 
+    @property
+    def pending(self) -> bool:
+        """Whether an item is waiting to be taken."""
+        with self._lock:
+            return self._item is not None
+
     def peek_latest(self) -> T | None:
         """The newest item ever put, consumed or not (for snapshots)."""
         with self._lock:

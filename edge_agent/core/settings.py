@@ -265,8 +265,9 @@ class TrackingConfig(_Strict):
     was matched in this many inferred frames in a row: a detector that flickers for a frame or two
     makes no event."""
     lost_after_s: float = Field(default=2.0, gt=0.0, le=3600.0)
-    """A confirmed track not matched for this long (capture time) ends with ``track_ended``; until
-    then it coasts and an object seen again within it keeps its id (an occlusion, a missed frame)."""
+    """A confirmed track not matched for this long (on the camera's capture clock) ends with
+    ``track_ended``; until then it coasts and an object seen again within it keeps its id (an
+    occlusion, a missed frame), as does a new track that continues it from near where it was lost."""
     match_iou: float = Field(default=0.1, gt=0.0, le=1.0)
     """The least overlap (IoU) of a detection with a track's predicted box for the two to match."""
     events_per_minute: int = Field(default=600, ge=1, le=60_000)

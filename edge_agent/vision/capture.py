@@ -153,6 +153,13 @@ class Frame:
     camera: str
     index: int
     captured_at: float  # wall clock (time.time) when the frame was read
+    # The camera's own capture clock, in seconds: a file's position in it (at its recorded rate), a live
+    # source's monotonic read time. It increases from frame to frame whatever the load on the machine
+    # or the wall clock does, so tracking measures motion and lost time on it.
+    clock: float
+    # The source run the frame belongs to: counts up each time the source is opened (a file that
+    # loops, a stream that reconnects). The scene jumps between runs, so tracks never cross one.
+    run: int
     image: np.ndarray
     # The model input made from ``image`` in the capture thread (see CameraWorker.use_preprocessor);
     # None when no model was set for the camera or preprocessing failed there.
@@ -579,6 +586,8 @@ class CameraWorker:
         self._read_gap_s = 0.0
         self._reads = 0  # samples in the two figures above
         self._declared_fps: float | None = None  # the rate a file says it was recorded at
+        self._runs = 0  # sources opened that delivered a frame (Frame.run)
+        self._clock_next = 0.0  # a file's capture clock at the first frame of its next run
         # The model input this camera's frames are preprocessed for, in this thread (use_preprocessor).
         self._early: tuple[InputSpec, FramePreprocessor] | None = None
         self._early_failed: InputSpec | None = None  # logged once per spec
@@ -762,6 +771,11 @@ class CameraWorker:
         file_id = _file_id(cfg.source) if cfg.is_file else None
         checked_at = time.monotonic()
         self._declared_fps = source.fps if cfg.is_file else None
+        # A file's clock is its recorded time (the rate _period paces it at when it states none),
+        # carried on from its previous run, so that it never goes back when the file loops.
+        media_period = 1.0 / (source.fps or 25.0) if cfg.is_file else None
+        clock_base = self._clock_next
+        run = self._runs + 1
         read_at = 0.0
         try:
             while not self._stop.is_set():
@@ -788,9 +802,16 @@ class CameraWorker:
                         return True, None
                     kind = "stream ended or read failed" if got_any else "no frame from source"
                     return False, f"{kind}: {redact_source(cfg.source)}"
+                if not got_any:
+                    self._runs = run
                 got_any = True
                 position += 1
                 now = time.monotonic()
+                if media_period is not None:
+                    clock = clock_base + position * media_period
+                    self._clock_next = clock + media_period
+                else:
+                    clock = now
                 if position:  # a source's first read also pays for opening it and starting its decoder
                     n = self._reads + 1
                     self._decode_ms = smoothed(self._decode_ms, spent_ms, n)
@@ -821,7 +842,7 @@ class CameraWorker:
                 self.frames += 1
                 self._times.append(last_kept)
                 index = position if cfg.is_file else self.frames - 1
-                if self.slot.put(Frame(self.id, index, time.time(), image, prepared)):
+                if self.slot.put(Frame(self.id, index, time.time(), clock, run, image, prepared)):
                     self._dropped_at = time.monotonic()
             return False, None
         finally:

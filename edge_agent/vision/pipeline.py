@@ -260,9 +260,9 @@ class _CamStats:
     skipped: int = 0
     errors: int = 0
     motion_skipped: int = 0  # frames the motion gate kept from the detector
-    # Capture times of the camera's last frame sent to the detector and of the last one tracked: a
-    # skipped frame coasts the tracks only while none is in flight, since the tracker refuses an
-    # update older than a coast it was given (and that update's detections would be lost).
+    # Capture clocks (Frame.clock) of the camera's last frame sent to the detector and of the last one
+    # tracked: a skipped frame coasts the tracks only while none is in flight, since the tracker
+    # refuses an update older than a coast it was given (and that update's detections would be lost).
     sent_at: float = 0.0
     tracked_at: float = 0.0
     confirming: bool = False  # its last inferred frame had detections of unconfirmed tracks
@@ -340,7 +340,10 @@ class Pipeline:
         self._track_events_per_minute = track_events_per_minute
         self._tracking: dict[str, CameraTracking] = {}
         self.on_track_event: TrackEventFn | None = None
-        self._expired_at = 0.0
+        # The prepare thread's look at sources that stopped delivering (_end_stopped_tracks): when, and
+        # the cameras that were not up then.
+        self._stopped_check_at = 0.0
+        self._not_up: set[str] = set()
         # Motion gates (edge_agent/vision/motion.py): per camera, the desired state's settings over
         # its configuration's (replaced whole, like ``cameras``); the gates themselves belong to the
         # prepare thread alone.
@@ -499,50 +502,104 @@ class Pipeline:
             self._log_error("motion gate of %s failed: %s", cam.id, exc)
             infer = True
         if infer:
-            st.sent_at = frame.captured_at
             return True
         st.motion_skipped += 1
         if idle:
-            self.coast(cam.id, frame.captured_at)
+            self.coast(frame)
         return False
 
-    def coast(self, camera: str, at: float) -> None:
-        """A frame of ``camera`` captured at ``at`` that is not inferred: its tracks move on by
-        prediction alone."""
+    def coast(self, frame: Frame) -> None:
+        """``frame`` is not inferred: its camera's tracks move on by prediction alone (unless they
+        follow another run of its source, whose scene is no continuation of this one)."""
         with self._lock:
-            tracks = self._tracking.get(camera)
-        if tracks is not None:
-            tracks.coast(at)
+            tracks = self._tracking.get(frame.camera)
+        if tracks is not None and tracks.run == frame.run:
+            tracks.coast(frame.clock)
 
-    def _restart_tracking(self, camera: str, *, keep: bool) -> None:
-        """End ``camera``'s tracks (events sent) and, with ``keep``, give it a fresh tracker."""
+    def _restart_tracking(
+        self, camera: str, *, keep: bool, run: int | None = None, replacing: CameraTracking | None = None
+    ) -> bool:
+        """End ``camera``'s tracks (events sent) and, with ``keep``, give it a fresh tracker for the
+        frames of source run ``run`` (None: of the first frame it gets). With ``replacing``, only if
+        those are still the camera's tracks (not replaced or cleared meanwhile): whether it did."""
         fresh = None
         if keep and self._tracker_factory is not None:
             fresh = CameraTracking(
                 camera,
-                self._tracker_factory(),
+                self._tracker_factory(lambda: self._nominal_fps(camera)),
                 self._send_track_event,
                 events_per_minute=self._track_events_per_minute,
+                run=run,
             )
         with self._lock:
             old = self._tracking.get(camera)
+            if replacing is not None and old is not replacing:
+                return False
             tracking = {c: t for c, t in self._tracking.items() if c != camera}
             if fresh is not None:
                 tracking[camera] = fresh
             self._tracking = tracking
         if old is not None:
             old.close()
+        return True
 
-    def _expire_tracks(self) -> None:
-        """End the tracks of cameras whose frames stopped coming (about once a second)."""
-        now = time.time()
-        if now - self._expired_at < 1.0:
-            return
-        self._expired_at = now
+    def _nominal_fps(self, camera: str) -> float | None:
+        """The frames a second of its own clock that ``camera``'s tracker is fed when the pipeline
+        keeps up: its source's rate under the caps that skip frames (None: not known yet)."""
+        cam = self.cameras.get(camera)
+        params = self.params_of(camera)
+        if cam is None:
+            return None
+        # A file is slowed down to its camera's max_fps (every frame is read, its clock is the file's);
+        # a live camera skips the frames over it.
+        caps = [params.max_fps if params else None, None if cam.config.is_file else cam.config.max_fps]
+        rates = [r for r in (cam.source_fps, *caps) if r]
+        return min(rates) if rates else None
+
+    def _tracks_for(self, frame: Frame, tracks: CameraTracking) -> CameraTracking | None:
+        """The tracks that ``frame`` continues: ``tracks``, or fresh ones when its source started a
+        new run (the file looped, the stream reconnected: whatever moved in the jump did not walk
+        across a line); None for a frame of a run already left behind."""
+        if tracks.run is None:
+            # The first frame since the tracker was made (one inference thread serves a camera).
+            tracks.run = frame.run
+        if frame.run == tracks.run:
+            return tracks
+        if frame.run < tracks.run:
+            return None
+        log.info("camera %s: its source started afresh (run %d); its tracks end", frame.camera, frame.run)
+        self._reset_tracks(tracks, frame.run, frame.captured_at)
         with self._lock:
-            tracking = list(self._tracking.values())
-        for tracks in tracking:
-            tracks.expire(now)
+            return self._tracking.get(frame.camera)
+
+    def _reset_tracks(self, tracks: CameraTracking, run: int | None, at: float) -> None:
+        """End ``tracks`` (unless the camera's model changed or stopped meanwhile) and leave the zones
+        (events sent), the camera's next tracks those of ``run``."""
+        if not self._restart_tracking(tracks.camera, keep=True, run=run, replacing=tracks):
+            return
+        counter = self._zone_counters.get(tracks.camera)
+        if counter is not None:
+            counter.reset(at)
+
+    def _end_stopped_tracks(self) -> None:
+        """End the tracks of cameras whose source stopped delivering (down, or a file that ended): their
+        clock stands still, so no frame would ever age their tracks out, and their zones would stay
+        occupied. About once a second, a camera found not up at two looks in a row with no frame left
+        in its slot: the frames it delivered before have been through the pipeline by then."""
+        now = time.monotonic()
+        if now - self._stopped_check_at < 1.0:
+            return
+        self._stopped_check_at = now
+        with self._lock:
+            tracking = self._tracking
+            cameras = self.cameras
+        not_up = {c for c, cam in cameras.items() if cam.state != CameraState.UP and not cam.slot.pending}
+        for camera in not_up & self._not_up:
+            tracks = tracking.get(camera)
+            if tracks is not None and tracks.tracks():
+                log.info("camera %s is %s; its tracks end", camera, cameras[camera].state.value)
+                self._reset_tracks(tracks, tracks.run, time.time())
+        self._not_up = not_up
 
     def _count_zones(
         self, camera: str, params: CameraParams, tracks: CameraTracking, at: float, meta: _Meta
@@ -775,7 +832,7 @@ class Pipeline:
                 continue
             self._wake.wait(0.1)
             self._wake.clear()
-            self._expire_tracks()
+            self._end_stopped_tracks()
             try:
                 for worker, prepared in self._prepare_round(ready):
                     if not self._prepared[worker].put(prepared, self._stop):
@@ -808,6 +865,7 @@ class Pipeline:
                 continue
             if not self._gate_passes(cam, frame, st):
                 continue
+            st.sent_at = frame.clock
             st.last_inferred = now
             groups.setdefault((worker, id(model)), []).append((frame, params))
             models[(worker, id(model))] = model
@@ -949,7 +1007,9 @@ class Pipeline:
             ][:1000]
             tracks = tracking.get(frame.camera)
             if tracks is not None:
-                dets = tracks.update(dets, frame.captured_at)
+                tracks = self._tracks_for(frame, tracks)
+            if tracks is not None:
+                dets = tracks.update(dets, frame.captured_at, frame.clock)
                 self._count_zones(frame.camera, params, tracks, frame.captured_at, meta)
             result = FrameDetections(
                 camera=frame.camera,
@@ -966,7 +1026,7 @@ class Pipeline:
                 continue  # the camera was removed while its frame was inferred
             with self._lock:
                 st.inferred += 1
-                st.tracked_at = frame.captured_at
+                st.tracked_at = frame.clock
                 st.confirming = tracks is not None and any(d.track_id is None for d in dets)
                 # A batch prepared for the old model that finishes after the swap is still published
                 # (no gap in detections) but kept out of the new model's window.

@@ -15,8 +15,12 @@ Why these rules (the same ones DeepStream's nvdsanalytics and Frigate users know
   from its last decided position to the new one passes through the segment (a track walking around
   the end of a line crosses its extension, not the line). Crossing back is a crossing the other way.
 - Zone membership changes after :data:`ZONE_FRAMES` inferred frames in a row that agree (Frigate's
-  "inertia"), so a box flickering on a zone's border enters once. A track that ends inside a zone
-  leaves it (``zone_left``), so occupancy comes back to zero when the scene empties.
+  "inertia"), so a box flickering on a zone's border enters once. A track first seen inside a zone
+  enters it: someone there when counting starts, or found there first (a door inside the zone, an
+  occluder). A person whose track breaks up is not counted twice, because the tracker carries the
+  new track on under the lost one's id (tracking.py). A track that ends inside a zone leaves it
+  (``zone_left``), so occupancy comes back to zero when the scene empties, or when the camera's
+  source loops or reconnects (its tracks end there, so no track crosses a line in the jump).
 - Events are bounded per camera like the track events (a bucket refilled continuously); a zone_left
   whose zone_entered was not sent is not sent either, so a reader pairing them is never confused.
 """

@@ -113,16 +113,17 @@ def make_pipeline(
     opener: SourceOpener | None = None,
     start: bool = True,
     tracker_factory: TrackerFactory | None = None,
+    loop: bool = False,
 ) -> Pipeline:
     """``recorded``: the cameras play files at the pipeline's pace (realtime: false), so no frame is
-    dropped; otherwise they are live cameras far faster than the model. ``opener``: the cameras'
-    sources (default: endless fake frames). ``start``: started before it is returned.
-    ``tracker_factory``: the cameras' trackers (default: no tracking)."""
+    dropped (``loop``: from the start again when one ends); otherwise they are live cameras far faster
+    than the model. ``opener``: the cameras' sources (default: endless fake frames). ``start``: started
+    before it is returned. ``tracker_factory``: the cameras' trackers (default: no tracking)."""
     wake = threading.Event()
     cams = [
         CameraWorker(
             CameraConfig.model_validate(
-                {"id": f"c{i}", "source": f"/footage/{i}.avi", "realtime": False}
+                {"id": f"c{i}", "source": f"/footage/{i}.avi", "realtime": False, "loop": loop}
                 if recorded
                 else {"id": f"c{i}", "source": f"rtsp://fake/{i}"}
             ),

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -137,16 +138,40 @@ def test_recorded_footage_is_not_paced_and_loses_no_frame(stop: threading.Event,
     cfg = CameraConfig.model_validate({"id": "c1", "source": str(tmp_path / "clip.avi"), "realtime": False})
     cam = CameraWorker(cfg, stop=stop, opener=lambda c: src)
     cam.start()
-    seen: list[int] = []
-    deadline = time.monotonic() + 10
-    while len(seen) < 50 and time.monotonic() < deadline:
-        frame = cam.slot.take()
-        if frame is not None:
-            seen.append(frame.index)
-        else:
-            time.sleep(0.001)
-    assert seen == list(range(50))
+    assert [f.index for f in _take(cam, 50)] == list(range(50))
     assert cam.dropped == 0
+
+
+def test_a_files_clock_is_its_recorded_time_and_each_play_is_a_run_of_its_own(
+    stop: threading.Event, tmp_path: Path
+) -> None:
+    """Read faster than its 20 FPS, a looping file's frames are still 0.05 s apart on its clock, which
+    goes on (never back) across the loop, while the run number says the scene jumped there."""
+
+    def opener(cfg: CameraConfig) -> VideoSource:
+        s = FakeSource(fail_after=3)
+        s.fps = 20.0
+        return s
+
+    cfg = CameraConfig.model_validate(
+        {"id": "c1", "source": str(tmp_path / "clip.avi"), "realtime": False, "loop": True}
+    )
+    cam = CameraWorker(cfg, stop=stop, opener=opener)
+    cam.start()
+    frames = _take(cam, 7)
+    assert [(f.index, f.run) for f in frames] == [(0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2), (0, 3)]
+    assert [f.clock for f in frames] == pytest.approx([0.05 * i for i in range(7)])
+
+
+def test_a_live_sources_clock_is_monotonic_and_a_reconnect_is_a_new_run(stop: threading.Event) -> None:
+    cam = CameraWorker(
+        live(reconnect_min_s=0.01, reconnect_max_s=0.02), stop=stop, opener=lambda c: FakeSource(fail_after=2)
+    )
+    cam.start()
+    frames = _take(cam, 4)
+    runs = [f.run for f in frames]
+    assert runs == sorted(runs) and runs[-1] > runs[0], "a reconnect starts a new run"
+    assert all(a.clock < b.clock <= time.monotonic() for a, b in itertools.pairwise(frames))
 
 
 def test_a_file_removed_while_playing_goes_down_and_comes_back_with_capped_backoff(

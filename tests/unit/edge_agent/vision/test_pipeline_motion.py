@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from edge_agent.core.settings import TrackingConfig
@@ -24,15 +24,12 @@ class CountingTracker:
         self.inner = inner
         self.coasts = 0
 
-    def update(self, detections: Sequence[Detection], at: float) -> TrackStep:
-        return self.inner.update(detections, at)
+    def update(self, detections: Sequence[Detection], at: float, clock: float) -> TrackStep:
+        return self.inner.update(detections, at, clock)
 
-    def coast(self, at: float) -> TrackStep:
+    def coast(self, clock: float) -> TrackStep:
         self.coasts += 1
-        return self.inner.coast(at)
-
-    def expire(self, now: float) -> TrackStep:
-        return self.inner.expire(now)
+        return self.inner.coast(clock)
 
     def close(self) -> TrackStep:
         return self.inner.close()
@@ -45,8 +42,8 @@ def counted(made: list[CountingTracker]) -> TrackerFactory:
     real = tracker_factory(TrackingConfig(confirm_frames=1, lost_after_s=2.0), itertools.count(1).__next__)
     assert real is not None
 
-    def make() -> Tracker:
-        made.append(CountingTracker(real()))
+    def make(fps: Callable[[], float | None] | None = None) -> Tracker:
+        made.append(CountingTracker(real(fps)))
         return made[-1]
 
     return make

@@ -124,3 +124,22 @@ def test_a_model_swap_and_a_clear_end_the_cameras_tracks(stop: threading.Event) 
     ended = [s.track_id for k, _, s in events if k == EventKind.TRACK_ENDED]
     assert ended == [first, later]
     assert p.tracks("c0") == []
+
+
+def test_a_slow_machine_does_not_end_the_tracks_of_a_camera_whose_frames_it_infers_late(
+    stop: threading.Event,
+) -> None:
+    """Each frame of a recorded camera is inferred 0.15 s after the last, longer than the lost time
+    of 0.1 s: the tracks age on the camera's clock (the file's 25 frames a second), so the object keeps
+    its track, and no track ends."""
+    factory = tracker_factory(TrackingConfig(confirm_frames=2, lost_after_s=0.1), itertools.count(1).__next__)
+    assert factory is not None
+    events: list[EventKind] = []
+    p = make_pipeline(stop, {"a": FakeBackend(delay=0.15)}, recorded=True, tracker_factory=factory)
+    p.on_track_event = lambda kind, camera, sighting: events.append(kind)
+    p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
+    got = results(p, 10)
+    ids = [r.detections[0].track_id for r in got]
+    assert ids[0] is None and ids[1] is not None and set(ids[1:]) == {ids[1]}, ids
+    assert got[-1].captured_at - got[0].captured_at > 1.0, "the frames were inferred as slowly as meant"
+    assert events == [EventKind.TRACK_STARTED]

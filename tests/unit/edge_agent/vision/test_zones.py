@@ -178,7 +178,7 @@ def test_known_objects_moved_across_a_line_and_through_a_zone_by_the_real_tracke
     c_path = [(x, 0.3) for x in ramp(0.4, 0.98, len(a_path))]  # through the zone, never the line
     for f, points in enumerate(zip(a_path, b_path, c_path, strict=True)):
         dets = [Detection(label="person", class_id=0, score=0.9, box=box_at(x, y)) for x, y in points]
-        tracker.update(dets, at(f))
+        tracker.update(dets, at(f), at(f))
         zc.observe(tracker.tracks(), at(f), W, H)
     assert sorted(zc.crossings.items()) == [
         (("door", CrossDirection.IN), 3),
