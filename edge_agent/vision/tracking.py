@@ -56,6 +56,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from edge_agent.core.rate import TokenBucket
 from edge_agent.core.settings import TrackingConfig
 from fleet_protocol.messages import Box, Detection, EventKind, TrackSighting
 
@@ -383,11 +384,7 @@ class CameraTracking:
         self._tracker = tracker
         self._emit = emit
         self._lock = threading.Lock()
-        self._rate = events_per_minute / 60.0
-        self._capacity = float(events_per_minute)
-        self._tokens = self._capacity
-        self._clock = clock
-        self._refilled = clock()
+        self._budget = TokenBucket(events_per_minute, clock)
         self._silent: set[int] = set()
         self._closed = False
         self.suppressed = 0
@@ -434,7 +431,7 @@ class CameraTracking:
             else:
                 out.append((EventKind.TRACK_ENDED, track.sighting()))
         for track in step.started:
-            if self._take():
+            if self._budget.take():
                 out.append((EventKind.TRACK_STARTED, track.sighting()))
             else:
                 self._silent.add(track.id)
@@ -446,15 +443,6 @@ class CameraTracking:
                         self.suppressed,
                     )
         return out
-
-    def _take(self) -> bool:
-        now = self._clock()
-        self._tokens = min(self._capacity, self._tokens + (now - self._refilled) * self._rate)
-        self._refilled = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        return False
 
     def _send(self, events: list[tuple[EventKind, TrackSighting]]) -> None:
         if self._emit is None:

@@ -31,9 +31,11 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from edge_agent.core.rate import TokenBucket
 from edge_agent.vision.tracking import Track
 from fleet_protocol.messages import (
     Anchor,
@@ -57,6 +59,8 @@ LINE_BAND = 0.015
 ZONE_FRAMES = 2
 
 ZoneEventFn = Callable[[EventKind, str, ZoneTransit | LineCrossing], None]
+# The events a counter's call made, sent once its lock is let go.
+_Events = list[tuple[EventKind, ZoneTransit | LineCrossing]]
 
 
 # ---------------------------------------------------------------------------------------- geometry
@@ -134,8 +138,17 @@ class _TrackState:
     lines: dict[str, _OnLine] = field(default_factory=dict)
 
 
-def _applies(labels: Sequence[str] | None, label: str) -> bool:
-    return labels is None or label in labels
+_Region = TypeVar("_Region", Zone, CountLine)
+
+
+def _anchored(
+    regions: Sequence[_Region], track: Track, width: float, height: float
+) -> Iterator[tuple[_Region, Point]]:
+    """Each of ``regions`` that counts ``track``'s label, with the point of its box that the region
+    counts (its anchor), normalised."""
+    for region in regions:
+        if region.labels is None or track.label in region.labels:
+            yield region, anchor_point(track.box, width, height, region.anchor)
 
 
 class ZoneCounter:
@@ -159,11 +172,7 @@ class ZoneCounter:
         self._zones: tuple[Zone, ...] = ()
         self._lines: tuple[CountLine, ...] = ()
         self._tracks: dict[int, _TrackState] = {}
-        self._rate = events_per_minute / 60.0
-        self._capacity = float(events_per_minute)
-        self._tokens = self._capacity
-        self._clock = clock
-        self._refilled = clock()
+        self._budget = TokenBucket(events_per_minute, clock)
         self.suppressed = 0
         # What was counted since this counter was made: (line, direction) -> n, zone -> entries.
         self.crossings: dict[tuple[str, CrossDirection], int] = {}
@@ -191,7 +200,7 @@ class ZoneCounter:
         """The camera's confirmed tracks alive after the frame captured at ``at`` (``width`` x
         ``height`` pixels): those matched in it (``last_seen == at``) move their anchors; the tracks
         this counter knew that are gone have ended."""
-        events: list[tuple[EventKind, ZoneTransit | LineCrossing]] = []
+        events: _Events = []
         with self._lock:
             alive = {t.id for t in tracks}
             for track_id in [k for k in self._tracks if k not in alive]:
@@ -202,13 +211,15 @@ class ZoneCounter:
                 state = self._tracks.get(track.id)
                 if state is None:
                     state = self._tracks[track.id] = _TrackState(track.label)
-                self._step_zones(track, state, at, width, height, events)
-                self._step_lines(track, state, at, width, height, events)
+                for zone, p in _anchored(self._zones, track, width, height):
+                    self._step_zone(zone, p, track, state, at, events)
+                for line, p in _anchored(self._lines, track, width, height):
+                    self._step_line(line, p, track, state, at, events)
         self._send(events)
 
     def reset(self, at: float) -> None:
         """Every track has ended (the camera's tracker was replaced or its model stopped)."""
-        events: list[tuple[EventKind, ZoneTransit | LineCrossing]] = []
+        events: _Events = []
         with self._lock:
             for track_id, state in self._tracks.items():
                 self._end(track_id, state, at, events)
@@ -228,72 +239,49 @@ class ZoneCounter:
 
     # ------------------------------------------------------------------ under the lock
 
-    def _step_zones(
-        self,
-        track: Track,
-        state: _TrackState,
-        at: float,
-        width: float,
-        height: float,
-        events: list[tuple[EventKind, ZoneTransit | LineCrossing]],
+    def _step_zone(
+        self, zone: Zone, p: Point, track: Track, state: _TrackState, at: float, events: _Events
     ) -> None:
-        for zone in self._zones:
-            if not _applies(zone.labels, track.label):
-                continue
-            now_in = inside(anchor_point(track.box, width, height, zone.anchor), zone.points)
-            in_zone = state.zones.setdefault(zone.id, _InZone())
-            if now_in == in_zone.inside:
-                in_zone.streak = 0
-                continue
-            in_zone.streak += 1
-            if in_zone.streak < ZONE_FRAMES:
-                continue
-            in_zone.inside, in_zone.streak = now_in, 0
-            transit = ZoneTransit(zone=zone.id, track_id=track.id, label=track.label, at=at)
-            if now_in:
-                self.entries[zone.id] = self.entries.get(zone.id, 0) + 1
-                in_zone.sent = self._take()
-                if in_zone.sent:
-                    events.append((EventKind.ZONE_ENTERED, transit))
-            elif in_zone.sent:
-                events.append((EventKind.ZONE_LEFT, transit))
+        """``track``'s anchor is at ``p`` in the frame captured at ``at``: in or out of ``zone``."""
+        in_zone = state.zones.setdefault(zone.id, _InZone())
+        now_in = inside(p, zone.points)
+        if now_in == in_zone.inside:
+            in_zone.streak = 0
+            return
+        in_zone.streak += 1
+        if in_zone.streak < ZONE_FRAMES:
+            return
+        in_zone.inside, in_zone.streak = now_in, 0
+        transit = ZoneTransit(zone=zone.id, track_id=track.id, label=track.label, at=at)
+        if now_in:
+            self.entries[zone.id] = self.entries.get(zone.id, 0) + 1
+            in_zone.sent = self._spend()
+            if in_zone.sent:
+                events.append((EventKind.ZONE_ENTERED, transit))
+        elif in_zone.sent:
+            events.append((EventKind.ZONE_LEFT, transit))
 
-    def _step_lines(
-        self,
-        track: Track,
-        state: _TrackState,
-        at: float,
-        width: float,
-        height: float,
-        events: list[tuple[EventKind, ZoneTransit | LineCrossing]],
+    def _step_line(
+        self, line: CountLine, p: Point, track: Track, state: _TrackState, at: float, events: _Events
     ) -> None:
-        for line in self._lines:
-            if not _applies(line.labels, track.label):
-                continue
-            p = anchor_point(track.box, width, height, line.anchor)
-            distance = side(line.a, line.b, p)
-            on_line = state.lines.setdefault(line.id, _OnLine())
-            if abs(distance) < LINE_BAND:
-                continue  # in the dead band: no side decided, nothing moves
-            now = 1 if distance > 0 else -1
-            if on_line.side == -now and segments_cross(on_line.at, p, line.a, line.b):
-                direction = CrossDirection.IN if now > 0 else CrossDirection.OUT
-                key = (line.id, direction)
-                self.crossings[key] = self.crossings.get(key, 0) + 1
-                if self._take():
-                    crossing = LineCrossing(
-                        line=line.id, track_id=track.id, label=track.label, direction=direction, at=at
-                    )
-                    events.append((EventKind.LINE_CROSSED, crossing))
-            on_line.side, on_line.at = now, p
+        """``track``'s anchor is at ``p`` in the frame captured at ``at``: on which side of ``line``."""
+        on_line = state.lines.setdefault(line.id, _OnLine())
+        distance = side(line.a, line.b, p)
+        if abs(distance) < LINE_BAND:
+            return  # in the dead band: no side decided, nothing moves
+        now = 1 if distance > 0 else -1
+        if on_line.side == -now and segments_cross(on_line.at, p, line.a, line.b):
+            direction = CrossDirection.IN if now > 0 else CrossDirection.OUT
+            key = (line.id, direction)
+            self.crossings[key] = self.crossings.get(key, 0) + 1
+            if self._spend():
+                crossing = LineCrossing(
+                    line=line.id, track_id=track.id, label=track.label, direction=direction, at=at
+                )
+                events.append((EventKind.LINE_CROSSED, crossing))
+        on_line.side, on_line.at = now, p
 
-    def _end(
-        self,
-        track_id: int,
-        state: _TrackState,
-        at: float,
-        events: list[tuple[EventKind, ZoneTransit | LineCrossing]],
-    ) -> None:
+    def _end(self, track_id: int, state: _TrackState, at: float, events: _Events) -> None:
         for zone_id, in_zone in state.zones.items():
             if in_zone.inside and in_zone.sent:
                 events.append(
@@ -303,12 +291,9 @@ class ZoneCounter:
                     )
                 )
 
-    def _take(self) -> bool:
-        now = self._clock()
-        self._tokens = min(self._capacity, self._tokens + (now - self._refilled) * self._rate)
-        self._refilled = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
+    def _spend(self) -> bool:
+        """Whether an event may be sent (the budget took it); one that may not is counted."""
+        if self._budget.take():
             return True
         self.suppressed += 1
         if self.suppressed == 1 or self.suppressed % 100 == 0:
@@ -319,7 +304,7 @@ class ZoneCounter:
             )
         return False
 
-    def _send(self, events: list[tuple[EventKind, ZoneTransit | LineCrossing]]) -> None:
+    def _send(self, events: _Events) -> None:
         if self._emit is None:
             return
         for kind, data in events:
