@@ -28,7 +28,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,9 @@ class _Trouble:
     since: float  # monotonic
     failures: int = 1
     retry: RetryFn | None = None
+    # What retries that wrote but did not end the trouble (a write refused meanwhile) said: the part
+    # has handed those figures over, so they go into the recovery that is reported at last.
+    figures: dict[str, Any] = field(default_factory=dict)
 
 
 class DiskGuard:
@@ -221,7 +224,7 @@ class DiskGuard:
             with self._lock:
                 before = trouble.failures
             try:
-                extra = trouble.retry()
+                extra = _merged(trouble.figures, trouble.retry())
             except OSError as exc:
                 with self._lock:
                     trouble.failures += 1
@@ -232,6 +235,7 @@ class DiskGuard:
             with self._lock:
                 # A write of that part refused while it retried (another thread) keeps it failing.
                 if self._troubles.get(trouble.what) is not trouble or trouble.failures != before:
+                    trouble.figures = extra
                     continue
                 del self._troubles[trouble.what]
             self._report_recovered(trouble, extra)
@@ -269,6 +273,16 @@ class DiskGuard:
             "error": trouble.error,
             "failures": trouble.failures,
         }
+
+
+def _merged(before: dict[str, Any], after: dict[str, Any] | None) -> dict[str, Any]:
+    """Two retries' figures as one: counts add up, anything else is the later one's."""
+    out = dict(before)
+    for k, v in (after or {}).items():
+        old = out.get(k)
+        numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (old, v))
+        out[k] = old + v if numbers else v
+    return out
 
 
 def _describe(exc: OSError) -> str:

@@ -241,7 +241,10 @@ def test_disk_full_mid_stream_holds_reports_and_recovers(rig: FaultStack, disk: 
     assert agent_starts(rig, device) == 1, "no restart"
     assert len(storage_events(rig, device, "failing", "outbox")) == 1, "one failure, reported once"
     figures = recovered["data"]
-    assert figures["dropped_batches"] >= 1 and figures["dropped_frames"] >= 1, recovered
+    # The bound drops the oldest message held, whatever it is: on a loaded machine the agent's own
+    # events (a camera falling behind) may be the first to go.
+    assert figures["dropped_batches"] + figures["dropped_events"] >= 1, figures
+    assert figures["dropped_frames"] >= figures["dropped_batches"], figures
     assert recovered["severity"] == "warning" and "dropped" in recovered["message"], recovered
 
     fig = rig.converge(agent, "disk full mid-stream (tmpfs ENOSPC, held_max=3)")

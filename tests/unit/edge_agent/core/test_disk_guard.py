@@ -271,3 +271,35 @@ def test_a_failure_during_the_retry_keeps_the_part_failing(tmp_path: Path) -> No
     guard.probe()
     assert guard.failing("outbox") and len(emitted) == 1
     assert "read-only" in emitted[0][2]
+
+
+def test_what_a_retry_wrote_while_another_write_was_refused_is_in_the_recovery_at_last(
+    tmp_path: Path,
+) -> None:
+    """The retry wrote what waited in memory and handed over its figures, but a write refused meanwhile
+    kept the part failing: the next retry's recovery reports both retries' figures."""
+    emitted: list[Any] = []
+    guard = DiskGuard(lambda *e: emitted.append(e))
+    full = OSError(errno.ENOSPC, "No space left on device")
+    answers = iter(
+        [
+            {"held_batches": 4, "dropped_batches": 2, "dropped_frames": 2},
+            {"held_batches": 1, "dropped_batches": 0, "dropped_frames": 0},
+        ]
+    )
+
+    def retry() -> dict[str, Any]:
+        figures = next(answers)
+        if figures["dropped_batches"]:
+            guard.failed("outbox", tmp_path / "o.db", full)  # another thread refused meanwhile
+        return figures
+
+    guard.failed("outbox", tmp_path / "o.db", full, retry=retry)
+    guard.probe()
+    assert guard.failing("outbox") and len(emitted) == 1
+    guard.probe()
+    assert not guard.failing()
+    _, severity, message, data = emitted[-1]
+    assert data["state"] == "recovered" and severity == Severity.WARNING
+    assert (data["held_batches"], data["dropped_batches"], data["dropped_frames"]) == (5, 2, 2)
+    assert "dropped: 2 batches" in message, message
