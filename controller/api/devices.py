@@ -40,18 +40,6 @@ def _cut_off(rt: ControllerRuntime, device_id: str) -> None:
     )
 
 
-def _clear_retained(rt: ControllerRuntime, device_id: str) -> None:
-    """Have the broker forget every retained message of a device, on every topic kind.
-
-    Not only the kinds the contract retains: a device may set the retain flag on any topic it publishes
-    to (Mosquitto's ACLs cannot refuse the flag), and the broker would hand such a message to every new
-    subscription, an id enrolled again on new hardware included. An empty retained publish deletes
-    whatever is there and costs nothing where there is none.
-    """
-    for kind in TopicKind:
-        rt.bridge.transport.publish(rt.bridge.topics.device(device_id, kind), b"", 1, True)
-
-
 @router.post(
     "",
     response_model=EnrolledDevice,
@@ -161,7 +149,7 @@ def decommission(device_id: DeviceIdPath, session: SessionDep, rt: RuntimeDep) -
     # Refused here at once (other replicas within seconds), before the retained topics are cleared:
     # the empty messages that clear them come back to this controller's subscriptions.
     rt.bridge.refuse(dev.id)
-    _clear_retained(rt, dev.id)
+    rt.bridge.clear_retained(dev.id)
     session.refresh(dev)
     return device_public(dev, rt.ingest.stats(dev.id))
 

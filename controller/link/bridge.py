@@ -523,6 +523,17 @@ class MqttBridge:
         spec = SPECS[kind]
         self.transport.publish(self.topics.device(device_id, kind), payload, spec.qos, spec.retain)
 
+    def clear_retained(self, device_id: str) -> None:
+        """Have the broker forget every retained message of a device, on every topic kind.
+
+        Not only the kinds the contract retains: a device may set the retain flag on any topic it
+        publishes to (Mosquitto's ACLs cannot refuse the flag), and the broker would hand such a message
+        to every new subscription, an id enrolled again on new hardware included. An empty retained
+        publish deletes whatever is there and costs nothing where there is none.
+        """
+        for kind in TopicKind:
+            self.transport.publish(self.topics.device(device_id, kind), b"", 1, True)
+
     def _connected(self) -> None:
         for listener in self._connect_listeners:
             try:
