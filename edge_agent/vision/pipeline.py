@@ -427,10 +427,23 @@ class Pipeline:
         if old is None or old[0] is not model:
             # Another model's boxes are no continuation of the old one's tracks.
             self._restart_tracking(camera, keep=True)
-        cam = self.cameras.get(camera)
-        if cam is not None:
-            cam.use_preprocessor(model.manifest.input, self._preprocessor_factory)
+        self._early_preprocessing(camera)
         log.info("camera %s now runs %s (threshold %.2f)", camera, model.key, params.threshold)
+
+    def _early_preprocessing(self, camera: str) -> None:
+        """Have ``camera``'s capture thread preprocess its frames for the model it runs, except behind a
+        motion gate: the gate keeps most frames from the detector, and each of those preprocessed in
+        the capture thread would be work thrown away; the prepare thread preprocesses the ones it sends."""
+        cam = self.cameras.get(camera)
+        if cam is None:
+            return
+        with self._lock:
+            slot = self._slots.get(camera)
+            gated = self._motion.get(camera, cam.config.motion).enabled
+        if slot is None or gated:
+            cam.use_preprocessor(None)
+        else:
+            cam.use_preprocessor(slot[0].manifest.input, self._preprocessor_factory)
 
     def params_of(self, camera: str) -> CameraParams | None:
         """The settings ``camera``'s model applies now (None: it runs no model)."""
@@ -477,6 +490,7 @@ class Pipeline:
             if settings is not None:
                 motion[camera] = settings
             self._motion = motion
+        self._early_preprocessing(camera)
 
     def motion_of(self, camera: str) -> MotionSettings | None:
         """The motion settings ``camera`` runs with (None: no such camera)."""

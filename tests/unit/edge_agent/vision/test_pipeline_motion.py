@@ -6,13 +6,18 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from edge_agent.core.settings import TrackingConfig
 from edge_agent.vision.pipeline import CameraParams, Pipeline
 from edge_agent.vision.tracking import Track, Tracker, TrackerFactory, TrackStep, tracker_factory
-from fleet_protocol.messages import Detection, EventKind, MotionSettings, TrackSighting
+from fleet_protocol.messages import Detection, EventKind, InputSpec, MotionSettings, TrackSighting
+from fleet_protocol.vision.preprocess import Preprocessor
 from tests.support.edge_pipeline import SHA_A, FakeBackend, make_pipeline, manifest, results
 from tests.support.waiting import wait_for
 
@@ -91,3 +96,43 @@ def test_turning_the_gate_off_sends_every_frame_again(stop: threading.Event) -> 
     start = time.time()
     got = results(p, 10, lambda r: r.captured_at > start)
     assert len(got) == 10 and skipped(p) is None
+
+
+class ThreadCountingPreprocessor:
+    """The real preprocessor, its calls counted by the thread that made them."""
+
+    def __init__(self, spec: InputSpec, calls: Counter[str]) -> None:
+        self.inner = Preprocessor(spec)
+        self.calls = calls
+
+    def __call__(self, frame_bgr: np.ndarray) -> tuple[np.ndarray, Any]:
+        self.calls[threading.current_thread().name.split("-")[0]] += 1
+        return self.inner(frame_bgr)
+
+    def batch(self, frames: Sequence[np.ndarray]) -> tuple[np.ndarray, list[Any]]:
+        self.calls[threading.current_thread().name.split("-")[0]] += len(frames)
+        return self.inner.batch(frames)
+
+
+def test_behind_a_gate_the_capture_thread_does_not_preprocess_the_frames_it_keeps_back(
+    stop: threading.Event,
+) -> None:
+    """Preprocessing in the capture thread is for frames the detector takes: behind a gate most are
+    kept back, so only the frames the gate sends are preprocessed, and turning the gate off brings
+    the capture thread's preprocessing back."""
+    calls: Counter[str] = Counter()
+    p = make_pipeline(
+        stop,
+        {"a": FakeBackend()},
+        recorded=True,
+        preprocessor_factory=lambda s: ThreadCountingPreprocessor(s, calls),
+    )
+    p.activate("c0", p.load(Path("a.onnx"), manifest("a", SHA_A)), CameraParams(threshold=0.5))
+    wait_for(lambda: calls["capture"] > 5, what="frames preprocessed in the capture thread, no gate")
+    p.set_motion("c0", MotionSettings(enabled=True, full_frame_every_s=60.0))
+    wait_for(lambda: (skipped(p) or 0) > 5, what="the gate keeping frames back")
+    before = calls["capture"]
+    wait_for(lambda: (skipped(p) or 0) > 100, what="more frames kept back")
+    assert calls["capture"] == before, "frames kept back were preprocessed in the capture thread"
+    p.set_motion("c0", None)
+    wait_for(lambda: calls["capture"] > before + 5, what="the capture thread preprocessing again")
