@@ -18,8 +18,10 @@ from sqlmodel import Session, col, select
 from controller.db import crud
 from controller.db.engine import make_engine, migrate
 from controller.db.leader import ALWAYS_LEADER, Leadership
-from controller.db.tables import Device, Event, utcnow
+from controller.db.states import DeploymentState
+from controller.db.tables import Deployment, Device, Event, utcnow
 from controller.fleet.converger import ResendPolicy, TwinConverger
+from controller.fleet.deployments import Layer, layers
 from controller.fleet.gate import GateConfig
 from controller.fleet.rollouts import RolloutService
 from controller.fleet.twin import TwinService
@@ -167,6 +169,28 @@ class Parts:
             dev.reported_version = rep.desired_version
             s.add(dev)
             s.commit()
+
+    def deployment_layers(
+        self, *entries: dict[str, Any], direct: dict[str, dict[str, Any]] | None = None
+    ) -> dict[str, Layer]:
+        """The layer per camera of d1 under one active deployment of tiny:1 with these camera ``entries``
+        (and ``direct``: its direct assignments per camera), d1 having every camera they name."""
+        cameras = sorted({e["camera"] for e in entries} | set(direct or {}))
+        dep = Deployment(
+            id=1,
+            name="d",
+            model="tiny",
+            version="1",
+            state=DeploymentState.ACTIVE,
+            cameras=list(entries),
+        )
+        with Session(self.engine) as s:
+            dev = crud.get_device(s, device_id="d1")
+            assert dev is not None
+            if direct is not None:
+                dev.direct = direct
+            dev.capabilities = {"cameras": cameras}
+            return layers(dev, [dep], {})
 
     def events(self, device: str, kind: str) -> list[Event]:
         with Session(self.engine) as s:

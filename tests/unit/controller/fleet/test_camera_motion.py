@@ -4,12 +4,6 @@ entry into the signed desired state, and compared with what a device reports onl
 
 from __future__ import annotations
 
-from sqlmodel import Session
-
-from controller.db import crud
-from controller.db.states import DeploymentState
-from controller.db.tables import Deployment
-from controller.fleet.deployments import layers
 from controller.fleet.sync import settings_drift
 from fleet_protocol.messages import CameraReported, MotionSettings
 from tests.support.fleet_replicas import Parts
@@ -27,19 +21,7 @@ def test_an_assignment_puts_the_motion_gate_into_the_desired_state(parts: Parts)
 
 
 def test_a_deployment_entry_carries_the_motion_gate_into_the_layer(parts: Parts) -> None:
-    with Session(parts.engine) as s:
-        dev = crud.get_device(s, device_id="d1")
-        assert dev is not None
-        dep = Deployment(
-            id=1,
-            name="d",
-            model="tiny",
-            version="1",
-            state=DeploymentState.ACTIVE,
-            cameras=[{"camera": "cam2", "motion": GATE}],
-        )
-        dev.capabilities = {"cameras": ["cam2"]}
-        assert layers(dev, [dep], {})["cam2"].motion == GATE
+    assert parts.deployment_layers({"camera": "cam2", "motion": GATE})["cam2"].motion == GATE
 
 
 def _running(motion: MotionSettings | None) -> CameraReported:

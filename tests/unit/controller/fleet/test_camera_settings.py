@@ -7,12 +7,6 @@ from __future__ import annotations
 
 import time
 
-from sqlmodel import Session
-
-from controller.db import crud
-from controller.db.states import DeploymentState
-from controller.db.tables import Deployment
-from controller.fleet.deployments import layers
 from controller.fleet.sync import settings_drift
 from fleet_protocol.messages import CameraReported
 from tests.support.fleet_replicas import Parts
@@ -21,20 +15,10 @@ SHA = "a" * 64
 
 
 def test_a_deployment_entry_and_a_direct_assignment_carry_the_settings_into_the_layer(parts: Parts) -> None:
-    with Session(parts.engine) as s:
-        dev = crud.get_device(s, device_id="d1")
-        assert dev is not None
-        dev.direct = {"cam1": {"model": "tiny", "version": "1", "label_thresholds": {"car": 0.2}}}
-        dep = Deployment(
-            id=1,
-            name="d",
-            model="tiny",
-            version="1",
-            state=DeploymentState.ACTIVE,
-            cameras=[{"camera": "cam2", "min_box_area": 0.01, "label_thresholds": {"person": 0.7}}],
-        )
-        dev.capabilities = {"cameras": ["cam1", "cam2"]}
-        got = layers(dev, [dep], {})
+    got = parts.deployment_layers(
+        {"camera": "cam2", "min_box_area": 0.01, "label_thresholds": {"person": 0.7}},
+        direct={"cam1": {"model": "tiny", "version": "1", "label_thresholds": {"car": 0.2}}},
+    )
     assert got["cam1"].label_thresholds == {"car": 0.2} and got["cam1"].min_box_area is None
     assert got["cam2"].label_thresholds == {"person": 0.7} and got["cam2"].min_box_area == 0.01
 

@@ -6,12 +6,6 @@ from __future__ import annotations
 
 import time
 
-from sqlmodel import Session
-
-from controller.db import crud
-from controller.db.states import DeploymentState
-from controller.db.tables import Deployment
-from controller.fleet.deployments import layers
 from controller.fleet.sync import settings_drift
 from fleet_protocol.messages import CameraReported, CountLine, Zone
 from tests.support.fleet_replicas import Parts
@@ -28,19 +22,7 @@ def test_an_assignment_puts_zones_and_lines_into_the_desired_state(parts: Parts)
 
 
 def test_a_deployment_entry_carries_zones_into_the_layer(parts: Parts) -> None:
-    with Session(parts.engine) as s:
-        dev = crud.get_device(s, device_id="d1")
-        assert dev is not None
-        dep = Deployment(
-            id=1,
-            name="d",
-            model="tiny",
-            version="1",
-            state=DeploymentState.ACTIVE,
-            cameras=[{"camera": "cam2", "zones": [ZONE], "lines": [LINE]}],
-        )
-        dev.capabilities = {"cameras": ["cam2"]}
-        got = layers(dev, [dep], {})
+    got = parts.deployment_layers({"camera": "cam2", "zones": [ZONE], "lines": [LINE]})
     assert got["cam2"].zones == [ZONE] and got["cam2"].lines == [LINE]
 
 
