@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +19,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import Availability, CameraReported, ReportedState
-from tests.support.browser import PHONE, chromium, horizontal_overflow
+from tests.support.browser import PHONE, FootageSite, chromium, footage_site, horizontal_overflow
 from tests.support.mqtt_broker import MosquittoBroker
-from tests.support.paths import FOOTAGE
-from tests.support.processes import AgentProcess, ControllerProcess, start_controller
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -31,50 +28,25 @@ pytestmark = pytest.mark.e2e
 DEVICE = "web-site-1"
 
 
-@dataclass
-class Fleet:
-    controller: ControllerProcess
-    agent: AgentProcess
-    api: httpx.Client
-    shots: Path
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, broker: MosquittoBroker) -> Iterator[Fleet]:
-    work = tmp_path_factory.mktemp("dashboard")
-    # Every heartbeat kept as a health sample: the page shows the latest heartbeat, and the tests look
-    # that very heartbeat up in the history to compare what the page shows with what the API has.
-    controller = start_controller(work, broker, EDGEFLEET_HEALTH_SAMPLE_INTERVAL_S="0")
-    agent = AgentProcess(
-        work,
+def fleet(tmp_path_factory: pytest.TempPathFactory, broker: MosquittoBroker) -> Iterator[FootageSite]:
+    def running(api: httpx.Client) -> bool:
+        dev = api.get(f"/api/v1/devices/{DEVICE}").json()
+        return dev["status"] == "online" and any((c.get("fps") or 0) > 0 for c in dev["cameras"])
+
+    with footage_site(
+        tmp_path_factory.mktemp("dashboard"),
+        broker,
         DEVICE,
-        broker.url,
-        cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": True}],
-        controller=controller,
-    )
-    api = controller.client()
-    try:
-        r = api.post(
-            "/api/v1/devices", json={"id": DEVICE, "name": "Gate 1", "labels": {"site": "north-gate"}}
-        )
-        assert r.status_code in (200, 201), r.text
-        r = api.put(
-            f"/api/v1/devices/{DEVICE}/cameras/cam1/model", json={"model": "ped_ssdlite", "version": "1"}
-        )
-        assert r.status_code == 200, r.text
-        agent.start()
-
-        def running() -> bool:
-            assert agent.alive(), agent.log.read_text()[-3000:]
-            dev = api.get(f"/api/v1/devices/{DEVICE}").json()
-            return dev["status"] == "online" and any((c.get("fps") or 0) > 0 for c in dev["cameras"])
-
-        wait_for(running, timeout=90, what="agent online with the camera running")
-        yield Fleet(controller, agent, api, work)
-    finally:
-        api.close()
-        agent.stop()
-        controller.stop()
+        name="Gate 1",
+        labels={"site": "north-gate"},
+        ready=running,
+        what="agent online with the camera running",
+        # Every heartbeat kept as a health sample: the page shows the latest heartbeat, and the tests
+        # look that very heartbeat up in the history to compare what the page shows with what the API has.
+        EDGEFLEET_HEALTH_SAMPLE_INTERVAL_S="0",
+    ) as site:
+        yield site
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +55,7 @@ def browser() -> Iterator[Any]:
         yield b
 
 
-def test_snapshot_of_the_real_camera_is_a_jpeg_of_the_footage_size(fleet: Fleet) -> None:
+def test_snapshot_of_the_real_camera_is_a_jpeg_of_the_footage_size(fleet: FootageSite) -> None:
     r = fleet.api.get(f"/api/v1/devices/{DEVICE}/cameras/cam1/snapshot", params={"boxes": "true"}, timeout=30)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "image/jpeg"
@@ -94,7 +66,7 @@ def test_snapshot_of_the_real_camera_is_a_jpeg_of_the_footage_size(fleet: Fleet)
 
 
 def test_overview_lists_the_device_online_and_live_detections_arrive(
-    fleet: Fleet, browser: Any, tmp_path: Path
+    fleet: FootageSite, browser: Any, tmp_path: Path
 ) -> None:
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
@@ -118,7 +90,7 @@ def test_overview_lists_the_device_online_and_live_detections_arrive(
 
 
 def test_device_page_matches_the_api_and_the_snapshot_button_shows_an_image(
-    fleet: Fleet, browser: Any, tmp_path: Path
+    fleet: FootageSite, browser: Any, tmp_path: Path
 ) -> None:
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
@@ -181,7 +153,7 @@ def test_device_page_matches_the_api_and_the_snapshot_button_shows_an_image(
 
 
 def test_device_page_shows_how_far_a_model_on_its_way_has_come(
-    fleet: Fleet, broker: MosquittoBroker, browser: Any
+    fleet: FootageSite, broker: MosquittoBroker, browser: Any
 ) -> None:
     # A second device that says, as an agent does while its TensorRT engine builds, that cam1 is
     # loading a model at 40 %: the technician's page shows the state and how far it has come.
@@ -226,7 +198,7 @@ def test_device_page_shows_how_far_a_model_on_its_way_has_come(
 
 @pytest.mark.parametrize("path", ["/", f"/devices/{DEVICE}"])
 def test_phone_viewport_has_no_horizontal_overflow(
-    fleet: Fleet, browser: Any, tmp_path: Path, path: str
+    fleet: FootageSite, browser: Any, tmp_path: Path, path: str
 ) -> None:
     ctx = browser.new_context(**PHONE)
     page = ctx.new_page()
@@ -246,7 +218,7 @@ def test_phone_viewport_has_no_horizontal_overflow(
 
 
 def test_without_a_token_the_dashboard_asks_for_one_and_keeps_it_out_of_the_url(
-    fleet: Fleet, browser: Any, tmp_path: Path
+    fleet: FootageSite, browser: Any, tmp_path: Path
 ) -> None:
     ctx = browser.new_context(viewport={"width": 1280, "height": 900})
     page = ctx.new_page()
@@ -273,6 +245,6 @@ def test_without_a_token_the_dashboard_asks_for_one_and_keeps_it_out_of_the_url(
         ctx.close()
 
 
-def _keep(shot: Path, fleet: Fleet) -> None:
+def _keep(shot: Path, fleet: FootageSite) -> None:
     """Screenshots also land next to the fleet's logs, one folder to look at after a run."""
     shutil.copy(shot, fleet.shots / shot.name)

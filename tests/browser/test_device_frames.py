@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from fleet_protocol import TopicKind, Topics, encode
 from fleet_protocol.messages import Availability, Event, EventKind, Severity
-from tests.support.browser import PHONE, chromium, cut_off, horizontal_overflow
+from tests.support.browser import PHONE, FootageSite, chromium, cut_off, footage_site, horizontal_overflow
 from tests.support.mqtt_broker import MosquittoBroker
-from tests.support.paths import FOOTAGE
-from tests.support.processes import AgentProcess, ControllerProcess, start_controller
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -33,51 +30,25 @@ DEVICE = "frames-gate-1"
 MODEL = "ped_ssdlite:1"
 
 
-@dataclass
-class Site:
-    controller: ControllerProcess
-    agent: AgentProcess
-    api: httpx.Client
-    shots: Path
-
-    def url(self, path: str) -> str:
-        return f"{self.controller.url}{path}#token={self.controller.token}"
-
-
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory, broker: MosquittoBroker) -> Iterator[Site]:
-    work = tmp_path_factory.mktemp("device-frames")
-    controller = start_controller(work, broker)
-    agent = AgentProcess(
-        work,
+def site(tmp_path_factory: pytest.TempPathFactory, broker: MosquittoBroker) -> Iterator[FootageSite]:
+    def detecting(api: httpx.Client) -> bool:
+        dev = api.get(f"/api/v1/devices/{DEVICE}").json()
+        found = api.get("/api/v1/detections", params={"device": DEVICE, "limit": 1}).json()
+        return dev["status"] == "online" and bool(found["items"])
+
+    # The agent starts without the model: it downloads it in chunks, one event per 10 %.
+    with footage_site(
+        tmp_path_factory.mktemp("device-frames"),
+        broker,
         DEVICE,
-        broker.url,
-        cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": True}],
-        controller=controller,
-    )
-    api = controller.client()
-    try:
-        r = api.post("/api/v1/devices", json={"id": DEVICE, "name": "Gate 1", "labels": {"site": "yard"}})
-        assert r.status_code in (200, 201), r.text
-        # The agent starts without the model: it downloads it in chunks, one event per 10 %.
-        r = api.put(
-            f"/api/v1/devices/{DEVICE}/cameras/cam1/model", json={"model": "ped_ssdlite", "version": "1"}
-        )
-        assert r.status_code == 200, r.text
-        agent.start()
-
-        def detecting() -> bool:
-            assert agent.alive(), agent.log.read_text()[-3000:]
-            dev = api.get(f"/api/v1/devices/{DEVICE}").json()
-            found = api.get("/api/v1/detections", params={"device": DEVICE, "limit": 1}).json()
-            return dev["status"] == "online" and bool(found["items"])
-
-        wait_for(detecting, timeout=120, what="agent online and its detections stored")
-        yield Site(controller, agent, api, work)
-    finally:
-        api.close()
-        agent.stop()
-        controller.stop()
+        name="Gate 1",
+        labels={"site": "yard"},
+        ready=detecting,
+        what="agent online and its detections stored",
+        timeout=120,
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +57,13 @@ def browser() -> Iterator[Any]:
         yield b
 
 
-def _shot(page: Any, site: Site, tmp_path: Path, name: str) -> None:
+def _shot(page: Any, site: FootageSite, tmp_path: Path, name: str) -> None:
     page.screenshot(path=str(tmp_path / name), full_page=True)
     shutil.copy(tmp_path / name, site.shots / name)
 
 
 def test_each_camera_shows_its_latest_frame_with_the_stored_boxes_drawn(
-    site: Site, browser: Any, tmp_path: Path
+    site: FootageSite, browser: Any, tmp_path: Path
 ) -> None:
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
@@ -138,7 +109,7 @@ def test_each_camera_shows_its_latest_frame_with_the_stored_boxes_drawn(
         page.close()
 
 
-def test_on_a_phone_no_camera_column_is_cut_off(site: Site, browser: Any, tmp_path: Path) -> None:
+def test_on_a_phone_no_camera_column_is_cut_off(site: FootageSite, browser: Any, tmp_path: Path) -> None:
     ctx = browser.new_context(**PHONE)
     page = ctx.new_page()
     try:
@@ -160,7 +131,7 @@ def test_on_a_phone_no_camera_column_is_cut_off(site: Site, browser: Any, tmp_pa
         ctx.close()
 
 
-def test_a_model_download_is_one_row_that_shows_how_far_it_came(site: Site, browser: Any) -> None:
+def test_a_model_download_is_one_row_that_shows_how_far_it_came(site: FootageSite, browser: Any) -> None:
     reports = site.api.get(
         "/api/v1/events", params={"device": DEVICE, "kind": "model_download", "limit": 200}
     ).json()
@@ -181,7 +152,7 @@ def test_a_model_download_is_one_row_that_shows_how_far_it_came(site: Site, brow
 
 
 def test_an_error_stays_on_the_list_under_many_download_reports(
-    site: Site, broker: MosquittoBroker, browser: Any
+    site: FootageSite, broker: MosquittoBroker, browser: Any
 ) -> None:
     # A device that failed to load one model, then downloaded three others, 11 reports each (0 to
     # 100 %): 33 rows before, more than the list shows, where the failure would be cut off.

@@ -13,10 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.browser import DESKTOP, chromium, script_errors
+from tests.support.browser import DESKTOP, chromium, footage_site, script_errors
 from tests.support.mqtt_broker import MosquittoBroker
-from tests.support.paths import FOOTAGE, REPO
-from tests.support.processes import AgentProcess, start_controller
+from tests.support.paths import REPO
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -33,38 +32,21 @@ FRAME = (768, 576)
 def site(
     tmp_path_factory: pytest.TempPathFactory, broker: MosquittoBroker
 ) -> Iterator[tuple[str, httpx.Client]]:
-    work = tmp_path_factory.mktemp("zones-page")
-    controller = start_controller(work, broker)
-    agent = AgentProcess(
-        work,
+    def counting(api: httpx.Client) -> bool:
+        rep = api.get(f"/api/v1/devices/{DEVICE}").json()["models"].get("cam1", {})
+        crossed = _today(api)["totals"]["lines"]
+        return [z["id"] for z in rep.get("zones") or []] == [ZONE["id"]] and bool(crossed)
+
+    with footage_site(
+        tmp_path_factory.mktemp("zones-page"),
+        broker,
         DEVICE,
-        broker.url,
-        cameras=[{"id": "cam1", "source": str(FOOTAGE), "loop": True}],
-        controller=controller,
-    )
-    api = controller.client()
-    try:
-        r = api.post("/api/v1/devices", json={"id": DEVICE, "labels": {"site": "yard"}})
-        assert r.status_code in (200, 201), r.text
-        r = api.put(
-            f"/api/v1/devices/{DEVICE}/cameras/cam1/model",
-            json={"model": "ped_ssdlite", "version": "1", "lines": [LINE], "zones": [ZONE]},
-        )
-        assert r.status_code == 200, r.text
-        agent.start()
-
-        def counting() -> bool:
-            assert agent.alive(), agent.log.read_text()[-3000:]
-            rep = api.get(f"/api/v1/devices/{DEVICE}").json()["models"].get("cam1", {})
-            crossed = _today(api)["totals"]["lines"]
-            return [z["id"] for z in rep.get("zones") or []] == [ZONE["id"]] and bool(crossed)
-
-        wait_for(counting, timeout=90, what="the agent running the zone and line, and a crossing counted")
-        yield f"{controller.url}/devices/{DEVICE}#token={controller.token}", api
-    finally:
-        api.close()
-        agent.stop()
-        controller.stop()
+        labels={"site": "yard"},
+        settings={"lines": [LINE], "zones": [ZONE]},
+        ready=counting,
+        what="the agent running the zone and line, and a crossing counted",
+    ) as s:
+        yield s.url(f"/devices/{DEVICE}"), s.api
 
 
 def _today(api: httpx.Client) -> dict[str, Any]:

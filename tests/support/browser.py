@@ -1,15 +1,24 @@
 """Headless Chromium for the dashboard's browser tests: Debian's /usr/bin/chromium driven by playwright,
-nothing downloaded. A test module wraps :func:`chromium` in a module fixture of its own."""
+nothing downloaded. A test module wraps :func:`chromium` in a module fixture of its own, and
+:func:`footage_site` (a controller and one agent on the real footage) in another where its pages need
+a real agent."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import httpx
 import pytest
+
+from tests.support.mqtt_broker import MosquittoBroker
+from tests.support.processes import HEARTBEAT_TIMEOUT_S, ControllerProcess
+from tests.support.stack import Stack
+from tests.support.waiting import wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -115,3 +124,61 @@ def script_errors(page: Any) -> list[str]:
 
     page.on("console", console)
     return errors
+
+
+@dataclass
+class FootageSite:
+    """What :func:`footage_site` yields: its controller, the admin's API client (open until the site
+    stops) and the folder of the processes' logs, where a test keeps its screenshots too: one folder to
+    look at after a run."""
+
+    controller: ControllerProcess
+    api: httpx.Client
+    shots: Path
+
+    def url(self, path: str) -> str:
+        """``path`` on the controller, the admin token in the fragment (the page keeps it out of the URL)."""
+        return f"{self.controller.url}{path}#token={self.controller.token}"
+
+
+@contextmanager
+def footage_site(
+    workdir: Path,
+    broker: MosquittoBroker,
+    device: str,
+    *,
+    labels: dict[str, str],
+    ready: Callable[[httpx.Client], bool],
+    what: str,
+    timeout: float = 90,
+    name: str | None = None,
+    settings: dict[str, Any] | None = None,
+    **env: str,
+) -> Iterator[FootageSite]:
+    """A controller process on ``broker`` (``env``: more of its environment) and an agent process for
+    ``device`` whose cam1 runs the bundled person detector on the looping footage. The device is enrolled
+    (``labels``, ``name``) and cam1 assigned (``settings``: lines, zones...) before the agent starts, so
+    the agent downloads the model as a new device does. Yielded once ``ready`` holds of the admin's
+    client within ``timeout`` s (``what``: what that waits for), failing at once if the agent exits;
+    everything is stopped on exit."""
+    # Stack's keywords given, so that mypy takes ``env`` for the controller's environment alone.
+    stack = Stack(
+        workdir, broker, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, camera=None, agent_extra=None, **env
+    )
+    try:
+        stack.start()
+        with stack.api() as api:
+            enrol = {"id": device, "labels": labels, **({"name": name} if name is not None else {})}
+            r = api.post("/api/v1/devices", json=enrol)
+            assert r.status_code in (200, 201), r.text
+            stack.assign(device, **(settings or {}))
+            stack.agent(device).start()
+
+            def running() -> bool:
+                stack.alive()
+                return ready(api)
+
+            wait_for(running, timeout=timeout, what=what)
+            yield FootageSite(stack.controller, api, workdir)
+    finally:
+        stack.stop()
