@@ -46,6 +46,7 @@ class _Option:
     default: Any = None
     env: str | None = None
     required: bool = False
+    metavar: str | None = None
 
     @property
     def flag(self) -> str:
@@ -64,9 +65,25 @@ class _Option:
             text += " [required]"
         if self.env is not None:
             text += f" [env var: {self.env}]"
-        if self.declared_default() is not None:
-            text += f" [default: {self.declared_default()}]"
+        default = self.declared_default()
+        if isinstance(default, tuple):  # a list option: shown as it is typed
+            default = ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in default) or None
+        if default is not None:
+            text += f" [default: {default}]"
         return text.replace("%", "%%")
+
+
+def _figures(text: str) -> tuple[float, ...]:
+    """``12`` or ``6,9,12``: one figure or several, comma-separated."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a figure or comma-separated figures") from None
+
+
+def _patterns(text: str) -> tuple[str, ...]:
+    """Comma-separated patterns; empty ones are left out."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 OPTIONS: tuple[_Option, ...] = (
@@ -85,7 +102,32 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("ack_timeout_s", float, "send an unacked seq again after this long", config=True),
     _Option("drain_s", float, "at stop, wait up to this long for every outbox to be acked", config=True),
     _Option("device_prefix", str, "device ids are PREFIX0001, PREFIX0002, ...", config=True),
-    _Option("cameras", int, "cameras per device (cam1, cam2, ...), 1 to 16", config=True),
+    _Option(
+        "cameras",
+        int,
+        "own cameras per device (cam1, cam2, ...), 0 to 16; pool cameras come on top",
+        config=True,
+    ),
+    _Option(
+        "infer_ms",
+        _figures,
+        "inference lane ms a frame of any model (heartbeat costs, within 3 %); several, comma-separated, "
+        "are given to the devices in turn (a mixed fleet)",
+        config=True,
+        metavar="MS[,MS...]",
+    ),
+    _Option("decode_ms", float, "capture thread CPU ms a frame (per camera decode_ms)", config=True),
+    _Option(
+        "source_fps", float, "frames a second every camera source delivers (under its max_fps)", config=True
+    ),
+    _Option(
+        "unreachable",
+        _patterns,
+        "comma-separated [DEVICE=]HOST shell globs: sources on a matching host are not reached (by the "
+        "devices the DEVICE glob matches; by all without it); their probes report false, their cameras are down",
+        config=True,
+        metavar="[DEVICE=]HOST,...",
+    ),
     _Option("credentials", Path, "JSON {device_id: password} for a broker with per-device users"),
     _Option(
         "enroll_url", str, "enroll every device at this controller first (uses its broker passwords and key)"
@@ -122,7 +164,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             type=opt.type,
             default=default,
             required=opt.required,
-            metavar=_METAVARS.get(opt.type, "VALUE"),
+            metavar=opt.metavar or _METAVARS.get(opt.type, "VALUE"),
             help=opt.help_text(),
         )
     return parser

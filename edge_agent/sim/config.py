@@ -6,11 +6,14 @@ The command line (``cli.py``) takes its defaults from these fields: a default is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from edge_agent.sim.device import DEFAULT_DECODE_MS, DEFAULT_INFER_MS, DEFAULT_SOURCE_FPS
 from edge_agent.sim.outbox import DEFAULT_OUTBOX_MAX
 from fleet_protocol.endpoint import MqttEndpoint
 from fleet_protocol.topics import DEFAULT_PREFIX, Topics, valid_device_id
@@ -36,6 +39,13 @@ class SimConfig:
     drain_s: float = 30.0
     device_prefix: str = "sim-"
     cameras: int = 1
+    # Per device, cycled: device i costs infer_ms[(i - 1) % len] lane ms a frame (a mixed fleet).
+    infer_ms: tuple[float, ...] = (DEFAULT_INFER_MS,)
+    decode_ms: float = DEFAULT_DECODE_MS
+    source_fps: float = DEFAULT_SOURCE_FPS
+    # "[DEVICE_GLOB=]HOST_GLOB": source hosts that no device reaches, or with a device glob, that the
+    # devices it matches do not reach (a test sees the planner keep a camera off them).
+    unreachable: tuple[str, ...] = ()
     data_dir: Path = Path("edgefleet-sim")
     credentials: dict[str, str] = field(default_factory=dict)
     public_key: Ed25519PublicKey | None = None
@@ -53,7 +63,23 @@ class SimConfig:
             (self.batch_s > 0, "--batch-s must be above 0"),
             (self.ack_timeout_s > 0, "--ack-timeout-s must be above 0"),
             (self.drain_s >= 0, "--drain-s must be 0 or more"),
-            (1 <= self.cameras <= 16, "--cameras must be 1 to 16"),
+            (0 <= self.cameras <= 16, "--cameras must be 0 to 16"),
+            (
+                bool(self.infer_ms) and all(math.isfinite(x) and 0 < x <= 60_000 for x in self.infer_ms),
+                "--infer-ms must be one or more figures above 0 and at most 60000",
+            ),
+            (
+                math.isfinite(self.decode_ms) and 0 <= self.decode_ms <= 60_000,
+                "--decode-ms must be 0 to 60000",
+            ),
+            (
+                math.isfinite(self.source_fps) and 0 < self.source_fps <= 240,
+                "--source-fps must be above 0, at most 240",
+            ),
+            (
+                all(part for e in self.unreachable for part in e.split("=", 1)),
+                "--unreachable takes [DEVICE=]HOST patterns, neither part empty",
+            ),
             (self.connect_rate > 0, "--connect-rate must be above 0"),
             (self.outbox_max >= 1, "the outbox bound must be at least 1"),
         ]
@@ -72,6 +98,19 @@ class SimConfig:
     def device_ids(self) -> list[str]:
         width = max(4, len(str(self.devices)))
         return [f"{self.device_prefix}{i:0{width}d}" for i in range(1, self.devices + 1)]
+
+    def infer_ms_of(self, position: int) -> float:
+        """The lane ms a frame of the device at ``position`` (0 for the first) in ``device_ids``."""
+        return self.infer_ms[position % len(self.infer_ms)]
+
+    def unreachable_of(self, device_id: str) -> tuple[str, ...]:
+        """The host patterns ``device_id`` does not reach."""
+        out = []
+        for entry in self.unreachable:
+            device, eq, host = entry.rpartition("=")
+            if not eq or fnmatchcase(device_id, device):
+                out.append(host)
+        return tuple(out)
 
     @property
     def deployment(self) -> str:

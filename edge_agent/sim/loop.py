@@ -179,6 +179,10 @@ class FleetSimulator:
                 public_key=self.cfg.public_key,
                 batch_s=self.cfg.batch_s,
                 cpu_flags=flags,
+                infer_ms=self.cfg.infer_ms_of(i),
+                decode_ms=self.cfg.decode_ms,
+                source_fps=self.cfg.source_fps,
+                unreachable=self.cfg.unreachable_of(device_id),
             )
             self.links.append(self._make_link(i, device))
         self._store.set_next(reservations)
@@ -700,6 +704,10 @@ class FleetSimulator:
             "drain_s": cfg.drain_s,
             "device_prefix": cfg.device_prefix,
             "cameras": cfg.cameras,
+            "infer_ms": list(cfg.infer_ms),
+            "decode_ms": cfg.decode_ms,
+            "source_fps": cfg.source_fps,
+            "unreachable": list(cfg.unreachable),
             "connect_rate": cfg.connect_rate,
             "signatures_checked": cfg.public_key is not None,
             "data_dir": str(cfg.data_dir),
