@@ -5,7 +5,9 @@ What a user of the simulator relies on: every device shows up online at the cont
 device sent is stored exactly once and acked (none lost, none twice); a desired state set through the
 API is applied and the device becomes in sync; a controller killed with kill -9 for a few seconds costs
 nothing (the devices send again what was not acked); a restarted simulator continues each device's
-sequence; and the exit status says whether everything was acked.
+sequence; the exit status says whether everything was acked; and a camera pool declared over
+simulated devices is placed on the costs their heartbeats measure, each camera running where it is
+placed, and kept off a device that reports its source unreachable.
 """
 
 from __future__ import annotations
@@ -88,6 +90,41 @@ def _devices(ctl: ControllerProcess, prefix: str) -> dict[str, dict[str, Any]]:
     return {d["id"]: d for d in r.json() if d["id"].startswith(prefix)}
 
 
+def _enrolled_fleet(
+    workdir: Path,
+    broker: MosquittoBroker,
+    ctl: ControllerProcess,
+    simulators: list[SimulatorProcess],
+    prefix: str,
+    n: int,
+    *args: str,
+    timeout: float,
+) -> SimulatorProcess:
+    """A simulator of ``n`` devices with ``args``, enrolled through the API first (the answer's artifact
+    key makes every desired state checked), once every device is online at ``ctl``."""
+    sim = SimulatorProcess(
+        workdir,
+        broker.url,
+        n,
+        "--device-prefix",
+        prefix,
+        *args,
+        "--enroll-url",
+        ctl.url,
+        "--token",
+        ctl.token,
+    ).start()
+    simulators.append(sim)
+
+    def all_online() -> bool:
+        sim.alive()
+        devices = _devices(ctl, prefix)
+        return len(devices) == n and all(d["status"] == "online" for d in devices.values())
+
+    wait_for(all_online, timeout=timeout, what=f"{n} simulated devices online at the controller")
+    return sim
+
+
 def _stored_twice(ctl: ControllerProcess, prefix: str) -> dict[str, int]:
     """Read straight from the controller's SQLite file: (device, seq) stored twice, and one box of one
     frame stored twice."""
@@ -153,32 +190,16 @@ def test_a_simulated_fleet_is_online_stores_every_seq_once_and_applies_a_desired
     tmp_path: Path, broker: MosquittoBroker, controller: ControllerProcess, simulators: list[SimulatorProcess]
 ) -> None:
     prefix = "sima-"
-    sim = SimulatorProcess(
+    sim = _enrolled_fleet(
         tmp_path / "sim",
-        broker.url,
-        DEVICES,
-        "--device-prefix",
+        broker,
+        controller,
+        simulators,
         prefix,
-        "--heartbeat-s",
-        "1",
-        "--batch-s",
-        "0.5",
-        "--ack-timeout-s",
-        "3",
-        # Enrolled through the API first: the answer's artifact key makes every desired state checked.
-        "--enroll-url",
-        controller.url,
-        "--token",
-        controller.token,
-    ).start()
-    simulators.append(sim)
-
-    def all_online() -> bool:
-        sim.alive()
-        devices = _devices(controller, prefix)
-        return len(devices) == DEVICES and all(d["status"] == "online" for d in devices.values())
-
-    wait_for(all_online, timeout=90, what=f"{DEVICES} simulated devices online at the controller")
+        DEVICES,
+        *("--heartbeat-s", "1", "--batch-s", "0.5", "--ack-timeout-s", "3"),
+        timeout=90,
+    )
     one = f"{prefix}0001"
     assert _devices(controller, prefix)[one]["agent_version"].endswith("-sim")
 
@@ -334,3 +355,101 @@ def test_on_a_broker_with_per_device_users_enrolled_devices_get_their_own_passwo
     finally:
         ctl.stop()
         broker.kill()
+
+
+def _pool_camera(cam: str, host: str, **over: Any) -> dict[str, Any]:
+    return {
+        "id": cam,
+        "source": f"rtsp://{{secret:site-cams}}@{host}/stream1",
+        "model": "ped_ssdlite",
+        "version": "1",
+        "target_fps": 4,
+        "min_fps": 2,
+        **over,
+    }
+
+
+def test_a_pool_over_simulated_devices_runs_every_camera_placed_on_their_measured_costs(
+    tmp_path: Path, broker: MosquittoBroker, controller: ControllerProcess, simulators: list[SimulatorProcess]
+) -> None:
+    prefix = "simp-"
+    cheap, mid, dear = (f"{prefix}000{i}" for i in (1, 2, 3))
+    infer_ms = {cheap: 6.0, mid: 9.0, dear: 12.0}
+    sim = _enrolled_fleet(
+        tmp_path / "sim",
+        broker,
+        controller,
+        simulators,
+        prefix,
+        3,
+        *("--cameras", "0"),  # nothing but the pool's cameras
+        *("--heartbeat-s", "1", "--batch-s", "0.5"),
+        *("--infer-ms", ",".join(f"{infer_ms[d]:g}" for d in (cheap, mid, dear))),
+        # The cheapest device cannot reach the yard's camera network.
+        *("--unreachable", f"{cheap}=10.0.9.*"),
+        timeout=60,
+    )
+    cameras = [_pool_camera(f"lane-{i}", f"10.0.0.{i}") for i in range(1, 8)]
+    # The yard starts on the middle device; the others are asked to probe it.
+    cameras.append(_pool_camera("yard", "10.0.9.1", prefer=mid, priority=1))
+    with controller.client() as api:
+        r = api.put("/api/v1/pools/site", json={"name": "site", "cameras": cameras})
+        assert r.status_code == 200, r.text
+
+        def running() -> tuple[dict[str, Any], dict[str, dict[str, Any]]] | None:
+            sim.alive()
+            pool = api.get("/api/v1/pools/site").json()
+            devices = _devices(controller, prefix)
+            placed = {cam: p["device"] for cam, p in pool["placements"].items()}
+            if len(placed) < len(cameras):
+                return None
+            for cam, dev in placed.items():
+                rep = devices[dev]["models"].get(cam) or {}
+                stats = {c["camera"]: c for c in devices[dev]["cameras"]}.get(cam) or {}
+                if rep.get("state") != "running" or stats.get("fps") != pool["placements"][cam]["fps"]:
+                    return None
+            # Every device's costs made of enough frames for the planner to take them.
+            costs = {d: (devices[d]["last_health"] or {}).get("costs") or [] for d in infer_ms}
+            if not all(c and c[0]["frames"] >= 10 for c in costs.values()):
+                return None
+            return pool, devices
+
+        pool, devices = wait_for(running, timeout=60, what="every pool camera running where it is placed")
+
+    assert pool["unplaced"] == {} and pool["degraded"] == {}
+    assert set(pool["placements"]) == {c["id"] for c in cameras}
+    assert pool["placements"]["yard"]["device"] == mid
+    for dev in infer_ms:
+        placed = [cam for cam, p in pool["placements"].items() if p["device"] == dev]
+        assert placed, f"{dev} runs no camera: {pool['placements']}"
+        # What the device runs, as its heartbeat says: its pool cameras, at the plan's rate, each
+        # with the contract's per-camera figures.
+        stats = {c["camera"]: c for c in devices[dev]["cameras"]}
+        assert set(stats) == set(placed)
+        assert all(s["state"] == "up" and s["model"] == "ped_ssdlite:1" for s in stats.values())
+        assert all(s["last_inferred_at"] and s["decode_ms"] and s["source_fps"] for s in stats.values())
+        # The pool's load of the device: the plan's frames a second times the lane ms a frame that
+        # the device's own heartbeat measured (the controller's prior for the model would be 40 ms).
+        fps = sum(pool["placements"][cam]["fps"] for cam in placed)
+        [load] = [m["load"] for m in pool["devices"] if m["id"] == dev]
+        assert load["cameras"] == len(placed)
+        assert load["lane_ms_per_s"] == pytest.approx(fps * infer_ms[dev], rel=0.04), (dev, load)
+
+    # The cheapest device reports the yard unreachable, so the plan without the middle device moves
+    # the yard to the dearest one, and only the yard avoids the cheapest.
+    wait_for(
+        lambda: (
+            (_devices(controller, prefix)[cheap]["last_health"] or {}).get("reach", {}).get("yard") is False
+        ),
+        timeout=30,
+        what=f"{cheap} reporting the yard unreachable",
+    )
+    with controller.client() as api:
+        r = api.post("/api/v1/pools/site/plan", json={"fail": [mid]})
+        assert r.status_code == 200, r.text
+        plan = r.json()
+    targets = {m["camera"]: m["target"] for m in plan["moves"]}
+    assert targets["yard"] == dear, plan
+    assert cheap in targets.values(), f"the other orphans may go to {cheap}: {plan}"
+
+    assert sim.stop() == 0, sim.output()[-3000:]
