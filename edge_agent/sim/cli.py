@@ -118,7 +118,10 @@ OPTIONS: tuple[_Option, ...] = (
     ),
     _Option("decode_ms", float, "capture thread CPU ms a frame (per camera decode_ms)", config=True),
     _Option(
-        "source_fps", float, "frames a second every camera source delivers (under its max_fps)", config=True
+        "source_fps",
+        float,
+        "frames a second every camera source delivers (under its max_fps); default: 2 a batch period",
+        config=True,
     ),
     _Option(
         "unreachable",

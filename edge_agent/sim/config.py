@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from edge_agent.sim.device import DEFAULT_DECODE_MS, DEFAULT_INFER_MS, DEFAULT_SOURCE_FPS
+from edge_agent.sim.device import DEFAULT_DECODE_MS, DEFAULT_INFER_MS
 from edge_agent.sim.outbox import DEFAULT_OUTBOX_MAX
 from fleet_protocol.endpoint import MqttEndpoint
 from fleet_protocol.topics import DEFAULT_PREFIX, Topics, valid_device_id
@@ -42,7 +42,8 @@ class SimConfig:
     # Per device, cycled: device i costs infer_ms[(i - 1) % len] lane ms a frame (a mixed fleet).
     infer_ms: tuple[float, ...] = (DEFAULT_INFER_MS,)
     decode_ms: float = DEFAULT_DECODE_MS
-    source_fps: float = DEFAULT_SOURCE_FPS
+    # None: as fast as the batches carry frames (SimDevice), so --batch-s alone sets the ingest load.
+    source_fps: float | None = None
     # "[DEVICE_GLOB=]HOST_GLOB": source hosts that no device reaches, or with a device glob, that the
     # devices it matches do not reach (a test sees the planner keep a camera off them).
     unreachable: tuple[str, ...] = ()
@@ -73,7 +74,7 @@ class SimConfig:
                 "--decode-ms must be 0 to 60000",
             ),
             (
-                math.isfinite(self.source_fps) and 0 < self.source_fps <= 240,
+                self.source_fps is None or (math.isfinite(self.source_fps) and 0 < self.source_fps <= 240),
                 "--source-fps must be above 0, at most 240",
             ),
             (

@@ -19,7 +19,7 @@ figure follows from the device's index, its settings and how many batches and he
   ``unreachable`` patterns (shell globs, e.g. ``10.0.9.*``; a ``file://`` source has no host, so only
   ``*`` matches it). A pool camera it runs from such a source is down: no frames, no detections;
 - frames: each camera that is up runs at its rate, ``min(max_fps, source_fps)`` (``source_fps`` with no
-  cap), counted per batch period (``batch_s``); a ``DetectionBatch`` per period carries, per camera,
+  cap; by default ``FRAMES_PER_BATCH`` a batch period), counted per batch period (``batch_s``); a ``DetectionBatch`` per period carries, per camera,
   the period's frames up to ``FRAMES_PER_BATCH`` (a sample, so that a simulated fleet's ingest load is
   set by ``batch_s`` and its cameras, not by their frame rates), 0 to 3 plausible boxes each,
   deterministic from the seq. A camera with no model still "sees" ``DEFAULT_LABELS`` under the
@@ -103,7 +103,6 @@ CPU_COUNT = 4  # what the birth says, and what cpu_pct is a share of
 # A device's costs unless told otherwise (SimConfig takes its defaults from these).
 DEFAULT_INFER_MS = 12.0
 DEFAULT_DECODE_MS = 3.0
-DEFAULT_SOURCE_FPS = 10.0
 # Each reported figure lies within this share of the device's own, drawn from (device, variant or
 # camera, heartbeat): noise that a planner must not move cameras for, the same on every run.
 COST_JITTER = 0.03
@@ -167,7 +166,8 @@ class SimDevice:
     ``cameras``: its own cameras (always up). ``public_key``: check desired states and model refs
     against it as the agent does; None accepts them unchecked (only a state naming another device is
     refused). ``infer_ms``, ``decode_ms``: what one frame costs here, on the inference lane and in the
-    capture thread. ``source_fps``: the rate every source delivers. ``unreachable``: shell globs of the
+    capture thread. ``source_fps``: the rate every source delivers (None: ``FRAMES_PER_BATCH`` a batch
+    period, so that every period carries a full batch, as a fleet sized by ``batch_s`` expects). ``unreachable``: shell globs of the
     source hosts this device does not reach (probed or run).
     """
 
@@ -183,7 +183,7 @@ class SimDevice:
         cpu_flags: list[str] | None = None,
         infer_ms: float = DEFAULT_INFER_MS,
         decode_ms: float = DEFAULT_DECODE_MS,
-        source_fps: float = DEFAULT_SOURCE_FPS,
+        source_fps: float | None = None,
         unreachable: Sequence[str] = (),
     ) -> None:
         self.device_id = device_id
@@ -195,7 +195,7 @@ class SimDevice:
         self.cpu_flags = cpu_flags
         self.infer_ms = infer_ms
         self.decode_ms = decode_ms
-        self.source_fps = source_fps
+        self.source_fps = source_fps if source_fps is not None else FRAMES_PER_BATCH / batch_s
         self.unreachable = tuple(p.lower() for p in unreachable)  # hosts compare lowercased
         self.taken: DesiredState | None = None
         self._taken_bytes: bytes | None = None

@@ -17,6 +17,7 @@ from edge_agent.sim.device import (
     APPLIED,
     COST_JITTER,
     CPU_PER_INFER,
+    FRAMES_PER_BATCH,
     NOT_CONFIGURED,
     SimDevice,
 )
@@ -61,7 +62,19 @@ def _state(
 
 
 def _device(**kw: Any) -> SimDevice:
-    return SimDevice(DEV, 1, public_key=KEY.public_key(), **kw)
+    """A device whose sources deliver 10 FPS (a camera's rate, not the batches' default)."""
+    return SimDevice(DEV, 1, public_key=KEY.public_key(), **{"source_fps": 10.0, **kw})
+
+
+def test_without_a_source_rate_every_batch_period_carries_a_full_batch() -> None:
+    """A fleet sized by ``batch_s`` alone (the scale tests and benches) sends a batch every period with
+    ``FRAMES_PER_BATCH`` frames a camera, however short the period."""
+    dev = SimDevice(DEV, 1, public_key=KEY.public_key(), batch_s=0.02)
+    assert dev.rate("cam1") == FRAMES_PER_BATCH / 0.02
+    seqs = [dev.produce_batch(1000.0 + i * 0.02) for i in range(10)]
+    assert None not in seqs
+    frames = [decode(TopicKind.DETECTIONS, p.payload) for p in dev.outbox.unacked()]
+    assert all(isinstance(b, DetectionBatch) and len(b.frames) == FRAMES_PER_BATCH for b in frames)
 
 
 def _run(dev: SimDevice, batches: int, t0: float = 1000.0) -> list[DetectionBatch]:
