@@ -37,7 +37,7 @@ LEADERSHIP_NAME = "controller"
 # The advisory lock's key is derived on the server from the database and schema, so replicas of one
 # deployment meet on one lock while two fleets kept in two schemas of one database (as the tests do)
 # never take each other's. Advisory locks are database-wide; the text keeps their namespaces apart.
-_LOCK_KEY_SQL = (
+LOCK_KEY_SQL = (
     "hashtextextended('edgefleet-leader:' || CAST(:name AS text) || ':' || current_database() || ':' "
     "|| coalesce(current_schema(), ''), 0)"
 )
@@ -357,7 +357,7 @@ class PgLeadership:
 
     def _try_acquire(self) -> None:
         conn = self._connection()
-        got = conn.execute(sa.text(f"SELECT pg_try_advisory_lock({_LOCK_KEY_SQL})"), {"name": self._name})
+        got = conn.execute(sa.text(f"SELECT pg_try_advisory_lock({LOCK_KEY_SQL})"), {"name": self._name})
         if not got.scalar_one():
             return
         # One statement, so one transaction: the row is made on first use, and a bump waits for the

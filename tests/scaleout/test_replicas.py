@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from paho.mqtt.enums import CallbackAPIVersion
 from websockets.sync.client import connect as ws_connect
 
+from controller.db.leader import LEADERSHIP_NAME, LOCK_KEY_SQL
 from fleet_protocol.topics import TopicKind, Topics
 from tests.support.databases import postgres_schema
 from tests.support.dynsec import ADMIN_PASSWORD, ADMIN_USER
@@ -251,11 +252,17 @@ def test_killing_the_leader_mid_rollout_hands_over_and_every_gate_is_recorded_on
 
 
 def _advisory_holders(db_url: str) -> list[int]:
+    """The sessions holding this fleet's leader lock (advisory locks are server-wide: other fleets'
+    tests, in other schemas, hold their own at the same time)."""
     engine = sa.create_engine(db_url)
     try:
         with engine.connect() as conn:
             rows = conn.execute(
-                sa.text("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted")
+                sa.text(
+                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
+                    f"AND ((classid::bigint << 32) | objid::bigint) = {LOCK_KEY_SQL}"
+                ),
+                {"name": LEADERSHIP_NAME},
             ).all()
     finally:
         engine.dispose()
