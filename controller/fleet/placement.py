@@ -41,7 +41,11 @@ The algorithm, greedy best-fit-decreasing and sticky:
    once stays while its measured load fits, like any placement. While it runs, the camera counts
    at the larger of its two costs in each resource, so that a roll back to its own variant (dearer,
    say) never overloads the device that others filled meanwhile.
-7. **Raise** degraded cameras back toward their target where room is left, highest priority first.
+7. **Raise** degraded cameras back toward their target where room is left, highest priority first,
+   only on a cost measured on a device (its own figure or its class's): a camera moved off the only
+   device that measured its variant has nothing but the controller's figure until its new device
+   has run a frame of it, and that figure may be far below the truth (a raise on it overloads the
+   device, which sheds the camera, whose next device raises it again: a camera bounced for ever).
 
 Choices made, and why:
 
@@ -345,6 +349,7 @@ class _Unit:
     lane: float
     cpu: float
     joules: float | None
+    assumed: bool = False  # the controller's figure: no device of its class has measured the variant
 
 
 @dataclass
@@ -408,12 +413,17 @@ class _Planner:
             cost = estimate_cost(v, dev, self.site.measured, self.medians)
             if cost is not None:
                 decode = estimate_decode_ms(cam.id, dev, self.site.measured, self.devices)
-                u = _Unit(cost.infer_ms, cost.cpu_ms + decode, cost.joules)
+                known = (v, dev.id) in self.site.measured.costs or (v, dev.hw_class) in self.medians
+                u = _Unit(cost.infer_ms, cost.cpu_ms + decode, cost.joules, not known)
         if u is not None and v != cam.variant:
             # A canary holds the room of the larger of its two costs: rolled back to its own variant,
             # the camera must still fit where it runs.
             own = self.unit(cam, dev, cam.variant)
-            u = None if own is None else _Unit(max(u.lane, own.lane), max(u.cpu, own.cpu), u.joules)
+            u = (
+                None
+                if own is None
+                else _Unit(max(u.lane, own.lane), max(u.cpu, own.cpu), u.joules, u.assumed or own.assumed)
+            )
         self._units[key] = u
         return u
 
@@ -793,6 +803,10 @@ class _Planner:
             d = self.usable[dev_id]
             u = self.unit(cam, d.dev)
             assert u is not None
+            if u.assumed:
+                # No room is known to have come: wait for a figure measured on a device.
+                self.why_degraded.setdefault(cam.id, f"its cost on {dev_id} is not measured yet")
+                continue
             f = min(cam.target_fps, self.max_fps(d, u, fps * u.lane * self.k, fps * u.cpu * self.k))
             if f <= fps:
                 continue

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from controller.fleet.placement import (
     Camera,
     Cost,
+    Degraded,
     Device,
     Failback,
     Measured,
@@ -423,6 +424,44 @@ def test_costs_risen_beyond_the_margin_shed_the_lowest_priority_cameras_as_overl
     moved = sorted(int(m.camera.split("-")[1]) for m in p.moves)
     assert moved == list(range(len(moved)))  # lowest priorities first
     assert not plan(replace(worse, current=p.placements), T0 + 1).moves  # and it settles
+
+
+def test_a_degraded_camera_regains_fps_only_on_a_measured_cost_so_it_is_not_bounced() -> None:
+    # cam-9 was shed from a (its variant measured there at 1000 ms a frame) and placed on b at 0.5 FPS;
+    # a no longer runs it and b has not run a frame of it yet, so only the controller's 40 ms is known.
+    devices = [Device("a", "epyc"), Device("b", "epyc")]
+    light = [cam(i, {"a", "b"}, target_fps=1.0, min_fps=1.0) for i in range(2)]
+    heavy = Camera("cam-9", "heavy", target_fps=1.0, min_fps=0.1, reach=frozenset({"a", "b"}), priority=-1)
+    costs = {("v", d.id): Cost(20.0, 5.0) for d in devices}
+    current = {
+        "cam-0": Placement("a", 1.0, T0 - 60),
+        "cam-1": Placement("b", 1.0, T0 - 60),
+        "cam-9": Placement("b", 0.5, T0 - 5),
+    }
+    site = Site(
+        Pool(),
+        tuple(devices),
+        (*light, heavy),
+        Measured(costs=costs, priors={"heavy": Cost(40.0, 40.0)}),
+        current=current,
+    )
+    p = plan(site, T0)
+    # At 40 ms it would fit at 1 FPS, but nothing says it costs that: it keeps the FPS it was placed at.
+    assert not p.moves and p.placements["cam-9"] == current["cam-9"]
+    assert p.degraded["cam-9"] == Degraded(0.5, 1.0, "its cost on b is not measured yet")
+
+    # b's own figure is a's: 500 + 20 of its 800 ms/s, no overload and nothing moves.
+    dear = replace(site.measured, costs={**costs, ("heavy", "b"): Cost(1000.0, 1000.0)})
+    p = plan(replace(site, measured=dear, current=p.placements), T0 + 1)
+    check_valid(replace(site, measured=dear), p)
+    assert not p.moves and p.placements["cam-9"].device == "b"
+    assert 0.5 <= p.placements["cam-9"].fps < 0.6  # what fits at admission, measured
+
+    # Cheaper than feared: it regains its target in place.
+    cheap = replace(site.measured, costs={**costs, ("heavy", "b"): Cost(100.0, 100.0)})
+    p = plan(replace(site, measured=cheap, current=p.placements), T0 + 2)
+    assert not p.moves and p.placements["cam-9"] == Placement("b", 1.0, T0 - 5)
+    assert "cam-9" not in p.degraded
 
 
 def test_failback_waits_its_dwell_and_the_rate_limit_but_failures_never_wait() -> None:
