@@ -96,6 +96,11 @@ RECENT_EVENTS = 20
 DEFAULT_PRIOR = placement.Cost(infer_ms=40.0, cpu_ms=40.0)
 # Longer than any inference a heartbeat can sensibly report: a larger figure is a broken sample.
 _MS_MAX = 60_000.0
+# A variant's figure made of fewer production frames is the plain mean of a few runs (the agent's
+# smoothing starts so, PROTOCOL.md "Heartbeat"), and one run early on, a model just loaded beside
+# others, can be far off: a camera evicted or placed on it is moved by noise, and moved again once
+# the figure settles. Until then the variant counts as not measured on that device.
+MIN_COST_FRAMES = 10
 # Query parameters that carry a credential in camera URLs (snapshot CGIs, some RTSP servers).
 _CREDENTIAL_PARAMS = frozenset(
     {"password", "passwd", "pwd", "pass", "secret", "token", "access_token", "api_key", "apikey", "auth"}
@@ -389,8 +394,10 @@ def heartbeat_costs(health: Any, *, cpu_only: bool) -> dict[str, placement.Cost]
     """Per variant, what one frame costs on the device that sent this heartbeat (its JSON as stored).
 
     The agent's own figures (``costs``: variant, infer_ms, cpu_ms) come first; a variant they do not
-    name takes the median ``inference_ms`` of the cameras that run it. A zero inference time is no
-    measurement (nothing runs in no time) and is skipped. Anything missing or malformed
+    name takes the median ``inference_ms`` of the cameras that run it. A figure made of fewer than
+    ``MIN_COST_FRAMES`` frames is left out, its variant's cameras' times with it (no count, or 0, from
+    an agent that does not say: taken as it is). A zero inference time is no measurement (nothing runs
+    in no time) and is skipped. Anything missing or malformed
     is skipped, never an error: a heartbeat of an older or newer agent must not stop a plan. A camera's
     inference time is CPU time too on a device without a GPU (the CPU provider runs it), none on one
     with a GPU when the agent does not say.
@@ -398,11 +405,16 @@ def heartbeat_costs(health: Any, *, cpu_only: bool) -> dict[str, placement.Cost]
     if not isinstance(health, Mapping):
         return {}
     out: dict[str, placement.Cost] = {}
+    early: set[str] = set()  # variants the agent names with too few frames behind their figure
     for entry in _items(health.get("costs")):
         if not isinstance(entry, Mapping):
             continue
         variant, infer = _variant(entry.get("variant")), _ms(entry.get("infer_ms"))
         if variant is None or infer is None or variant in out:
+            continue
+        frames = entry.get("frames")
+        if isinstance(frames, int) and not isinstance(frames, bool) and 0 < frames < MIN_COST_FRAMES:
+            early.add(variant)
             continue
         cpu = _ms(entry.get("cpu_ms"), zero_ok=True)
         out[variant] = placement.Cost(
@@ -413,7 +425,7 @@ def heartbeat_costs(health: Any, *, cpu_only: bool) -> dict[str, placement.Cost]
         if not isinstance(cam, Mapping):
             continue
         variant, infer = _variant(cam.get("model")), _ms(cam.get("inference_ms"))
-        if variant is not None and infer is not None and variant not in out:
+        if variant is not None and infer is not None and variant not in out and variant not in early:
             seen.setdefault(variant, []).append(infer)
     for variant, samples in seen.items():
         ms = statistics.median(samples)

@@ -45,6 +45,24 @@ def test_the_agents_own_costs_come_first_and_anything_malformed_is_skipped() -> 
         assert heartbeat_costs(health, cpu_only=True) == {} and heartbeat_decode_ms(health) == {}
 
 
+def test_a_figure_of_too_few_frames_is_no_measurement_yet() -> None:
+    health: dict[str, Any] = {
+        "costs": [
+            {"variant": "heavy/1", "infer_ms": 300.0, "cpu_ms": 300.0, "frames": 3},
+            {"variant": "tiny/1", "infer_ms": 9.0, "cpu_ms": 9.0, "frames": 10},
+            {"variant": "old/1", "infer_ms": 5.0, "cpu_ms": 5.0},  # an agent that does not count them
+        ],
+        "cameras": [{"camera": "a", "model": "heavy:1", "inference_ms": 310.0}],
+    }
+    # Nor do the cameras' own times stand in for the young figure.
+    assert heartbeat_costs(health, cpu_only=True) == {
+        "tiny/1": placement.Cost(infer_ms=9.0, cpu_ms=9.0),
+        "old/1": placement.Cost(infer_ms=5.0, cpu_ms=5.0),
+    }
+    health["costs"][0]["frames"] = 10
+    assert heartbeat_costs(health, cpu_only=True)["heavy/1"] == placement.Cost(infer_ms=300.0, cpu_ms=300.0)
+
+
 def test_decode_time_is_read_per_camera_where_reported() -> None:
     health = {
         "cameras": [
