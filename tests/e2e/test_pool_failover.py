@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.support.mqtt_broker import MosquittoBroker
-from tests.support.pool_site import Watch, camera_moves, footage_pool
+from tests.support.pool_site import SITE_LABEL, Watch, camera_moves, footage_pool, pool_site
 from tests.support.stack import Stack
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.waiting import wait_for
@@ -33,7 +33,7 @@ FPS = 1.0  # six cameras of the real detector on two cores, beside the controlle
 GRACE_S = 2.0
 # The controller's replan round. A kill -9 is seen at once through the broker's will, a cut link after
 # 1.5 keepalives of silence; the heartbeat timeout is only the fallback.
-REPLAN_S = "0.5"
+REPLAN_S = 0.5
 
 
 @pytest.fixture
@@ -49,40 +49,9 @@ def link(broker: MosquittoBroker) -> Iterator[TcpProxy]:
 
 @pytest.fixture
 def site(tmp_path: Path, broker: MosquittoBroker, link: TcpProxy) -> Iterator[Stack]:
-    stack = Stack(
-        tmp_path,
-        broker,
-        EDGEFLEET_BUILD_VARIANTS_ON_UPLOAD="false",
-        EDGEFLEET_POOL_REPLAN_INTERVAL_S=REPLAN_S,
-    )
-    try:
-        for dev in DEVICES:
-            # A cut link is noticed within seconds on both ends (the broker: 1.5 keepalives of silence).
-            stack.agent(
-                dev,
-                cameras=[],
-                mqtt_url=link.url if dev == DEVICES[0] else None,
-                mqtt_keepalive_s=2,
-                mqtt_reconnect_max_s=2,
-            )
-        stack.start()
-        for dev in DEVICES:
-            stack.enrol(dev, site="e2e")
-        for a in stack.agents:
-            a.start()
-        wait_for(
-            lambda: all(stack.device(d)["status"] == "online" for d in DEVICES),
-            timeout=60,
-            what="agents online",
-        )
-        stack.call(
-            "PUT",
-            f"/api/v1/pools/{POOL}",
-            json=footage_pool(POOL, "site=e2e", CAMERAS, fps=FPS, grace_s=GRACE_S),
-        )
-        yield stack
-    finally:
-        stack.stop()
+    pool = footage_pool(POOL, f"site={SITE_LABEL}", CAMERAS, fps=FPS, grace_s=GRACE_S)
+    with pool_site(tmp_path, broker, DEVICES, pool, replan_s=REPLAN_S, mqtt_urls={DEVICES[0]: link.url}) as s:
+        yield s
 
 
 def test_a_killed_agents_cameras_are_analysed_elsewhere_within_seconds(site: Stack) -> None:

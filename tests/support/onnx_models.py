@@ -84,6 +84,16 @@ def tf_od_nan(size: int = 300) -> bytes:
     return bytes(model.SerializeToString())
 
 
+def retagged(base: bytes, tag: str) -> bytes:
+    """``base`` with ``tag`` as its doc string: the same graph and outputs, another sha256 (a new version
+    of a model that an agent must fetch and load as such)."""
+    import onnx
+
+    model = onnx.load_from_string(base)
+    model.doc_string = tag
+    return bytes(model.SerializeToString())
+
+
 def tf_od_slow(base: bytes, *, steps: int = 64, rows: int = 256, width: int = 1024) -> bytes:
     """``base`` (a TF-OD model such as ped_ssdlite) with a heavy branch added: the same outputs, the same
     detections, but every frame also runs ``steps`` matrix products of ``[rows, width] x [width, width]``

@@ -4,13 +4,14 @@ deploy), and what a test asks of it (is the device in sync, does it run a model,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tests.support.mqtt_broker import MosquittoBroker
-from tests.support.paths import FOOTAGE
+from tests.support.paths import FOOTAGE, MODELS
 from tests.support.processes import HEARTBEAT_TIMEOUT_S, AgentProcess, ControllerProcess
 from tests.support.waiting import wait_for
 
@@ -111,6 +112,20 @@ class Stack:
             r = c.request(method, path, **kw)
         r.raise_for_status()
         return r.json()
+
+    def upload(self, name: str, version: str, data: bytes, *, like: str = MODEL) -> None:
+        """Register ``data`` as model ``name:version``, its manifest (input, decoder, labels) that of the
+        bundled model ``like``."""
+        manifest = json.loads((MODELS / like / "manifest.json").read_text())
+        for server_owned in ("name", "version", "sha256", "size"):
+            manifest.pop(server_owned)
+        with self.api() as c:
+            r = c.post(
+                "/api/v1/models",
+                data={"name": name, "version": version, "manifest": json.dumps(manifest)},
+                files={"file": ("model.onnx", data, "application/octet-stream")},
+            )
+        assert r.status_code in (200, 201), r.text
 
     def enrol(self, device: str, **labels: str) -> None:
         with self.api() as c:
