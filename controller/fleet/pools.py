@@ -271,6 +271,42 @@ def _check_declaration(s: Session, name: str, decl: PoolDeclaration) -> None:
         if crud.get_model_version(s, name=model, version=version) is None:
             users = [c.id for c in decl.cameras if (c.model, c.version) == (model, version)]
             raise NotFoundError(f"model version {model}:{version} (camera {users[0]}) is not registered")
+    _check_shared_ids(s, name, decl)
+
+
+def _check_shared_ids(s: Session, name: str, decl: PoolDeclaration) -> None:
+    """Refuse a camera id that another pool declares on a device both pools' selectors match now: a
+    device runs one camera per id, so one of the two would go unwatched there. Pools over devices
+    that share none (two sites each with its "door-1") are fine; a device relabelled later into both
+    keeps the first pool's camera by name, and the other is logged (:func:`placed_on`)."""
+    ids = [c.id for c in decl.cameras]
+    if not ids:
+        return
+    shared = s.exec(
+        select(PoolCamera.pool, PoolCamera.camera)
+        .where(col(PoolCamera.pool) != name)
+        .where(col(PoolCamera.camera).in_(ids))
+        .order_by(col(PoolCamera.pool), col(PoolCamera.camera))
+    ).all()
+    if not shared:
+        return
+    devices = crud.list_devices(s)
+    ours = {d.id for d in matching(devices, parse_selector(decl.selector))}
+    selectors = {
+        p.name: p.selector for p in s.exec(select(Pool).where(col(Pool.name).in_({p for p, _ in shared})))
+    }
+    for other, cam in shared:
+        try:
+            theirs = {d.id for d in matching(devices, parse_selector(selectors.get(other, "")))}
+        except SelectorError:
+            continue  # a stored selector this controller cannot read matches nothing of ours
+        both = sorted(ours & theirs)
+        if both:
+            i = ids.index(cam)
+            raise ConflictError(
+                f"cameras[{i}] ({cam}): pool {other!r} declares camera {cam!r} too, and device {both[0]!r} "
+                "is in both pools: give the camera another id in one of them"
+            )
 
 
 @dataclass(frozen=True)

@@ -362,3 +362,24 @@ def test_a_viewer_token_reads_pools_and_cannot_change_them(fleet: Fleet, site: d
     for r in writes:
         assert r.status_code == 403 and "operator" in r.json()["detail"], r.text
     assert get_pool(fleet, POOL)["placements"] == site["placements"]
+
+
+def test_a_camera_id_another_pool_declares_on_a_shared_device_is_a_409_naming_both(
+    fleet: Fleet, site: dict[str, Any]
+) -> None:
+    # Site south's pool may have its own door-1: no device is in both pools.
+    south = {"name": "site-south", "selector": "site=south", "cameras": [pool_camera("door-1")]}
+    assert fleet.client.put("/api/v1/pools/site-south", json=south).status_code == 200
+    # A pool over every device shares box-1..3 with site north: its door-2 would be two cameras there.
+    everywhere = {
+        "name": "everywhere",
+        "selector": "",
+        "cameras": [pool_camera("yard"), pool_camera("door-2")],
+    }
+    r = fleet.client.put("/api/v1/pools/everywhere", json=everywhere)
+    assert r.status_code == 409, r.text
+    detail = r.json()["detail"]
+    assert "cameras[1] (door-2)" in detail and "site-north" in detail and "box-1" in detail, detail
+    assert fleet.client.get("/api/v1/pools/everywhere").status_code == 404  # nothing stored
+    everywhere["cameras"] = [pool_camera("yard")]
+    assert fleet.client.put("/api/v1/pools/everywhere", json=everywhere).status_code == 200
