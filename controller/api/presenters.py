@@ -6,8 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -45,6 +44,7 @@ from controller.fleet.deployments import rollout_cameras, rollout_devices, rollo
 from controller.fleet.gate import GateConfig, failed_attempt
 from controller.fleet.sync import twin_sync
 from controller.link.seqtrack import SeqStats
+from controller.observe.clock import device_clock_offset
 from controller.security.tokens import Role
 from fleet_protocol.messages import CameraReported, CameraStats
 
@@ -154,38 +154,9 @@ def device_public(dev: Device, stats: SeqStats) -> DevicePublic:
     )
 
 
-# Heartbeats weighed for a device's clock offset: at the default sampling, about its last minute.
-CLOCK_BEATS = 12
-
-
-def clock_offset(beats: Iterable[tuple[datetime, Mapping[str, Any]]]) -> float | None:
-    """Device clock minus controller clock from heartbeats: when each was received here, and its payload
-    with the device's clock at sending (``ts``); None without a usable one.
-
-    Each reading ``ts - received`` is the offset less that heartbeat's delay on the way, and a delay is
-    never negative: the largest reading, the fastest heartbeat's, is nearest the truth (NTP's
-    minimum-delay filter on a one-way path). A heartbeat held up (a broker reconnect, a busy
-    controller) only lowers its own reading, so it cannot raise a false alarm.
-    """
-    readings = [
-        float(p["ts"]) - at.timestamp()
-        for at, p in beats
-        if isinstance(p.get("ts"), int | float)
-        and not isinstance(p.get("ts"), bool)
-        and math.isfinite(float(p["ts"]))
-    ]
-    return round(max(readings), 3) if readings else None
-
-
 def with_clock(public: DevicePublic, session: Session, dev: Device, *, threshold_s: float) -> DevicePublic:
     """The device view with its clock offset estimated from its latest heartbeat and recent samples."""
-    beats: list[tuple[datetime, Mapping[str, Any]]] = [
-        (r.ts, r.payload)
-        for r in crud.health_history(session, device_id=dev.id, since=None, until=None, limit=CLOCK_BEATS)
-    ]
-    if dev.last_seen is not None and dev.last_health:
-        beats.append((dev.last_seen, dev.last_health))
-    offset = clock_offset(beats)
+    offset = device_clock_offset(session, dev)
     return public.model_copy(
         update={"clock_offset_s": offset, "clock_off": offset is not None and abs(offset) > threshold_s}
     )

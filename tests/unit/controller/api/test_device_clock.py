@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-from controller.api.presenters import clock_offset
+from controller.observe.clock import clock_offset
 from fleet_protocol import TopicKind
 from fleet_protocol.messages import Heartbeat
 from tests.support.controller_app import Fleet, FleetFactory, enroll
