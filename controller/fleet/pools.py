@@ -71,6 +71,7 @@ from controller.errors import ConflictError, InvalidError, NotFoundError
 from controller.fleet import placement
 from controller.fleet.deployments import applied_deployments, pool_camera_layers
 from controller.fleet.selectors import Selector, SelectorError, parse_selector
+from controller.observe.clock import device_clock_offset
 from controller.types import NO_NUL_PATTERN, CameraId, DeviceId, Name, valid_id
 from fleet_protocol.sources import MAX_SOURCE_LEN, SECRET_REF, SOURCE_SCHEMES
 
@@ -787,16 +788,23 @@ def _same(row: PoolPlacement, p: placement.Placement, plan: placement.Plan) -> b
 
 
 _HANDOVER_WHY = {
-    "running": "the new device runs it",
+    "running": "the new device analyses it",
     "old_offline": "the old device is offline",
-    "timeout": f"the new device did not report it running within {HANDOVER_TIMEOUT_S:g} s",
+    "timeout": f"the new device did not analyse it within {HANDOVER_TIMEOUT_S:g} s",
 }
 
 
-def _handover_over(row: PoolPlacement, new: Device | None, old: Device | None, now: float) -> str | None:
-    """Why the handover of ``row`` is over (a key of ``_HANDOVER_WHY``), or None while it goes on."""
+def _handover_over(
+    row: PoolPlacement, new: Device | None, old: Device | None, now: float, offset: float | None
+) -> str | None:
+    """Why the handover of ``row`` is over (a key of ``_HANDOVER_WHY``), or None while it goes on.
+    ``offset``: the new device's clock offset (``controller.observe.clock``), None when not known."""
     cams = ((new.reported if new is not None else None) or {}).get("cameras") or {}
-    if ((cams.get(row.camera) or {}).get("state")) == "running":
+    if (
+        new is not None
+        and ((cams.get(row.camera) or {}).get("state")) == "running"
+        and _inferring_since(new.last_health, row.camera, row.handover_since, offset)
+    ):
         return "running"
     if old is None or old.status != DeviceStatus.ONLINE:
         return "old_offline"
@@ -804,6 +812,27 @@ def _handover_over(row: PoolPlacement, new: Device | None, old: Device | None, n
     if started is None or now - _epoch(started) >= HANDOVER_TIMEOUT_S:
         return "timeout"
     return None
+
+
+def _inferring_since(health: Any, camera: str, since: datetime | None, offset: float | None) -> bool:
+    """Whether the device's latest heartbeat, sent after ``since``, says it inferred a frame of
+    ``camera``: the old device may stop only once the new one analyses the camera, not merely runs its
+    model (a source may take seconds to give its first frame). A heartbeat from before ``since`` (a
+    restarted agent's last one before it died) says nothing of now. Every agent that runs pool cameras
+    reports ``last_inferred_at``."""
+    if not isinstance(health, Mapping):
+        return False
+    sent = health.get("ts")
+    if not isinstance(sent, int | float) or isinstance(sent, bool) or not math.isfinite(sent):
+        return False
+    if since is not None and sent - (offset or 0.0) < _epoch(since):
+        return False
+    return any(
+        isinstance(c, Mapping)
+        and c.get("camera") == camera
+        and isinstance(c.get("last_inferred_at"), int | float)
+        for c in _items(health.get("cameras"))
+    )
 
 
 def _holders(snap: Snapshot, plan: placement.Plan) -> set[str]:
@@ -1013,7 +1042,8 @@ class PoolService:
     def release_handovers(
         self, *, now: float, fence: Callable[[Session], None]
     ) -> list[tuple[str, str, str]]:
-        """End every handover that is over: the new device reports the camera running, the old device
+        """End every handover that is over: the new device reports the camera running and its heartbeat,
+        sent since the handover began, says it inferred a frame of it; the old device
         is no longer online, or ``HANDOVER_TIMEOUT_S`` has passed. Each ends with an event, and the old
         devices' desired states are recomputed (they stop the camera at their next apply); ``fence``
         checks the transaction before it commits. Returns (pool, camera, old device) per handover ended."""
@@ -1032,7 +1062,9 @@ class PoolService:
             for row in rows:
                 old = row.handover_from
                 assert old is not None
-                why = _handover_over(row, devices.get(row.device_id), devices.get(old), now)
+                target = devices.get(row.device_id)
+                offset = device_clock_offset(s, target) if target is not None else None
+                why = _handover_over(row, target, devices.get(old), now, offset)
                 if why is None:
                     continue
                 severity = "info" if why == "running" else "warning"

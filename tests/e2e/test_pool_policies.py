@@ -145,6 +145,7 @@ def test_a_restarted_device_gets_its_preferred_cameras_back_make_before_break(si
                 for e in api.get("/api/v1/events", params={"kind": "camera_handover", "limit": 1000}).json()
                 if e["camera"] == cam and at(e) >= moved_at
             ]
+            # Ended once the returning device's heartbeat said it inferred the camera's frames.
             assert (handover["data"]["source"], handover["data"]["target"], handover["data"]["end"]) == (
                 away[cam],
                 home,

@@ -1,8 +1,9 @@
 """What a pool's plan makes devices run: each device's published desired state names the pool cameras
 placed on it, with their source as declared (the secret reference, never a credential) and the plan's
 frame rate; a drain is make-before-break: the cameras' entries go to the devices that take them at
-once, and leave the drained one's state only when each new device reports its camera running (or the
-handover times out, or the old device goes offline), each end an event; every device probes the pool
+once, and leave the drained one's state only when each new device analyses the camera (it reports it
+running, and its heartbeat, sent after the handover began, says it inferred a frame of it), or the
+handover times out, or the old device goes offline, each end an event; every device probes the pool
 cameras it could be given (their sources in its desired state), and one whose heartbeat says it cannot
 reach a source is never given that camera; a changed source reaches the device that runs the camera and
 those that probe it; a deleted pool leaves nothing behind. Through the real app on SQLite
@@ -16,6 +17,8 @@ from typing import Any
 import pytest
 
 from controller.fleet.pools import HANDOVER_TIMEOUT_S
+from fleet_protocol import TopicKind
+from fleet_protocol.messages import CameraState, CameraStats, Heartbeat
 from tests.support.controller_app import Fleet, FleetFactory, enroll_measured, measured_beat
 from tests.support.pools import (
     cameras_on,
@@ -25,6 +28,7 @@ from tests.support.pools import (
     sent_desired,
     sent_pool_cameras,
 )
+from tests.support.waiting import wait_for
 
 POOL = "site-north"
 BOXES = ("box-1", "box-2", "box-3")
@@ -73,8 +77,10 @@ def _drain(fleet: Fleet, device: str) -> dict[str, Any]:
 
 
 def _report_running(fleet: Fleet, device: str, cameras: set[str]) -> None:
-    """What the device's agent reports once it runs ``cameras`` (its desired state taken)."""
+    """What the device's agent reports once it runs ``cameras`` (its desired state taken) and has
+    inferred a frame of each (its next heartbeat)."""
     report_pool_cameras(fleet, device, {c: ("tiny:1", "running", None) for c in cameras})
+    _beat(fleet, device, time.time(), dict.fromkeys(cameras, time.time()))
 
 
 def _round(fleet: Fleet, now: float | None = None) -> list[tuple[str, str, str]]:
@@ -112,6 +118,40 @@ def test_a_drain_is_make_before_break(fleet: Fleet, site: dict[str, Any]) -> Non
     events = fleet.client.get("/api/v1/events", params={"kind": "camera_handover"}).json()
     assert sorted(e["camera"] for e in events) == sorted(moved)
     assert {(e["data"]["source"], e["data"]["end"]) for e in events} == {("box-1", "running")}
+
+
+def _beat(fleet: Fleet, device: str, ts: float, inferred: dict[str, float | None]) -> None:
+    """A heartbeat of an agent that reports the placement figures: per pool camera, the rate its source
+    gives and when it last inferred a frame of it (None: not yet)."""
+    cams = [
+        CameraStats(camera=c, state=CameraState.UP, fps=1.0, source_fps=10.0, last_inferred_at=at)
+        for c, at in inferred.items()
+    ]
+    fleet.send(device, TopicKind.HEARTBEAT, Heartbeat(ts=ts, cameras=cams))
+    wait_for(
+        lambda: (fleet.device(device)["last_health"] or {}).get("ts") == ts, what=f"{device}'s beat stored"
+    )
+
+
+def test_a_handover_ends_at_the_new_devices_first_inferred_frame_not_at_its_model_running(
+    fleet: Fleet, site: dict[str, Any]
+) -> None:
+    moved = cameras_on(site, "box-1")
+    drained = _drain(fleet, "box-1")
+    taker = {c: p["device"] for c, p in drained["placements"].items() if c in moved}
+    box = taker[min(moved)]
+    cams = {c for c, d in taker.items() if d == box}
+    now = time.time()
+    _beat(fleet, box, now - 30, dict.fromkeys(cams, now - 31))  # sent before the handover: says nothing
+    report_pool_cameras(fleet, box, {c: ("tiny:1", "running", None) for c in cams})
+    assert _round(fleet) == []  # its model runs, but no frame of the camera is known to be analysed
+    _beat(fleet, box, time.time(), dict.fromkeys(cams))
+    assert _round(fleet) == []
+    _beat(fleet, box, time.time(), dict.fromkeys(cams, time.time()))
+    assert sorted(_round(fleet)) == sorted((POOL, c, "box-1") for c in cams)
+    events = fleet.client.get("/api/v1/events", params={"kind": "camera_handover"}).json()
+    assert {(e["camera"], e["data"]["end"]) for e in events} == {(c, "running") for c in cams}
+    assert all("analyses it" in e["message"] for e in events)
 
 
 def test_a_handover_ends_when_the_old_device_goes_or_the_new_one_never_runs_it(
