@@ -1059,12 +1059,16 @@ class PoolService:
             ids = {r.device_id for r in rows} | {r.handover_from for r in rows if r.handover_from}
             devices = {d.id: d for d in crud.list_devices(s) if d.id in ids}
             ended: list[tuple[str, str, str]] = []
+            # One clock estimate per device taking cameras (a drain hands many to each).
+            offsets = {
+                d: device_clock_offset(s, devices[d]) for d in {r.device_id for r in rows} if d in devices
+            }
             for row in rows:
                 old = row.handover_from
                 assert old is not None
-                target = devices.get(row.device_id)
-                offset = device_clock_offset(s, target) if target is not None else None
-                why = _handover_over(row, target, devices.get(old), now, offset)
+                why = _handover_over(
+                    row, devices.get(row.device_id), devices.get(old), now, offsets.get(row.device_id)
+                )
                 if why is None:
                     continue
                 severity = "info" if why == "running" else "warning"

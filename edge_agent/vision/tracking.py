@@ -279,7 +279,7 @@ class ByteTracker:
                 if lib_id >= 0  # below: not confirmed yet
             ]
             # Tracks matched in this frame are not lost: none of them can be taken over.
-            lost = {k for k in lt.tracks if k not in {lib_id for _, lib_id in matched}}
+            lost = lt.tracks.keys() - {lib_id for _, lib_id in matched}
             for index, lib_id in matched:
                 det = dets[index]
                 track = lt.tracks.get(lib_id)
