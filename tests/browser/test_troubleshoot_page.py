@@ -217,7 +217,10 @@ def test_a_device_whose_clock_is_off_is_flagged_in_the_header(
         page.wait_for_selector('#clock[data-off="true"]', timeout=15_000)
         assert "clock-off" in (page.get_attribute("#clock", "class") or "")
         shown = page.inner_text("#clock-offset")
-        assert shown.startswith("+3") and "off" in shown, shown
+        # The heartbeat's ts less its way here: AHEAD_S ahead less a delivery delay (a loaded machine
+        # shows +29.9 s).
+        assert shown.startswith("+") and "off" in shown, shown
+        assert AHEAD_S - 5 < float(shown.split()[0]) <= AHEAD_S, shown
     finally:
         dev.publish(topics.device(AHEAD, TopicKind.AVAILABILITY), b"", retain=True)
         dev.close()
